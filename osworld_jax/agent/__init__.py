@@ -1,0 +1,1 @@
+"""osworld_jax.agent room (see docs/INTERFACES.md)."""

@@ -1,0 +1,1 @@
+"""osworld_jax.algorithms room (see docs/INTERFACES.md)."""

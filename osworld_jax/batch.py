@@ -1,0 +1,81 @@
+"""The device batch contract shared by the agent (producer) and the trainer (consumer).
+
+NumPy only: no jax import, so the env/agent side can build batches without a device. A ``Batch``
+is a ``NamedTuple`` and therefore already a jax pytree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import numpy as np
+
+
+class Batch(NamedTuple):
+    """Padded fixed-shape training arrays (see docs/INTERFACES.md for alignment).
+
+    Attributes:
+      tokens: i32[R, T] token ids, padding 0.
+      loss_mask: f32[R, T] 1 only on model-generated, non-media tokens.
+      behavior_logprobs: f32[R, T] rollout engine logprob of ``tokens[r, t]`` (0 elsewhere).
+      advantages: f32[R, T] the owner's advantage on its trainable tokens (0 elsewhere).
+      positions: i32[R, T] position ids.
+      segment_ids: i32[R, T] 1.. on real tokens, 0 on padding.
+      owner_ids: i32[R] logical owner in ``[0, num_owners)``.
+      group_ids: i32[R] prompt group in ``[0, num_groups)``.
+      row_weight: f32[R] 0 for padding rows and failed owners, else 1.
+      routed_experts: i32[R, T, L, K] engine route when token t was the input; -1 = none.
+    """
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    behavior_logprobs: np.ndarray
+    advantages: np.ndarray
+    positions: np.ndarray
+    segment_ids: np.ndarray
+    owner_ids: np.ndarray
+    group_ids: np.ndarray
+    row_weight: np.ndarray
+    routed_experts: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BatchMeta:
+    """Static integers that travel with a batch (they select a compiled bucket).
+
+    Attributes:
+      num_owners: number of logical owners in the whole optimizer batch.
+      num_groups: number of prompt groups in the whole optimizer batch.
+      norm_length: constant L of the ``seq-mean-token-sum-norm`` aggregation (Dr.GRPO).
+    """
+
+    num_owners: int
+    num_groups: int
+    norm_length: int
+
+
+def check_batch(batch: Batch) -> None:
+    """Raises ``ValueError`` naming the field when shapes or dtypes break the contract."""
+    r, t = batch.tokens.shape
+    expect = {
+        "tokens": ((r, t), np.int32),
+        "loss_mask": ((r, t), np.float32),
+        "behavior_logprobs": ((r, t), np.float32),
+        "advantages": ((r, t), np.float32),
+        "positions": ((r, t), np.int32),
+        "segment_ids": ((r, t), np.int32),
+        "owner_ids": ((r,), np.int32),
+        "group_ids": ((r,), np.int32),
+        "row_weight": ((r,), np.float32),
+    }
+    for name, (shape, dtype) in expect.items():
+        arr = getattr(batch, name)
+        if tuple(arr.shape) != shape or np.dtype(arr.dtype) != np.dtype(dtype):
+            raise ValueError(
+                f"Batch.{name}: expected {np.dtype(dtype).name}{list(shape)}, "
+                f"got {np.dtype(arr.dtype).name}{list(arr.shape)}"
+            )
+    re_ = batch.routed_experts
+    if re_.ndim != 4 or re_.shape[:2] != (r, t) or np.dtype(re_.dtype) != np.int32:
+        raise ValueError(f"Batch.routed_experts: expected int32[{r}, {t}, L, K], got {re_.shape}")

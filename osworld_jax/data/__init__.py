@@ -1,0 +1,1 @@
+"""osworld_jax.data room (see docs/INTERFACES.md)."""

@@ -1,0 +1,1 @@
+"""osworld_jax.env room (see docs/INTERFACES.md)."""

@@ -1,0 +1,1 @@
+"""osworld_jax.model room (see docs/INTERFACES.md)."""

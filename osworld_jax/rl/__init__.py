@@ -1,0 +1,1 @@
+"""osworld_jax.rl room (see docs/INTERFACES.md)."""

@@ -1,0 +1,1 @@
+"""osworld_jax.rollout room (see docs/INTERFACES.md)."""

@@ -1,0 +1,1 @@
+"""osworld_jax.trainer room (see docs/INTERFACES.md)."""

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Sets up osworld_jax on a fresh Debian machine: system packages, then a virtualenv in .venv with
+# the package and (with --dev) its test tools. Idempotent; safe to re-run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DEV=0
+for a in "$@"; do
+  case "$a" in
+    --dev) DEV=1 ;;
+    *) echo "setup.sh: unknown argument $a" >&2; exit 2 ;;
+  esac
+done
+
+# --- system packages (Debian) -------------------------------------------------------------
+# The local desktop sandbox needs these (see osworld_jax/env/local/README or docs/).
+APT_PACKAGES=(
+  xvfb xdotool x11-utils xauth openbox dbus dbus-x11 at-spi2-core python3-pyatspi
+  bubblewrap scrot imagemagick mousepad libreoffice-calc libreoffice-writer
+  python3-xlib psmisc procps
+)
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  echo "setup.sh: installing system packages: ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# --- Python environment -------------------------------------------------------------------
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+if [ "$DEV" -eq 1 ]; then
+  .venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | grep -v "is ignored" || true
+else
+  .venv/bin/python -m pip install -q -e . 2>&1 | grep -v "is ignored" || true
+fi
+.venv/bin/python -c "import osworld_jax, jax; print('osworld_jax ready: jax', jax.__version__)"

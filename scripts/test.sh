@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The README's test command: set up (system packages + .venv with dev extras), lint, type-check,
+# then run the whole test suite including the slow (end-to-end, learning) tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh --dev
+.venv/bin/ruff check osworld_jax tests scripts benchmarks
+.venv/bin/ruff format --check osworld_jax tests scripts benchmarks
+.venv/bin/mypy osworld_jax
+exec .venv/bin/python -m pytest -q --runslow -p no:cacheprovider "$@"
