@@ -1,0 +1,141 @@
+"""The policy-gradient surrogate with an off-policy gate and importance weights."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from osworld_jax.algorithms.aggregation import aggregate_loss
+from osworld_jax.algorithms.gates import binary_kl
+from osworld_jax.algorithms.registries import GATES, GateLevel, check_gate_level
+from osworld_jax.errors import ConfigError
+
+
+def _masked_mean(x: Float[Array, "R T"], mask: Array) -> Float[Array, ""]:
+    return jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def _check_ratio_clip(ratio_clip: tuple[float, float]) -> tuple[float, float]:
+    low, high = (float(v) for v in ratio_clip)
+    if not 0.0 < low <= 1.0 <= high:
+        raise ConfigError(
+            f"policy_loss: ratio_clip={ratio_clip!r} must be bounds with 0 < low <= 1 <= high, "
+            "e.g. (0.8, 1.28) for clip epsilons 0.2/0.28"
+        )
+    return low, high
+
+
+def policy_loss(
+    logprobs: Float[Array, "R T"],
+    behavior_logprobs: Float[Array, "R T"],
+    advantages: Float[Array, "R T"],
+    loss_mask: Float[Array, "R T"],
+    *,
+    old_logprobs: Float[Array, "R T"] | None = None,
+    gate: str = "binary_kl",
+    gate_threshold: float = 0.01,
+    gate_level: str = "sequence",
+    agg_mode: str = "prompt-mean-token-mean",
+    ratio_clip: tuple[float, float] | None = None,
+    group_ids: Int[Array, " R"] | None = None,
+    num_groups: int | None = None,
+    owner_ids: Int[Array, " R"] | None = None,
+    num_owners: int | None = None,
+    norm_length: float | None = None,
+) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
+    """Policy-gradient surrogate: gated, importance-weighted ``-ratio * A``, then aggregated.
+
+    With ``pi = logprobs``, ``pi_old = stop_gradient(old_logprobs)`` (or ``stop_gradient(pi)``
+    when ``old_logprobs`` is None: one optimizer step per rollout batch, ratio 1) and ``mu`` the
+    behaviour (rollout-engine) logprobs:
+
+    - gate: ``(keep, w) = GATES[gate](mu, pi_old, mask, threshold, level)`` compares mu with
+      pi_old; ``coef = stop_gradient(keep * exp(pi_old - mu))`` (0 on masked tokens);
+    - ``ratio = exp(pi - pi_old)``; ``l_t = -coef * ratio * A``, or with ``ratio_clip=(lo, hi)``
+      the PPO form ``l_t = -coef * min(ratio A, clip(ratio, lo, hi) A)``;
+    - ``loss = aggregate_loss(l, mask, mode=agg_mode, ...)``: a gated row keeps its denominators.
+
+    Hence, at ``pi = pi_old`` (and outside the clipped region),
+    ``d loss / d pi_t = -(coef_t * A_t) / D_t`` with ``D_t`` the aggregation denominator of token
+    t (e.g. ``B * T_o`` for ``seq-mean-token-mean``).
+
+    References: FlashREINFORCE (OpenRLHF PR #1339), PPO (arXiv 1707.06347), DAPO clip-higher
+    (arXiv 2503.14476), verl rollout correction (token-level IS).
+
+    Args:
+      logprobs: f32[R, T] trainer logprobs of the tokens (differentiated).
+      behavior_logprobs: f32[R, T] rollout-engine logprobs of the same tokens.
+      advantages: f32[R, T] advantage of each token (its owner's, fanned out).
+      loss_mask: f32[R, T] 1 on trainable tokens.
+      old_logprobs: f32[R, T] pi_old when several optimizer steps reuse one rollout batch.
+      gate: a key of ``GATES`` (``"binary_kl"``, ``"none"``, ``"ratio"``); static.
+      gate_threshold: the gate's threshold (binary-KL mean, or half-width of the log-ratio band).
+      gate_level: ``"sequence"`` or ``"token"``; static.
+      agg_mode: a key of ``LOSS_AGG_MODES``; static.
+      ratio_clip: optional PPO ratio bounds ``(low, high)`` with ``0 < low <= 1 <= high``.
+      group_ids: i32[R] prompt group of each row (for ``prompt-mean-token-mean``).
+      num_groups: static number of groups.
+      owner_ids: i32[R] logical owner of each row.
+      num_owners: static number of owners.
+      norm_length: constant L of ``seq-mean-token-sum-norm``.
+
+    Returns:
+      ``(loss, metrics)``: f32[] and a dict of f32[] scalars: ``gate_rejected_fraction`` (rejected
+      fraction of rows with loss tokens, or of loss tokens at token level),
+      ``gate_rejected_token_fraction``, ``binary_kl_mean`` (token mean of binary KL(mu, pi_old)
+      over loss tokens with finite mu), ``is_weight_mean``, ``ratio_mean``, ``clip_fraction``,
+      ``loss_tokens``, ``nonfinite_behavior_tokens``.
+    """
+    gate_fn = GATES.get(gate)
+    level = check_gate_level(gate_level)
+    clip = None if ratio_clip is None else _check_ratio_clip(ratio_clip)
+    logprobs = jnp.asarray(logprobs, jnp.float32)
+    behavior = jnp.asarray(behavior_logprobs, jnp.float32)
+    advantages = jnp.asarray(advantages, jnp.float32)
+    mask_f = jnp.asarray(loss_mask, jnp.float32)
+    mask = mask_f > 0
+    old = logprobs if old_logprobs is None else jnp.asarray(old_logprobs, jnp.float32)
+    pi_old = jax.lax.stop_gradient(old)
+
+    keep, is_weight = gate_fn(behavior, pi_old, mask_f, threshold=gate_threshold, level=level.value)
+    coef = jax.lax.stop_gradient(jnp.where(mask, is_weight, 0.0))
+    ratio = jnp.exp(logprobs - pi_old)
+    surrogate = ratio * advantages
+    if clip is None:
+        clipped = jnp.zeros(mask.shape, bool)
+    else:
+        clipped_surrogate = jnp.clip(ratio, clip[0], clip[1]) * advantages
+        clipped = clipped_surrogate < surrogate
+        surrogate = jnp.minimum(surrogate, clipped_surrogate)
+    token_loss = -coef * surrogate
+    loss = aggregate_loss(
+        token_loss,
+        mask_f,
+        mode=agg_mode,
+        group_ids=group_ids,
+        num_groups=num_groups,
+        owner_ids=owner_ids,
+        num_owners=num_owners,
+        norm_length=norm_length,
+    )
+
+    finite = jnp.isfinite(behavior)
+    kl = binary_kl(jnp.where(finite, behavior, pi_old), pi_old)
+    rejected_tok = mask & ~(keep if level is GateLevel.TOKEN else keep[:, None])
+    active_rows = jnp.any(mask, axis=-1)
+    if level is GateLevel.TOKEN:
+        rejected = _masked_mean(rejected_tok.astype(jnp.float32), mask)
+    else:
+        rejected = _masked_mean((~keep).astype(jnp.float32), active_rows)
+    metrics = {
+        "gate_rejected_fraction": rejected,
+        "gate_rejected_token_fraction": _masked_mean(rejected_tok.astype(jnp.float32), mask),
+        "binary_kl_mean": _masked_mean(kl, mask & finite),
+        "is_weight_mean": _masked_mean(coef, mask),
+        "ratio_mean": _masked_mean(jax.lax.stop_gradient(ratio), mask),
+        "clip_fraction": _masked_mean(clipped.astype(jnp.float32), mask),
+        "loss_tokens": jnp.sum(mask_f),
+        "nonfinite_behavior_tokens": jnp.sum(mask & ~finite).astype(jnp.float32),
+    }
+    return loss, metrics
