@@ -14,9 +14,11 @@ from typing import Any, Protocol, runtime_checkable
 class VMProtocol(Protocol):
     """Async client of one desktop's in-VM server (``/screenshot``, ``/execute``, ...).
 
-    Methods raise a ``SandboxError`` subclass on transport failures; an HTTP 5xx reply raises an
-    error whose ``status`` attribute (when present) is the HTTP status, so callers can retry
-    transient failures.
+    Errors: ``file`` raises ``FileNotFoundError`` when the path does not exist in the desktop
+    (getters turn that into ``None``, as upstream does). Other failures raise a ``SandboxError``
+    subclass; an error caused by an HTTP reply carries the HTTP status in a ``status`` attribute
+    (an int), so callers retry transient ones (``status >= 500``, ``SandboxTimeout``,
+    ``ConnectionError``) — see ``is_transient``.
     """
 
     async def screenshot(self) -> bytes:
@@ -66,3 +68,13 @@ class VMProtocol(Protocol):
     async def terminal(self) -> str:
         """The text of the focused terminal (``GET /terminal``)."""
         ...
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is a transient sandbox failure worth retrying (5xx, timeout, connection)."""
+    from osworld_jax.env.backend import SandboxTimeout
+
+    status = getattr(exc, "status", None)
+    if isinstance(status, int) and status >= 500:
+        return True
+    return isinstance(exc, SandboxTimeout | ConnectionError | TimeoutError)
