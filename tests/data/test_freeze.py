@@ -1,0 +1,113 @@
+import hashlib
+import json
+
+import pytest
+
+from osworld_jax.data import (
+    DataConfig,
+    DataError,
+    FreezeError,
+    freeze_band,
+    load_task_refs,
+    make_task_stream,
+    verify_sha256sums,
+)
+from osworld_jax.data import freeze as freeze_mod
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    tasks = tmp_path / "tasks" / "examples" / "os"
+    tasks.mkdir(parents=True)
+    for tid in ["a", "b", "c", "d"]:
+        (tasks / f"{tid}.json").write_text(json.dumps({"id": tid, "instruction": tid}))
+    (tasks / "b").mkdir()
+    (tasks / "b" / "input.txt").write_text("asset of b")
+    calib = tmp_path / "calib.jsonl"
+    # a: never solved, b: 2/4, c: always solved, d: 1/4  -> band (0 < k < 4) = {b, d}
+    rows = [("a", 0), ("b", 2), ("c", 4), ("d", 1)]
+    calib.write_text(
+        "".join(json.dumps({"task_id": t, "reps": 4, "passes": k}) + "\n" for t, k in rows)
+    )
+    return calib, tmp_path / "tasks", tmp_path / "band"
+
+
+def test_freeze_publishes_a_verified_snapshot(inputs):
+    calib, task_dir, out = inputs
+    assert freeze_band(calib, task_dir, out, reps=4, num_repeats=2) == out
+    assert not list(out.parent.glob(".band.tmp-*"))
+    lines = [json.loads(x) for x in (out / "train.jsonl").read_text().splitlines()]
+    assert [(x["task_id"], x["group_id"]) for x in lines] == [
+        ("b", "rlvr-band:b:repeat:0"),
+        ("d", "rlvr-band:d:repeat:0"),
+        ("b", "rlvr-band:b:repeat:1"),
+        ("d", "rlvr-band:d:repeat:1"),
+    ]
+    assert (out / "tasks/examples/os/b/input.txt").read_text() == "asset of b"
+    assert not (out / "tasks/examples/os/a.json").exists()
+    snap = json.loads((out / "SNAPSHOT.json").read_text())
+    assert snap["counts"]["admitted"] == 2 and snap["counts"]["train_rows"] == 4
+    assert snap["counts"]["rejected_low"] == 1 and snap["counts"]["rejected_high"] == 1
+    assert snap["counts"]["admitted_mean_pass_rate"] == pytest.approx((2 / 4 + 1 / 4) / 2)
+    assert snap["inputs"]["calibration"]["sha256"] == hashlib.sha256(calib.read_bytes()).hexdigest()
+    assert snap["admitted"] == ["b", "d"]
+    verify_sha256sums(out)
+    # Training reads the frozen directory as a task set, repeats and group ids included.
+    refs = load_task_refs(out)
+    assert [r.group_id for r in refs] == [x["group_id"] for x in lines]
+    assert json.loads(open(refs[0].path).read())["id"] == "b"
+    stream = make_task_stream(DataConfig(task_set=str(out)), 4, process_index=0, process_count=1)
+    assert sorted(r.group_id for r in next(stream)) == sorted(x["group_id"] for x in lines)
+
+
+def test_tampered_snapshot_fails_verification(inputs):
+    calib, task_dir, out = inputs
+    freeze_band(calib, task_dir, out)
+    p = out / "tasks/examples/os/d.json"
+    p.chmod(0o644)
+    p.write_text('{"id": "d", "instruction": "changed"}')
+    with pytest.raises(DataError, match="d.json changed"):
+        verify_sha256sums(out)
+    with pytest.raises(DataError, match="changed"):
+        make_task_stream(DataConfig(task_set=str(out)), 1, process_index=0, process_count=1)
+
+
+def test_band_bounds_are_configurable(inputs):
+    calib, task_dir, out = inputs
+    freeze_band(calib, task_dir, out, low=1, high=5)  # 1 < k < 5 -> {b, c}
+    assert json.loads((out / "SNAPSHOT.json").read_text())["admitted"] == ["b", "c"]
+
+
+def test_refuses_when_an_input_changes_during_the_freeze(inputs, monkeypatch):
+    calib, task_dir, out = inputs
+    real_copy = freeze_mod._copy_file
+
+    def copy_then_edit_calibration(src, dst):
+        real_copy(src, dst)
+        calib.write_text(calib.read_text() + "\n")
+
+    monkeypatch.setattr(freeze_mod, "_copy_file", copy_then_edit_calibration)
+    with pytest.raises(FreezeError, match="changed during the freeze"):
+        freeze_band(calib, task_dir, out)
+    assert not out.exists()
+    assert not list(out.parent.glob(".band.tmp-*"))
+
+
+def test_refuses_bad_inputs(inputs):
+    calib, task_dir, out = inputs
+    out.mkdir()
+    with pytest.raises(FreezeError, match="already exists"):
+        freeze_band(calib, task_dir, out)
+    out.rmdir()
+    with pytest.raises(FreezeError, match="reps=8"):
+        freeze_band(calib, task_dir, out, reps=8)
+    calib.write_text(calib.read_text() + json.dumps({"task_id": "zz", "reps": 4, "passes": 1}))
+    with pytest.raises(FreezeError, match="zz"):
+        freeze_band(calib, task_dir, out)
+    calib.write_text(json.dumps({"task_id": "a", "reps": 4, "passes": 5}) + "\n")
+    with pytest.raises(FreezeError, match=r"calib.jsonl:1: passes 5"):
+        freeze_band(calib, task_dir, out)
+    calib.write_text(json.dumps({"task_id": "a", "reps": 4, "passes": 0}) + "\n")
+    with pytest.raises(FreezeError, match="no task inside the band"):
+        freeze_band(calib, task_dir, out)
+    assert not out.exists()
