@@ -1,1 +1,45 @@
-"""osworld_jax.rollout room (see docs/INTERFACES.md)."""
+"""osworld_jax.rollout: the SGLang client, the embedded SGLang-compatible server, weight refit.
+
+See docs/INTERFACES.md and ../shared/SGLANG_API.md (the wire contract).
+"""
+
+from osworld_jax.rollout.client import ServerState, SGLangClient
+from osworld_jax.rollout.config import LOAD_BALANCERS, RolloutConfig, SamplingParams
+from osworld_jax.rollout.errors import (
+    AbortBudgetExceeded,
+    EngineError,
+    RefitError,
+    ReplyValidationError,
+    RequestRejected,
+    RolloutError,
+    ServerUnavailable,
+)
+from osworld_jax.rollout.wire import (
+    Generation,
+    Reply,
+    decode_routed_experts,
+    encode_routed_experts,
+    parse_reply,
+    stitch,
+)
+
+__all__ = [
+    "LOAD_BALANCERS",
+    "AbortBudgetExceeded",
+    "EngineError",
+    "Generation",
+    "RefitError",
+    "Reply",
+    "ReplyValidationError",
+    "RequestRejected",
+    "RolloutConfig",
+    "RolloutError",
+    "SGLangClient",
+    "SamplingParams",
+    "ServerState",
+    "ServerUnavailable",
+    "decode_routed_experts",
+    "encode_routed_experts",
+    "parse_reply",
+    "stitch",
+]

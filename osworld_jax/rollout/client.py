@@ -1,0 +1,501 @@
+"""Asyncio client of SGLang's native HTTP API, over one or many servers.
+
+One `SGLangClient` is shared by every owner of a rollout. It balances requests over the healthy
+servers, retries connection errors / timeouts / 5xx with exponential backoff, validates every reply
+(`osworld_jax.rollout.wire.parse_reply`), resubmits aborted requests (a pause during a refit) with
+their partial output appended, and runs the canonical refit sequence on every server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import logging
+import random
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from osworld_jax.rollout.config import RolloutConfig, SamplingParams
+from osworld_jax.rollout.errors import (
+    AbortBudgetExceeded,
+    RefitError,
+    ReplyValidationError,
+    RequestRejected,
+    RolloutError,
+    ServerUnavailable,
+)
+from osworld_jax.rollout.wire import Generation, Reply, parse_reply, stitch
+
+log = logging.getLogger(__name__)
+
+_RETRIABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
+
+
+@dataclass(kw_only=True)
+class ServerState:
+    """What the client knows about one server.
+
+    Attributes:
+      url: base URL.
+      outstanding: requests in flight to it from this client.
+      healthy: its last ``/health`` probe (or request) succeeded.
+      in_rotation: False after a failed refit (it may hold old weights) until a refit succeeds.
+      weight_version: its last reported weight version (None before the first probe).
+      last_error: the last failure seen, for diagnostics.
+    """
+
+    url: str
+    outstanding: int = 0
+    healthy: bool = True
+    in_rotation: bool = True
+    weight_version: str | None = None
+    last_error: str | None = None
+
+    @property
+    def usable(self) -> bool:
+        """Healthy and in rotation."""
+        return self.healthy and self.in_rotation
+
+
+class _Retriable(Exception):
+    """Internal: a failure worth retrying on another attempt (5xx, connection, timeout)."""
+
+
+class SGLangClient:
+    """Asyncio client of one or many SGLang-compatible servers.
+
+    Args:
+      urls: server base URLs; None uses ``config.urls``.
+      config: client settings (`RolloutConfig`).
+
+    Use as ``async with SGLangClient(urls, config) as client:`` or call `aclose` at the end.
+    """
+
+    def __init__(self, urls: Sequence[str] | str | None, config: RolloutConfig) -> None:
+        if urls is not None:
+            urls = (urls,) if isinstance(urls, str) else tuple(urls)
+            config = _replace_urls(config, urls)
+        self.config = config
+        self.servers = [ServerState(url=u) for u in config.urls]
+        self._rr = itertools.count()
+        self._session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self._started: asyncio.Lock | None = None
+        self._probed = False
+        self._expected_version: str | None = None
+        self._refit_lock: asyncio.Lock | None = None
+        self._not_refitting: asyncio.Event | None = None
+        self._server_ready: asyncio.Condition | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> SGLangClient:
+        await self._ensure_started()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _ensure_started(self) -> None:
+        if self._started is None:
+            self._started = asyncio.Lock()
+            self._refit_lock = asyncio.Lock()
+            self._not_refitting = asyncio.Event()
+            self._not_refitting.set()
+            self._server_ready = asyncio.Condition()
+        async with self._started:
+            if self._session is None:
+                self._session = aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(
+                        limit=self.config.max_connections, limit_per_host=0
+                    ),
+                    timeout=aiohttp.ClientTimeout(total=self.config.control_timeout_s),
+                )
+            if not self._probed:
+                self._probed = True
+                await self.health()
+                self._health_task = asyncio.create_task(self._health_loop())
+
+    async def aclose(self) -> None:
+        """Stops the health loop and closes the connection pool."""
+        if self._health_task is not None:
+            self._health_task.cancel()
+            try:
+                await self._health_task
+            except asyncio.CancelledError:
+                pass
+            self._health_task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        self._probed = False
+
+    @property
+    def weight_version(self) -> str | None:
+        """The weight version every reply must carry (set by `refit`, or learned at start)."""
+        return self._expected_version
+
+    @property
+    def active_urls(self) -> list[str]:
+        """Servers currently in rotation and healthy."""
+        return [s.url for s in self.servers if s.usable]
+
+    # ------------------------------------------------------------------ health
+
+    async def _probe(self, s: ServerState) -> bool:
+        assert self._session is not None
+        try:
+            async with self._session.get(s.url + "/health") as r:
+                if r.status != 200:
+                    raise _Retriable(f"/health answered {r.status}")
+            async with self._session.get(s.url + "/model_info") as r:
+                if r.status != 200:
+                    raise _Retriable(f"/model_info answered {r.status}")
+                info = await r.json(content_type=None)
+            version = info.get("weight_version")
+            s.weight_version = None if version is None else str(version)
+        except (*_RETRIABLE, _Retriable, ValueError, AttributeError) as e:
+            s.healthy, s.last_error = False, f"health: {type(e).__name__}: {e}"
+            return False
+        if self._expected_version is None and s.in_rotation:
+            self._expected_version = s.weight_version
+        if self._expected_version is not None and s.weight_version != self._expected_version:
+            # Old or foreign weights: never route to it until a refit brings it in line.
+            s.healthy = False
+            s.last_error = f"serves weight_version {s.weight_version!r}, expected " + repr(
+                self._expected_version
+            )
+            return False
+        s.healthy = True
+        return True
+
+    async def health(self) -> dict[str, bool]:
+        """Probes ``/health`` and ``/model_info`` of every server now; returns url -> usable."""
+        if self._session is None:
+            await self._ensure_started()
+        await asyncio.gather(*(self._probe(s) for s in self.servers))
+        if self._server_ready is not None and any(s.usable for s in self.servers):
+            async with self._server_ready:
+                self._server_ready.notify_all()
+        return {s.url: s.usable for s in self.servers}
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_check_interval_s)
+            assert self._not_refitting is not None
+            await self._not_refitting.wait()
+            try:
+                await self.health()
+            except Exception:  # the loop must survive anything a probe throws
+                log.exception("health probe failed")
+
+    async def _pick(self, rid: str) -> ServerState:
+        assert self._server_ready is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.unavailable_wait_s
+        while True:
+            usable = [s for s in self.servers if s.usable]
+            if usable:
+                if self.config.load_balancer == "round_robin":
+                    return usable[next(self._rr) % len(usable)]
+                start = next(self._rr)
+                n = len(usable)
+                # fewest outstanding; ties rotate so equal servers share load
+                return min((usable[(start + i) % n] for i in range(n)), key=lambda s: s.outstanding)
+            left = deadline - loop.time()
+            if left <= 0:
+                errors = "; ".join(f"{s.url}: {s.last_error}" for s in self.servers)
+                raise ServerUnavailable(f"request {rid!r}: no healthy server ({errors})")
+            async with self._server_ready:
+                try:
+                    await asyncio.wait_for(
+                        self._server_ready.wait(),
+                        min(left, self.config.health_check_interval_s),
+                    )
+                except TimeoutError:
+                    pass
+            if not any(s.usable for s in self.servers):
+                await self.health()
+
+    # ------------------------------------------------------------------ generate
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+        *,
+        rid: str | None = None,
+        routed_experts_start_len: int = 0,
+    ) -> Generation:
+        """Generates one turn for ``input_ids``; returns the validated, stitched `Generation`.
+
+        An ``abort`` finish (a pause during a refit, or ``/abort_request``) is resubmitted with
+        the partial output appended to the prompt and ``max_new_tokens`` reduced, up to
+        ``config.max_abort_resubmits`` times; the parts' logprobs and routes are stitched (see
+        `osworld_jax.rollout.wire.stitch`).
+
+        Raises:
+          ReplyValidationError: a reply broke the contract (names the rid).
+          AbortBudgetExceeded: too many aborts; the owner is failed, never truncated.
+          ServerUnavailable: retries exhausted on connection errors / timeouts / 5xx.
+          RequestRejected: a 4xx answer (the request is wrong; not retried).
+        """
+        await self._ensure_started()
+        sampling = self.config.sampling if sampling is None else sampling
+        rid = rid or uuid.uuid4().hex
+        prompt = [int(t) for t in input_ids]
+        if not prompt:
+            raise ValueError(f"request {rid!r}: empty prompt")
+        want_routes = self.config.return_routed_experts
+        if want_routes and not 0 <= routed_experts_start_len < len(prompt):
+            raise ValueError(
+                f"request {rid!r}: routed_experts_start_len={routed_experts_start_len} outside "
+                f"[0, {len(prompt)})"
+            )
+        parts: list[Reply] = []
+        produced = 0
+        start = routed_experts_start_len
+        part_prompt = prompt
+        while True:
+            assert self._not_refitting is not None
+            await self._not_refitting.wait()
+            part_sampling = sampling.replace(
+                max_new_tokens=sampling.max_new_tokens - produced,
+                min_new_tokens=max(0, sampling.min_new_tokens - produced),
+            )
+            wire_rid = rid if not parts else f"{rid}.resubmit{len(parts)}"
+            payload: dict[str, Any] = {
+                "input_ids": part_prompt,
+                "sampling_params": part_sampling.to_wire(),
+                "return_logprob": self.config.return_logprob,
+                "logprob_start_len": -1,
+                "return_routed_experts": want_routes,
+                "routed_experts_start_len": start,
+                "rid": wire_rid,
+                "stream": False,
+            }
+            reply = await self._post_generate(
+                payload, wire_rid, len(part_prompt), start if want_routes else None
+            )
+            parts.append(reply)
+            produced += reply.completion_tokens
+            if reply.finish_reason["type"] != "abort":
+                break
+            if produced >= sampling.max_new_tokens:
+                # Aborted exactly at the length limit: the turn is complete, not truncated.
+                parts[-1] = _with_finish(reply, {"type": "length", "length": produced})
+                break
+            if len(parts) > self.config.max_abort_resubmits:
+                raise AbortBudgetExceeded(
+                    rid,
+                    f"aborted {len(parts)} times ({reply.finish_reason.get('message', '')!s}); "
+                    f"budget is {self.config.max_abort_resubmits} resubmissions",
+                )
+            log.info("request %s aborted after %d tokens; resubmitting", rid, produced)
+            part_prompt = part_prompt + reply.output_ids
+            start = max(routed_experts_start_len, len(part_prompt) - 1)
+        return stitch(
+            parts,
+            rid=rid,
+            prompt_tokens=len(prompt),
+            routed_experts_start_len=routed_experts_start_len,
+        )
+
+    async def _post_generate(
+        self, payload: dict[str, Any], rid: str, prompt_len: int, start: int | None
+    ) -> Reply:
+        assert self._session is not None
+        cfg = self.config
+        timeout = aiohttp.ClientTimeout(
+            total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s
+        )
+        for attempt in itertools.count():
+            if attempt:
+                payload = {**payload, "rid": f"{rid}.retry{attempt}"}
+            expected_before = self._expected_version
+            server = await self._pick(rid)
+            server.outstanding += 1
+            try:
+                async with self._session.post(
+                    server.url + "/generate", json=payload, timeout=timeout
+                ) as resp:
+                    if resp.status >= 500:
+                        raise _Retriable(f"HTTP {resp.status}: {(await resp.text())[:200]}")
+                    if resp.status >= 400:
+                        raise RequestRejected(rid, resp.status, (await resp.text())[:500])
+                    try:
+                        body = await resp.json(content_type=None)
+                    except ValueError as e:
+                        raise ReplyValidationError(rid, f"reply is not JSON: {e}") from None
+            except (*_RETRIABLE, _Retriable) as e:
+                error = f"{type(e).__name__}: {e}"
+                server.last_error = error
+                if isinstance(e, aiohttp.ClientConnectionError):
+                    server.healthy = False  # drained until a health probe succeeds
+                elif isinstance(e, asyncio.TimeoutError):
+                    asyncio.create_task(self._abort_on(server, payload["rid"]))
+                if attempt >= cfg.max_retries:
+                    raise ServerUnavailable(
+                        f"request {rid!r}: {attempt + 1} attempts failed; last on {server.url}: "
+                        f"{error}"
+                    ) from e
+                delay = min(cfg.backoff_max_s, cfg.backoff_initial_s * 2**attempt)
+                delay *= random.uniform(0.75, 1.25)
+                log.warning("request %s on %s: %s; retry in %.2fs", rid, server.url, error, delay)
+                await asyncio.sleep(delay)
+                continue
+            finally:
+                server.outstanding -= 1
+            reply = parse_reply(
+                body,
+                rid=rid,
+                prompt_len=prompt_len,
+                return_logprob=cfg.return_logprob,
+                routed_experts_start_len=start,
+                num_layers=cfg.num_layers,
+                top_k=cfg.num_experts_per_tok,
+            )
+            accepted = {v for v in (expected_before, self._expected_version) if v is not None}
+            if accepted and reply.weight_version not in accepted:
+                raise ReplyValidationError(
+                    rid,
+                    f"{server.url} answered with weight_version {reply.weight_version!r}, "
+                    f"expected {sorted(accepted)}",
+                )
+            return reply
+        raise AssertionError("unreachable")
+
+    async def _abort_on(self, server: ServerState, rid: str) -> None:
+        """Best effort: stop a timed-out request from occupying the server."""
+        assert self._session is not None
+        try:
+            async with self._session.post(server.url + "/abort_request", json={"rid": rid}):
+                pass
+        except (*_RETRIABLE, aiohttp.ClientError):
+            pass
+
+    # ------------------------------------------------------------------ refit
+
+    async def _control(
+        self, s: ServerState, path: str, body: dict[str, Any] | None, timeout: float
+    ) -> tuple[int, str]:
+        assert self._session is not None
+        async with self._session.post(
+            s.url + path,
+            json=body if body is not None else {},
+            timeout=aiohttp.ClientTimeout(
+                total=timeout, sock_connect=self.config.connect_timeout_s
+            ),
+        ) as r:
+            return r.status, await r.text()
+
+    async def _refit_one(self, s: ServerState, model_path: str, weight_version: str) -> None:
+        cfg = self.config
+        status, text = await self._control(
+            s, "/pause_generation", {"mode": "abort"}, cfg.control_timeout_s
+        )
+        if status != 200:
+            raise RolloutError(f"/pause_generation answered {status}: {text[:200]}")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + cfg.flush_max_wait_s
+        for poll in itertools.count(1):
+            status, text = await self._control(s, "/flush_cache", None, cfg.control_timeout_s)
+            if status == 200:
+                break
+            if status != 400:
+                raise RolloutError(f"/flush_cache answered {status}: {text[:200]}")
+            if loop.time() > deadline:
+                raise RolloutError(f"/flush_cache still busy after {cfg.flush_max_wait_s}s")
+            if poll % 10 == 0:  # requests that arrived after the pause: abort them too
+                await self._control(
+                    s, "/pause_generation", {"mode": "abort"}, cfg.control_timeout_s
+                )
+            await asyncio.sleep(cfg.flush_poll_interval_s)
+        status, text = await self._control(
+            s,
+            "/update_weights_from_disk",
+            {"model_path": model_path, "weight_version": weight_version, "flush_cache": True},
+            cfg.refit_timeout_s,
+        )
+        try:
+            ok = status == 200 and bool(json.loads(text).get("success"))
+        except ValueError:
+            ok = False
+        if not ok:
+            raise RolloutError(f"/update_weights_from_disk answered {status}: {text[:300]}")
+        status, text = await self._control(s, "/continue_generation", {}, cfg.control_timeout_s)
+        if status != 200:
+            raise RolloutError(f"/continue_generation answered {status}: {text[:200]}")
+        assert self._session is not None
+        async with self._session.get(s.url + "/model_info") as r:
+            info = await r.json(content_type=None)
+        if info.get("weight_version") != weight_version:
+            raise RolloutError(
+                f"/model_info reports weight_version {info.get('weight_version')!r} after refit "
+                f"to {weight_version!r}"
+            )
+        s.weight_version = weight_version
+
+    async def refit(self, model_path: str, weight_version: str) -> dict[str, str | None]:
+        """Moves every server to the weights in ``model_path`` (a ``save_hf_checkpoint`` dir).
+
+        Per server: ``/pause_generation`` (abort: in-flight requests come back aborted and are
+        resubmitted by `generate` after the refit) -> ``/flush_cache`` polled with a sleep (400
+        = busy) -> ``/update_weights_from_disk {model_path, weight_version}`` ->
+        ``/continue_generation`` -> ``/model_info`` must report ``weight_version``. New
+        requests wait while a refit runs. A server that fails any step is taken out of rotation
+        (left paused where possible, never serving old weights).
+
+        Returns:
+          url -> None on success, or the error message of the failed step.
+
+        Raises:
+          RefitError: no server completed the refit.
+        """
+        await self._ensure_started()
+        assert self._refit_lock is not None and self._not_refitting is not None
+        async with self._refit_lock:
+            self._not_refitting.clear()
+            try:
+                results = await asyncio.gather(
+                    *(self._refit_one(s, str(model_path), weight_version) for s in self.servers),
+                    return_exceptions=True,
+                )
+                report: dict[str, str | None] = {}
+                for s, res in zip(self.servers, results, strict=True):
+                    if isinstance(res, BaseException):
+                        if isinstance(res, asyncio.CancelledError):
+                            raise res
+                        s.in_rotation = False
+                        s.last_error = f"refit to {weight_version!r}: {type(res).__name__}: {res}"
+                        report[s.url] = s.last_error
+                        log.error("server %s out of rotation: %s", s.url, s.last_error)
+                    else:
+                        s.in_rotation, s.healthy, s.last_error = True, True, None
+                        report[s.url] = None
+                if all(v is not None for v in report.values()):
+                    raise RefitError(
+                        f"refit to {model_path} ({weight_version!r}) failed on every server: "
+                        + "; ".join(f"{u}: {e}" for u, e in report.items())
+                    )
+                self._expected_version = weight_version
+                return report
+            finally:
+                self._not_refitting.set()
+                assert self._server_ready is not None
+                async with self._server_ready:
+                    self._server_ready.notify_all()
+
+
+def _with_finish(reply: Reply, finish: dict[str, Any]) -> Reply:
+    return dataclasses.replace(reply, finish_reason=finish)
+
+
+def _replace_urls(config: RolloutConfig, urls: tuple[str, ...]) -> RolloutConfig:
+    return dataclasses.replace(config, urls=urls)

@@ -1,0 +1,176 @@
+"""Rollout configs: the sampling parameters sent to SGLang and the client's settings."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from osworld_jax.errors import ConfigError
+from osworld_jax.registry import Registry
+
+#: Server-selection policies of `SGLangClient` (names only; the client implements them).
+LOAD_BALANCERS: Registry[str] = Registry("load balancer")
+LOAD_BALANCERS.add("least_outstanding", "pick the healthy server with the fewest requests")
+LOAD_BALANCERS.add("round_robin", "cycle through the healthy servers")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """SGLang ``sampling_params``, every key sent explicitly.
+
+    A real server fills omitted keys from the model's ``generation_config.json``, so the client
+    never omits one.
+
+    Attributes:
+      temperature: softmax temperature; 0 means greedy (SGLang then uses temperature 1 and
+        top_k 1, so the returned logprobs are at temperature 1).
+      top_p: nucleus mass in (0, 1].
+      top_k: keep the k most likely tokens; -1 keeps the whole vocabulary.
+      min_p: drop tokens whose probability is below ``min_p`` times the top probability.
+      max_new_tokens: the most tokens to generate.
+      min_new_tokens: EOS / stop tokens are suppressed before this many tokens.
+      stop: stop strings (matched on the decoded output).
+      stop_token_ids: token ids that stop generation (kept in the output).
+      skip_special_tokens: drop special tokens from the decoded ``text``.
+      no_stop_trim: keep a matched stop string at the end of ``text``.
+      ignore_eos: do not stop at the model's EOS token.
+      repetition_penalty: multiplicative penalty on tokens already present (1 = none).
+      frequency_penalty: additive penalty per occurrence in the output (0 = none).
+      presence_penalty: additive penalty for presence in the output (0 = none).
+      sampling_seed: per-request seed (None: the server's own randomness).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_new_tokens: int = 512
+    min_new_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    sampling_seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ConfigError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ConfigError(f"SamplingParams.top_k must be -1 or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ConfigError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+        if self.max_new_tokens < 0:
+            raise ConfigError(f"SamplingParams.max_new_tokens must be >= 0: {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ConfigError(
+                f"SamplingParams.min_new_tokens must be in [0, max_new_tokens]: "
+                f"{self.min_new_tokens}"
+            )
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ConfigError(
+                f"SamplingParams.repetition_penalty must be in (0, 2]: {self.repetition_penalty}"
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ConfigError(
+                    f"SamplingParams.{name} must be in [-2, 2]: {getattr(self, name)}"
+                )
+        # Tuples keep the dataclass hashable; accept lists from gin/JSON.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON ``sampling_params`` object, every key explicit."""
+        d = dataclasses.asdict(self)
+        d["stop"] = list(self.stop)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Settings of `SGLangClient`.
+
+    Attributes:
+      urls: base URLs of the SGLang (or embedded) servers, e.g. ``http://127.0.0.1:30000``.
+      load_balancer: ``least_outstanding`` or ``round_robin`` (see ``LOAD_BALANCERS``).
+      request_timeout_s: wall-clock limit of one ``/generate`` call.
+      connect_timeout_s: limit on opening a connection.
+      control_timeout_s: limit of one control call (health, pause, flush, model_info).
+      refit_timeout_s: limit of ``/update_weights_from_disk`` (loading weights takes a while).
+      flush_poll_interval_s: sleep between ``/flush_cache`` polls (400 means "not yet").
+      flush_max_wait_s: how long ``/flush_cache`` may keep answering 400 during a refit.
+      max_retries: retries of one request on connection errors, timeouts and 5xx.
+      backoff_initial_s: first backoff sleep; doubles per retry (with +-25% jitter).
+      backoff_max_s: cap of the backoff sleep.
+      max_abort_resubmits: resubmissions of an aborted request before `AbortBudgetExceeded`.
+      health_check_interval_s: period of the background health probe of every server.
+      unavailable_wait_s: how long a request waits for some server to become healthy.
+      max_connections: connection-pool size of the client.
+      return_logprob: ask for output logprobs (required for RL; validated on every reply).
+      return_routed_experts: ask for routed experts (router replay, R3).
+      num_layers: the model's ``num_hidden_layers`` (to decode routed experts).
+      num_experts_per_tok: the model's top-k (to decode routed experts).
+      sampling: default sampling parameters of `SGLangClient.generate`.
+    """
+
+    urls: tuple[str, ...] = ("http://127.0.0.1:30000",)
+    load_balancer: str = "least_outstanding"
+    request_timeout_s: float = 900.0
+    connect_timeout_s: float = 10.0
+    control_timeout_s: float = 30.0
+    refit_timeout_s: float = 900.0
+    flush_poll_interval_s: float = 0.2
+    flush_max_wait_s: float = 120.0
+    max_retries: int = 5
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 20.0
+    max_abort_resubmits: int = 4
+    health_check_interval_s: float = 5.0
+    unavailable_wait_s: float = 60.0
+    max_connections: int = 512
+    return_logprob: bool = True
+    return_routed_experts: bool = False
+    num_layers: int | None = None
+    num_experts_per_tok: int | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self) -> None:
+        urls = (self.urls,) if isinstance(self.urls, str) else tuple(self.urls)
+        if not urls:
+            raise ConfigError("RolloutConfig.urls: at least one server URL is required")
+        for u in urls:
+            if not u.startswith(("http://", "https://")):
+                raise ConfigError(f"RolloutConfig.urls: {u!r} is not an http(s) URL")
+        object.__setattr__(self, "urls", tuple(u.rstrip("/") for u in urls))
+        LOAD_BALANCERS.validate(self.load_balancer, "RolloutConfig.load_balancer")
+        for name in (
+            "request_timeout_s",
+            "connect_timeout_s",
+            "control_timeout_s",
+            "refit_timeout_s",
+            "flush_poll_interval_s",
+            "health_check_interval_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"RolloutConfig.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_retries", "max_abort_resubmits"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"RolloutConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.return_routed_experts and (not self.num_layers or not self.num_experts_per_tok):
+            raise ConfigError(
+                "RolloutConfig.return_routed_experts needs num_layers and num_experts_per_tok "
+                "(the model's num_hidden_layers and num_experts_per_tok) to decode the routes"
+            )

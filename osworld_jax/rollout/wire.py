@@ -1,0 +1,257 @@
+"""The SGLang ``/generate`` reply: decoding, validation, and stitching of resubmitted parts.
+
+Everything here is pure (no I/O) so that the client's checks are testable on literal replies.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from osworld_jax.rollout.errors import ReplyValidationError
+
+FINISH_TYPES = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Generation:
+    """One completed turn: the output tokens with their behaviour logprobs and routes.
+
+    Attributes:
+      rid: the request id the caller gave (resubmissions use ``rid`` + suffix on the wire).
+      output_ids: generated token ids (all parts of a resubmitted request, in order).
+      output_logprobs: ``log_softmax(logits / temperature)`` of each output token (SGLang
+        semantics; greedy requests report temperature-1 logprobs).
+      routed_experts: i32 ``[prompt_tokens + completion_tokens - 1 - routed_experts_start_len, L,
+        K]``: the experts chosen when each token was the model's *input* (the last sampled
+        token is never an input, so it has no row); -1 on dense layers; None when not requested.
+      finish_reason: SGLang's finish reason of the final part (``stop`` or ``length``; a final
+        ``abort`` never reaches the caller: it raises `AbortBudgetExceeded`).
+      prompt_tokens: length of the caller's prompt.
+      completion_tokens: ``len(output_ids)``.
+      weight_version: the server's weight version of the final part.
+      weight_versions: the weight version of every part (more than one after an abort).
+      text: decoded text of the output (the parts' texts concatenated).
+      num_resubmits: how many times an aborted part was resubmitted.
+      routed_experts_start_len: first prompt position that has a route row.
+    """
+
+    rid: str
+    output_ids: list[int]
+    output_logprobs: list[float]
+    routed_experts: np.ndarray | None
+    finish_reason: dict[str, Any]
+    prompt_tokens: int
+    completion_tokens: int
+    weight_version: str
+    weight_versions: tuple[str, ...] = ()
+    text: str = ""
+    num_resubmits: int = 0
+    routed_experts_start_len: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Reply:
+    """One validated ``/generate`` reply (a single part of a possibly resubmitted turn).
+
+    Attributes:
+      output_ids: generated token ids.
+      output_logprobs: their logprobs (empty when not requested).
+      routed_experts: decoded routes or None.
+      finish_reason: SGLang's finish reason dict.
+      prompt_tokens: prompt length the server saw.
+      completion_tokens: number of output tokens.
+      weight_version: the server's weight version.
+      text: decoded output text.
+      meta_info: the raw ``meta_info`` (extra keys are tolerated and kept).
+    """
+
+    output_ids: list[int]
+    output_logprobs: list[float]
+    routed_experts: np.ndarray | None
+    finish_reason: dict[str, Any]
+    prompt_tokens: int
+    completion_tokens: int
+    weight_version: str
+    text: str
+    meta_info: dict[str, Any] = field(default_factory=dict)
+
+
+def encode_routed_experts(routes: np.ndarray) -> str:
+    """Base64 of little-endian int32 (SGLang's ``meta_info.routed_experts`` encoding)."""
+    return base64.b64encode(np.ascontiguousarray(routes, dtype="<i4").tobytes()).decode("ascii")
+
+
+def decode_routed_experts(
+    data: str, *, rows: int, num_layers: int, top_k: int, rid: str
+) -> np.ndarray:
+    """Decodes ``meta_info.routed_experts`` to i32 ``[rows, num_layers, top_k]``.
+
+    ``rows`` is ``prompt_tokens + completion_tokens - 1 - routed_experts_start_len``; any other
+    size (the classic off-by-one on the last token, or routes over-counted across turns) raises
+    `ReplyValidationError` naming the request.
+    """
+    if not isinstance(data, str):
+        raise ReplyValidationError(rid, f"routed_experts is {type(data).__name__}, not base64 str")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ReplyValidationError(rid, f"routed_experts is not valid base64: {e}") from None
+    if len(raw) % 4:
+        raise ReplyValidationError(rid, f"routed_experts has {len(raw)} bytes, not int32s")
+    flat = np.frombuffer(raw, dtype="<i4")
+    per_row = num_layers * top_k
+    if rows < 0 or flat.size != rows * per_row:
+        got = flat.size / per_row if per_row else float("nan")
+        raise ReplyValidationError(
+            rid,
+            f"routed_experts has {got:g} rows of [{num_layers}, {top_k}], expected {rows} "
+            "(prompt_tokens + completion_tokens - 1 - routed_experts_start_len)",
+        )
+    out = flat.astype(np.int32).reshape(rows, num_layers, top_k)
+    if out.size and out.min() < -1:
+        raise ReplyValidationError(rid, f"routed_experts holds invalid expert id {out.min()}")
+    return out
+
+
+def _int(meta: dict[str, Any], key: str, rid: str) -> int:
+    v = meta.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ReplyValidationError(rid, f"meta_info.{key} is {v!r}, not a non-negative int")
+    return v
+
+
+def parse_reply(
+    body: Any,
+    *,
+    rid: str,
+    prompt_len: int,
+    return_logprob: bool,
+    routed_experts_start_len: int | None,
+    num_layers: int | None = None,
+    top_k: int | None = None,
+) -> Reply:
+    """Validates one ``/generate`` reply against the request that produced it.
+
+    Checks: ``completion_tokens == len(output_ids)``, ``prompt_tokens == prompt_len``; with
+    logprobs, one ``[logprob, token_id, ...]`` entry per output token whose ids equal
+    ``output_ids`` and whose logprobs are finite; with routes (``routed_experts_start_len`` not
+    None), the row count ``prompt + completion - 1 - start_len``; a string ``weight_version``.
+
+    Raises:
+      ReplyValidationError: naming ``rid`` and the first broken invariant.
+    """
+    if not isinstance(body, dict):
+        raise ReplyValidationError(rid, f"reply is {type(body).__name__}, not a JSON object")
+    if "error" in body and "meta_info" not in body:
+        raise ReplyValidationError(rid, f"server error: {body['error']}")
+    meta = body.get("meta_info")
+    output_ids = body.get("output_ids")
+    if not isinstance(meta, dict):
+        raise ReplyValidationError(rid, "reply has no meta_info object")
+    if not isinstance(output_ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in output_ids
+    ):
+        raise ReplyValidationError(rid, "reply output_ids is not a list of ints")
+    finish = meta.get("finish_reason")
+    if not isinstance(finish, dict) or finish.get("type") not in FINISH_TYPES:
+        raise ReplyValidationError(rid, f"finish_reason {finish!r} is not one of {FINISH_TYPES}")
+    completion = _int(meta, "completion_tokens", rid)
+    prompt = _int(meta, "prompt_tokens", rid)
+    if completion != len(output_ids):
+        raise ReplyValidationError(
+            rid, f"completion_tokens={completion} but {len(output_ids)} output_ids"
+        )
+    if prompt != prompt_len:
+        raise ReplyValidationError(rid, f"prompt_tokens={prompt} but the prompt had {prompt_len}")
+    version = meta.get("weight_version")
+    if not isinstance(version, str):
+        raise ReplyValidationError(rid, f"meta_info.weight_version is {version!r}, not a str")
+
+    logprobs: list[float] = []
+    if return_logprob:
+        entries = meta.get("output_token_logprobs")
+        if not isinstance(entries, list) or len(entries) != completion:
+            n = len(entries) if isinstance(entries, list) else entries
+            raise ReplyValidationError(
+                rid, f"output_token_logprobs has {n} entries, completion_tokens={completion}"
+            )
+        for i, (entry, tok) in enumerate(zip(entries, output_ids, strict=True)):
+            if not isinstance(entry, list | tuple) or len(entry) < 2:
+                raise ReplyValidationError(rid, f"output_token_logprobs[{i}] is {entry!r}")
+            lp, lp_tok = entry[0], entry[1]
+            if lp_tok != tok:
+                raise ReplyValidationError(
+                    rid, f"output_token_logprobs[{i}] is for token {lp_tok}, output_ids has {tok}"
+                )
+            if not isinstance(lp, int | float) or not math.isfinite(lp) or lp > 1e-3:
+                raise ReplyValidationError(rid, f"output_token_logprobs[{i}] logprob is {lp!r}")
+            logprobs.append(float(lp))
+
+    routes = None
+    if routed_experts_start_len is not None:
+        if num_layers is None or top_k is None:
+            raise ValueError("parse_reply: routes requested without num_layers / top_k")
+        if "routed_experts" not in meta:
+            raise ReplyValidationError(rid, "routed_experts requested but missing from the reply")
+        rows = prompt + completion - 1 - routed_experts_start_len
+        routes = decode_routed_experts(
+            meta["routed_experts"], rows=rows, num_layers=num_layers, top_k=top_k, rid=rid
+        )
+    text = body.get("text", "")
+    return Reply(
+        output_ids=list(output_ids),
+        output_logprobs=logprobs,
+        routed_experts=routes,
+        finish_reason=dict(finish),
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        weight_version=version,
+        text=text if isinstance(text, str) else "",
+        meta_info=meta,
+    )
+
+
+def stitch(
+    parts: list[Reply], *, rid: str, prompt_tokens: int, routed_experts_start_len: int
+) -> Generation:
+    """Joins the parts of a request that was aborted and resubmitted into one `Generation`.
+
+    Part ``i + 1`` was sent with prompt ``prompt + out_0 + ... + out_i`` and asked only for route
+    rows from ``len(that prompt) - 1`` on (the input row of ``out_i``'s last token, which part
+    ``i`` could not have). So each route row comes from the part whose output logprobs it
+    conditioned first, and the rows concatenate to exactly
+    ``prompt_tokens + total_output - 1 - routed_experts_start_len``. Logprobs and ids
+    concatenate in order. (When a refit happened between parts, the parts' weight versions
+    differ; ``Generation.weight_versions`` records each.)
+    """
+    output_ids = [t for p in parts for t in p.output_ids]
+    logprobs = [lp for p in parts for lp in p.output_logprobs]
+    routes = None
+    if parts[0].routed_experts is not None:
+        routes = np.concatenate([p.routed_experts for p in parts], axis=0)  # type: ignore[misc]
+        expected = prompt_tokens + len(output_ids) - 1 - routed_experts_start_len
+        if routes.shape[0] != expected:
+            raise ReplyValidationError(
+                rid, f"stitched routed_experts has {routes.shape[0]} rows, expected {expected}"
+            )
+    last = parts[-1]
+    return Generation(
+        rid=rid,
+        output_ids=output_ids,
+        output_logprobs=logprobs,
+        routed_experts=routes,
+        finish_reason=last.finish_reason,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=len(output_ids),
+        weight_version=last.weight_version,
+        weight_versions=tuple(p.weight_version for p in parts),
+        text="".join(p.text for p in parts),
+        num_resubmits=len(parts) - 1,
+        routed_experts_start_len=routed_experts_start_len,
+    )

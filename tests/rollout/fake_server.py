@@ -1,0 +1,179 @@
+"""A scriptable fake SGLang server for client tests (aiohttp, 127.0.0.1, free port).
+
+Its outputs are pure functions of the absolute position, so a request that is aborted and
+resubmitted must stitch to exactly the reply of an uninterrupted request:
+token(pos) = (31 * pos + 7) % 1000, logprob(pos) = -0.001 * pos - 0.01,
+route(row, layer, k) = (5 * row + 3 * layer + k) % 64 (row = the input position).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from osworld_jax.rollout.wire import encode_routed_experts
+
+L, K = 3, 2
+
+
+def token_at(pos: int) -> int:
+    return (31 * pos + 7) % 1000
+
+
+def logprob_at(pos: int) -> float:
+    return -0.001 * pos - 0.01
+
+
+def routes_for(rows: range) -> np.ndarray:
+    r = np.asarray(rows, dtype=np.int32)[:, None, None]
+    lay = np.arange(L, dtype=np.int32)[None, :, None]
+    k = np.arange(K, dtype=np.int32)[None, None, :]
+    return ((5 * r + 3 * lay + k) % 64).astype(np.int32)
+
+
+@dataclass
+class FakeServer:
+    """Actions for /generate are popped from ``script`` (default ``ok``):
+    ``ok``, ``500``, ``hang`` (sleeps past the client timeout), ``short_routes``,
+    ``bad_logprob_ids``, ``few_logprobs``, ``abort:N`` (abort after N tokens), ``wait`` (generate
+    slowly until paused: a pause aborts it with its partial output), ``400``, ``stale``.
+    """
+
+    version: str = "v0"
+    script: list[str] = field(default_factory=list)
+    flush_busy: int = 0
+    fail_update: bool = False
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    calls: list[str] = field(default_factory=list)
+    paused: bool = False
+    port: int = 0
+    _runner: web.AppRunner | None = None
+    _pause_event: asyncio.Event | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> FakeServer:
+        self._pause_event = asyncio.Event()
+        app = web.Application()
+        app.router.add_post("/generate", self.generate)
+        app.router.add_get("/health", self.ok)
+        app.router.add_get("/model_info", self.model_info)
+        app.router.add_post("/pause_generation", self.pause)
+        app.router.add_post("/continue_generation", self.cont)
+        app.router.add_post("/flush_cache", self.flush)
+        app.router.add_post("/update_weights_from_disk", self.update)
+        app.router.add_post("/abort_request", self.abort_request)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        site = web.SockSite(self._runner, sock)
+        await site.start()
+        return self
+
+    async def stop(self) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+
+    async def ok(self, request: web.Request) -> web.Response:
+        self.calls.append("health")
+        return web.Response(text="ok")
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        self.calls.append("model_info")
+        return web.json_response({"model_path": "/fake", "weight_version": self.version})
+
+    async def pause(self, request: web.Request) -> web.Response:
+        self.calls.append("pause")
+        self.paused = True
+        assert self._pause_event is not None
+        self._pause_event.set()
+        return web.json_response({"status": "ok"})
+
+    async def cont(self, request: web.Request) -> web.Response:
+        self.calls.append("continue")
+        self.paused = False
+        self._pause_event = asyncio.Event()
+        return web.json_response({"status": "ok"})
+
+    async def flush(self, request: web.Request) -> web.Response:
+        self.calls.append("flush")
+        if self.flush_busy > 0:
+            self.flush_busy -= 1
+            return web.Response(status=400, text="busy")
+        return web.Response(text="flushed")
+
+    async def update(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.calls.append("update")
+        if self.fail_update:
+            return web.json_response({"success": False, "message": "bad path"}, status=400)
+        self.version = body["weight_version"]
+        return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.calls.append(f"abort_request:{body['rid']}")
+        return web.Response()
+
+    def reply(self, body: dict[str, Any], n: int, finish: dict[str, Any], **bad: Any) -> Any:
+        prompt = body["input_ids"]
+        p = len(prompt)
+        out = [token_at(p + i) for i in range(n)]
+        lps = [[logprob_at(p + i), t, None] for i, t in enumerate(out)]
+        meta: dict[str, Any] = {
+            "id": body["rid"],
+            "finish_reason": finish,
+            "prompt_tokens": p,
+            "completion_tokens": n,
+            "cached_tokens": 0,
+            "weight_version": bad.get("version", self.version),
+            "e2e_latency": 0.0,
+            "output_token_logprobs": lps,
+        }
+        if bad.get("bad_logprob_ids") and n:
+            lps[-1][1] += 1
+        if bad.get("few_logprobs") and n:
+            lps.pop()
+        if body.get("return_routed_experts"):
+            start = body.get("routed_experts_start_len", 0)
+            end = p + n - 1 - (1 if bad.get("short_routes") else 0)
+            meta["routed_experts"] = encode_routed_experts(routes_for(range(start, end)))
+        return {"text": f"<{n} tokens>", "output_ids": out, "meta_info": meta}
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append(body)
+        action = self.script.pop(0) if self.script else "ok"
+        m = body["sampling_params"]["max_new_tokens"]
+        length = {"type": "length", "length": m}
+        if action == "500":
+            return web.Response(status=500, text="internal error")
+        if action == "400":
+            return web.json_response({"error": "bad request"}, status=400)
+        if action == "hang":
+            await asyncio.sleep(1.0)  # past the test client's 0.3 s timeout
+        if action.startswith("abort:"):
+            n = min(m, int(action.split(":")[1]))
+            return web.json_response(self.reply(body, n, {"type": "abort", "message": "paused"}))
+        if action.startswith("wait"):
+            assert self._pause_event is not None
+            await self._pause_event.wait()
+            n = min(m, 2)
+            return web.json_response(
+                self.reply(body, n, {"type": "abort", "message": "pause_generation"})
+            )
+        bad = (
+            {action: True} if action in ("short_routes", "bad_logprob_ids", "few_logprobs") else {}
+        )
+        if action == "stale":
+            bad = {"version": "old"}
+        return web.json_response(self.reply(body, m, length, **bad))
