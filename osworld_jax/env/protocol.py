@@ -74,6 +74,13 @@ def is_transient(exc: BaseException) -> bool:
     """Whether ``exc`` is a transient sandbox failure worth retrying (5xx, timeout, connection)."""
     from osworld_jax.env.backend import SandboxTimeout
 
+    try:
+        from osworld_jax.env.vm_client import SandboxTransientError
+    except ImportError:  # the local room's client is optional for this check
+        pass
+    else:
+        if isinstance(exc, SandboxTransientError):
+            return True
     status = getattr(exc, "status", None)
     if isinstance(status, int) and status >= 500:
         return True

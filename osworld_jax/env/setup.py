@@ -1,0 +1,187 @@
+"""Setup and postconfig steps of OSWorld tasks, run through the in-VM protocol (no jax).
+
+Each step type maps to an async handler in ``SETUP_STEPS``. Semantics follow OSWorld's
+``desktop_env/controllers/setup.py``: ``download`` places files (here: from the local file cache,
+never the network), ``launch`` starts a program without waiting, ``execute``/``command`` run one
+and wait (``until`` retries until the output matches), ``open`` opens a file with its default
+application, ``sleep`` waits, ``activate_window``/``close_window`` act on windows by title/class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from osworld_jax.env import cache
+from osworld_jax.env.backend import SandboxCreateError
+from osworld_jax.env.protocol import VMProtocol
+from osworld_jax.registry import Registry
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SetupContext:
+    """What a step handler may use besides the VM.
+
+    Attributes:
+      cache_dir: the local file cache (see ``osworld_jax.env.cache``); None = the default.
+      task_id: the task's id (the cache's ``<task id>/<basename>`` key).
+      base_dir: the task file's directory (relative URLs of bundled tasks resolve against it).
+      sleep: the coroutine used for ``sleep`` steps (tests pass a fast one).
+      work_dir: where ``execute`` steps with ``stdout``/``stderr`` file names save the command's
+        output (upstream's per-task cache dir; the ``cache_file`` getter reads it back); None
+        means such steps fail.
+    """
+
+    cache_dir: str | os.PathLike[str] | None = None
+    task_id: str | None = None
+    base_dir: str | os.PathLike[str] | None = None
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+    work_dir: str | os.PathLike[str] | None = None
+
+
+StepHandler = Callable[[VMProtocol, Mapping[str, Any], SetupContext], Awaitable[None]]
+SETUP_STEPS: Registry[StepHandler] = Registry("setup step type")
+
+# How many times ``execute`` re-runs a command whose output does not yet match ``until``.
+_UNTIL_ATTEMPTS = 5
+_UNTIL_DELAY_S = 0.3
+
+
+class SetupStepError(SandboxCreateError):
+    """A setup or postconfig step failed; the message names the step and why."""
+
+
+def _require(params: Mapping[str, Any], key: str, step: str) -> Any:
+    if key not in params:
+        raise SetupStepError(f"setup step {step!r}: missing parameter {key!r}")
+    return params[key]
+
+
+@SETUP_STEPS.register("download")
+async def _download(vm: VMProtocol, params: Mapping[str, Any], ctx: SetupContext) -> None:
+    files = _require(params, "files", "download")
+    for f in files:
+        url, path = f.get("url"), f.get("path")
+        if not url or not path:
+            raise SetupStepError(f"setup step 'download': each file needs url and path, got {f}")
+        local = cache.resolve(url, ctx.cache_dir, ctx.task_id, ctx.base_dir)
+        if local is None:
+            raise SetupStepError(
+                f"setup step 'download': {url} is not in the local file cache "
+                f"({ctx.cache_dir or cache.default_cache_dir()})"
+            )
+        await vm.upload(path, Path(local).read_bytes())
+
+
+@SETUP_STEPS.register("launch")
+async def _launch(vm: VMProtocol, params: Mapping[str, Any], ctx: SetupContext) -> None:
+    await vm.launch(_require(params, "command", "launch"), shell=bool(params.get("shell", False)))
+
+
+def _until_met(result: Mapping[str, Any], until: Mapping[str, Any]) -> bool:
+    if "returncode" in until and result.get("returncode") != until["returncode"]:
+        return False
+    if "stdout" in until and str(until["stdout"]) not in str(result.get("output", "")):
+        return False
+    if "stderr" in until and str(until["stderr"]) not in str(result.get("error", "")):
+        return False
+    return True
+
+
+def _save_outputs(params: Mapping[str, Any], result: Mapping[str, Any], ctx: SetupContext) -> None:
+    for key, field in (("stdout", "output"), ("stderr", "error")):
+        name = params.get(key)
+        if not name:
+            continue
+        if ctx.work_dir is None:
+            raise SetupStepError(f"setup step 'execute': {key}={name!r} needs a work dir")
+        (Path(ctx.work_dir) / str(name)).write_text(str(result.get(field) or ""))
+
+
+@SETUP_STEPS.register("execute")
+@SETUP_STEPS.register("command")
+async def _execute(vm: VMProtocol, params: Mapping[str, Any], ctx: SetupContext) -> None:
+    command = _require(params, "command", "execute")
+    shell = bool(params.get("shell", False)) or params.get("shell") == "true"
+    until = params.get("until") or {}
+    for attempt in range(_UNTIL_ATTEMPTS if until else 1):
+        result = await vm.execute(command, shell=shell)
+        if not until or _until_met(result, until):
+            _save_outputs(params, result, ctx)
+            return
+        if attempt + 1 < _UNTIL_ATTEMPTS:
+            await ctx.sleep(_UNTIL_DELAY_S)
+    raise SetupStepError(f"setup step 'execute': {command!r} never met until={dict(until)}")
+
+
+@SETUP_STEPS.register("open")
+async def _open(vm: VMProtocol, params: Mapping[str, Any], ctx: SetupContext) -> None:
+    await vm.open_file(_require(params, "path", "open"))
+
+
+@SETUP_STEPS.register("sleep")
+async def _sleep(vm: VMProtocol, params: Mapping[str, Any], ctx: SetupContext) -> None:
+    await ctx.sleep(float(_require(params, "seconds", "sleep")))
+
+
+@SETUP_STEPS.register("activate_window")
+async def _activate(vm: VMProtocol, params: Mapping[str, Any], ctx: SetupContext) -> None:
+    await vm.activate_window(
+        _require(params, "window_name", "activate_window"),
+        strict=bool(params.get("strict", False)),
+        by_class=bool(params.get("by_class", False)),
+    )
+
+
+@SETUP_STEPS.register("close_window")
+async def _close(vm: VMProtocol, params: Mapping[str, Any], ctx: SetupContext) -> None:
+    await vm.close_window(
+        _require(params, "window_name", "close_window"),
+        strict=bool(params.get("strict", False)),
+        by_class=bool(params.get("by_class", False)),
+    )
+
+
+@SETUP_STEPS.register("upload_file")
+async def _upload_file(vm: VMProtocol, params: Mapping[str, Any], ctx: SetupContext) -> None:
+    # Upstream: ``{local_path, path}``; here the local path goes through the cache resolver too.
+    src = _require(params, "local_path", "upload_file")
+    local = cache.resolve(src, ctx.cache_dir, ctx.task_id, ctx.base_dir)
+    if local is None:
+        raise SetupStepError(f"setup step 'upload_file': {src} not found")
+    await vm.upload(_require(params, "path", "upload_file"), Path(local).read_bytes())
+
+
+async def run_setup(
+    steps: Iterable[Any],
+    vm: VMProtocol,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+    only_types: Iterable[str] | None = None,
+    ctx: SetupContext | None = None,
+) -> None:
+    """Runs setup (or postconfig) steps in order.
+
+    Args:
+      steps: ``SetupStep``s (or any object with ``type`` and ``parameters``).
+      vm: the desktop's in-VM client.
+      cache_dir: the local file cache for ``download`` (ignored when ``ctx`` is given).
+      only_types: when given, other step types are skipped (fork re-runs only launch/open).
+      ctx: the full context (task id, base dir, sleep); default: built from ``cache_dir``.
+
+    Raises:
+      SetupStepError: an unsupported step type, a missing parameter, a file absent from the
+        cache, or an ``until`` condition never met (the message names the step).
+    """
+    ctx = ctx if ctx is not None else SetupContext(cache_dir=cache_dir)
+    keep = set(only_types) if only_types is not None else None
+    for i, step in enumerate(steps):
+        if keep is not None and step.type not in keep:
+            continue
+        if step.type not in SETUP_STEPS:
+            raise SetupStepError(f"setup step {i} type {step.type!r} is not supported")
+        await SETUP_STEPS.get(step.type)(vm, step.parameters, ctx)

@@ -1,0 +1,558 @@
+"""OSWorld task files: loading, validation, and what a backend can run here (no jax).
+
+An OSWorld task is a JSON object: ``id``, ``snapshot``, ``instruction``, ``source``, setup steps
+``config`` (``{type, parameters}``), an ``evaluator`` (``func`` — one metric name or a list with
+parallel ``result`` / ``expected`` / ``options`` lists combined by ``conj`` — ``result`` and
+``expected`` getters ``{type, ...}``, and ``postconfig`` steps), plus ``proxy``, ``fixed_ip`` and
+``possibility_of_env_change``. See xlang-ai/OSWorld ``evaluation_examples/``.
+
+Run ``python -m osworld_jax.env.tasks report DIR [--backend local]`` for a per-domain table of how
+many tasks a backend can run here and why the others cannot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import shlex
+import shutil
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from osworld_jax.env import cache
+from osworld_jax.errors import ConfigError
+
+
+class TaskFormatError(ConfigError):
+    """A task file is malformed; the message names the file and the field."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SetupStep:
+    """One setup or postconfig step.
+
+    Attributes:
+      type: the step type (``download``, ``launch``, ``open``, ``execute``, ...).
+      parameters: the step's parameters as in the JSON (treat as read-only).
+    """
+
+    type: str
+    parameters: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GetterSpec:
+    """A ``result`` or ``expected`` getter of an evaluator.
+
+    Attributes:
+      type: the getter type (``vm_file``, ``rule``, ``vm_command_line``, ...).
+      params: every other key of the getter object (treat as read-only).
+    """
+
+    type: str
+    params: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvaluatorSpec:
+    """The evaluator, normalised to parallel tuples (a single ``func`` becomes a 1-tuple).
+
+    Attributes:
+      func: metric names.
+      result: per metric, the getter of the observed value (None when the metric takes none,
+        e.g. ``infeasible``).
+      expected: per metric, the getter of the expected value, or None.
+      options: per metric, keyword options of the metric.
+      conj: how several metrics combine: ``"and"`` (all must score; the reward is their mean and
+        0 if any is 0) or ``"or"`` (the maximum).
+      postconfig: steps run after the episode, before the getters.
+    """
+
+    func: tuple[str, ...]
+    result: tuple[GetterSpec | None, ...]
+    expected: tuple[GetterSpec | None, ...]
+    options: tuple[Mapping[str, Any], ...]
+    conj: str
+    postconfig: tuple[SetupStep, ...]
+
+    @property
+    def is_infeasible(self) -> bool:
+        """Whether the task is scored by ``infeasible`` (reward 1 iff the agent answers FAIL)."""
+        return self.func == ("infeasible",)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Task:
+    """One OSWorld task.
+
+    Attributes:
+      id: the task id (a UUID for the benchmark tasks).
+      snapshot: the VM snapshot name the task starts from (e.g. ``"chrome"``).
+      instruction: the natural-language instruction given to the agent.
+      source: where the task came from (free text or URL).
+      config: the setup steps, in order.
+      evaluator: the evaluator.
+      proxy: whether the task needs the benchmark's web proxy (live web).
+      fixed_ip: whether the task needs a fixed IP address.
+      possibility_of_env_change: upstream's note on how likely the live environment changed.
+      related_apps: the applications the task involves.
+      unknown: ``"setup:X"``, ``"getter:X"`` and ``"metric:X"`` entries for types this package
+        does not implement (recorded, not a crash; ``capabilities`` reports them).
+      path: the file the task was loaded from, or None for a dict.
+      domain: the task's domain (the parent directory name of its file, else ``snapshot``).
+    """
+
+    id: str
+    snapshot: str
+    instruction: str
+    source: str
+    config: tuple[SetupStep, ...]
+    evaluator: EvaluatorSpec
+    proxy: bool
+    fixed_ip: bool
+    possibility_of_env_change: str
+    related_apps: tuple[str, ...]
+    unknown: tuple[str, ...]
+    path: Path | None
+    domain: str
+
+
+def _fail(where: str, field: str, why: str) -> TaskFormatError:
+    return TaskFormatError(f"{where}: field {field!r}: {why}")
+
+
+def _step(raw: Any, where: str, field: str) -> SetupStep:
+    if not isinstance(raw, Mapping):
+        raise _fail(where, field, f"a step must be an object, got {type(raw).__name__}")
+    typ = raw.get("type")
+    if not isinstance(typ, str) or not typ:
+        raise _fail(where, f"{field}.type", "a step needs a non-empty string 'type'")
+    params = raw.get("parameters", {})
+    if params is None:
+        params = {}
+    if not isinstance(params, Mapping):
+        raise _fail(where, f"{field}.parameters", "must be an object")
+    return SetupStep(type=typ, parameters=dict(params))
+
+
+def _getter(raw: Any, where: str, field: str) -> GetterSpec | None:
+    if raw is None or raw == {}:
+        return None
+    if not isinstance(raw, Mapping):
+        raise _fail(where, field, f"a getter must be an object, got {type(raw).__name__}")
+    typ = raw.get("type")
+    if not isinstance(typ, str) or not typ:
+        raise _fail(where, f"{field}.type", "a getter needs a non-empty string 'type'")
+    return GetterSpec(type=typ, params={k: v for k, v in raw.items() if k != "type"})
+
+
+def _parallel(raw: Any, n: int, listed: bool, where: str, field: str) -> list[Any]:
+    """Normalises ``result``/``expected``/``options`` to a list parallel to ``func``."""
+    if not listed:
+        return [raw]
+    if raw is None:
+        return [None] * n
+    if not isinstance(raw, list):
+        # Upstream allows one object shared by every metric.
+        return [raw] * n
+    if len(raw) != n:
+        raise _fail(where, field, f"has {len(raw)} entries but 'func' lists {n} metrics")
+    return list(raw)
+
+
+def _evaluator(raw: Any, where: str) -> EvaluatorSpec:
+    if not isinstance(raw, Mapping):
+        raise _fail(where, "evaluator", "missing or not an object")
+    func = raw.get("func")
+    listed = isinstance(func, list)
+    funcs = func if listed else [func]
+    if not funcs or not all(isinstance(f, str) and f for f in funcs):
+        raise _fail(where, "evaluator.func", "must be a metric name or a non-empty list of names")
+    n = len(funcs)
+    results = [
+        _getter(g, where, f"evaluator.result[{i}]")
+        for i, g in enumerate(_parallel(raw.get("result"), n, listed, where, "evaluator.result"))
+    ]
+    expected = [
+        _getter(g, where, f"evaluator.expected[{i}]")
+        for i, g in enumerate(
+            _parallel(raw.get("expected"), n, listed, where, "evaluator.expected")
+        )
+    ]
+    options: list[Mapping[str, Any]] = []
+    for i, o in enumerate(_parallel(raw.get("options"), n, listed, where, "evaluator.options")):
+        if o is None:
+            o = {}
+        if not isinstance(o, Mapping):
+            raise _fail(where, f"evaluator.options[{i}]", "must be an object")
+        options.append(dict(o))
+    conj = raw.get("conj", "and")
+    if conj not in ("and", "or"):
+        raise _fail(where, "evaluator.conj", f"must be 'and' or 'or', got {conj!r}")
+    post = raw.get("postconfig", []) or []
+    if not isinstance(post, list):
+        raise _fail(where, "evaluator.postconfig", "must be a list of steps")
+    return EvaluatorSpec(
+        func=tuple(str(f) for f in funcs),
+        result=tuple(results),
+        expected=tuple(expected),
+        options=tuple(options),
+        conj=conj,
+        postconfig=tuple(_step(s, where, f"evaluator.postconfig[{i}]") for i, s in enumerate(post)),
+    )
+
+
+def _unknown(config: Sequence[SetupStep], ev: EvaluatorSpec) -> tuple[str, ...]:
+    from osworld_jax.env.evaluators.registry import GETTERS, METRICS
+    from osworld_jax.env.setup import SETUP_STEPS
+
+    out: list[str] = []
+    for s in (*config, *ev.postconfig):
+        if s.type not in SETUP_STEPS:
+            out.append(f"setup:{s.type}")
+    for g in (*ev.result, *ev.expected):
+        if g is not None and g.type not in GETTERS:
+            out.append(f"getter:{g.type}")
+    for f in ev.func:
+        if f not in METRICS:
+            out.append(f"metric:{f}")
+    return tuple(dict.fromkeys(out))
+
+
+def load_task(path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> Task:
+    """Loads and validates one OSWorld task.
+
+    Args:
+      path_or_dict: a task JSON file, or the already-parsed object.
+
+    Returns:
+      The task; types this package does not implement are listed in ``Task.unknown``.
+
+    Raises:
+      TaskFormatError: bad JSON, a missing/ill-typed field, or a step without a type; the message
+        names the file (or ``<dict>``) and the field.
+    """
+    path: Path | None = None
+    if isinstance(path_or_dict, Mapping):
+        raw: Any = path_or_dict
+        where = f"<task dict {path_or_dict.get('id', '?')}>"
+    else:
+        path = Path(path_or_dict)
+        where = str(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as e:
+            raise TaskFormatError(f"{where}: cannot read: {e}") from e
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise TaskFormatError(f"{where}: field '<json>': bad JSON: {e}") from e
+    if not isinstance(raw, Mapping):
+        raise _fail(where, "<root>", "a task must be a JSON object")
+    for key in ("id", "instruction"):
+        val = raw.get(key)
+        if not isinstance(val, str) or not val.strip():
+            raise _fail(where, key, "missing or not a non-empty string")
+    steps = raw.get("config", []) or []
+    if not isinstance(steps, list):
+        raise _fail(where, "config", "must be a list of steps")
+    config = tuple(_step(s, where, f"config[{i}]") for i, s in enumerate(steps))
+    ev = _evaluator(raw.get("evaluator"), where)
+    apps = raw.get("related_apps", []) or []
+    if not isinstance(apps, list):
+        raise _fail(where, "related_apps", "must be a list")
+    snapshot = str(raw.get("snapshot", "") or "")
+    return Task(
+        id=raw["id"],
+        snapshot=snapshot,
+        instruction=raw["instruction"],
+        source=str(raw.get("source", "") or ""),
+        config=config,
+        evaluator=ev,
+        proxy=bool(raw.get("proxy", False)),
+        fixed_ip=bool(raw.get("fixed_ip", False)),
+        possibility_of_env_change=str(raw.get("possibility_of_env_change", "") or ""),
+        related_apps=tuple(str(a) for a in apps),
+        unknown=_unknown(config, ev),
+        path=path,
+        domain=path.parent.name if path is not None else snapshot,
+    )
+
+
+def iter_task_files(root: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yields the task JSON files under ``root`` (``root/<domain>/<id>.json``), sorted."""
+    yield from sorted(p for p in Path(root).rglob("*.json") if p.is_file())
+
+
+def load_tasks(root: str | os.PathLike[str]) -> list[Task]:
+    """Loads every task under ``root`` (see ``iter_task_files``); the first bad file raises."""
+    return [load_task(p) for p in iter_task_files(root)]
+
+
+# --------------------------------------------------------------------------- capabilities
+
+
+@dataclasses.dataclass(frozen=True)
+class Reason:
+    """Why a task cannot run here.
+
+    Attributes:
+      kind: the category (``REMOTE_FILE``, ``METRIC``, ...; the report groups by it).
+      detail: the specific file, metric, app or step.
+    """
+
+    kind: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.detail}"
+
+
+REMOTE_FILE = "needs remote file not in local cache"
+METRIC = "metric unsupported"
+GETTER = "getter unsupported"
+SETUP = "setup step unsupported"
+LIVE_WEB = "needs proxy/live web"
+GDRIVE = "needs Google Drive"
+LOGIN = "needs an online login"
+APP = "app not installed"
+BACKEND = "backend cannot express it"
+
+
+@dataclasses.dataclass(frozen=True)
+class Runnable:
+    """The task can run on the backend here."""
+
+    def __bool__(self) -> bool:
+        return True
+
+
+@dataclasses.dataclass(frozen=True)
+class NotRunnable:
+    """The task cannot run on the backend here.
+
+    Attributes:
+      reasons: every reason found (not only the first).
+    """
+
+    reasons: tuple[Reason, ...]
+
+    def __bool__(self) -> bool:
+        return False
+
+
+# Step types that need the network or an account (known OSWorld types we cannot run offline).
+_NETWORK_STEPS = {
+    "chrome_open_tabs": LIVE_WEB,
+    "chrome_close_tabs": LIVE_WEB,
+    "update_browse_history": LIVE_WEB,
+    "googledrive": GDRIVE,
+    "login": LOGIN,
+}
+_NETWORK_GETTERS = {"googledrive_file": GDRIVE, "info_from_website": LIVE_WEB}
+# Documents that ``open`` hands to an office suite (the app must exist for the local backend).
+_OFFICE_EXTS = {
+    ".docx", ".doc", ".odt", ".xlsx", ".xls", ".ods", ".pptx", ".ppt", ".odp", ".rtf",
+}  # fmt: skip
+_OFFICE_BINS = ("soffice", "libreoffice")
+# Backends whose desktop is this machine: apps are checked with ``shutil.which``.
+_HOST_APP_BACKENDS = {"local"}
+
+
+def _program(command: Any, shell: bool) -> str | None:
+    """The program a launch/execute/command step runs (None when it cannot be told)."""
+    if isinstance(command, list) and command:
+        first = command[0]
+        if shell and isinstance(first, str):
+            command = first
+        else:
+            return str(first)
+    if isinstance(command, str):
+        try:
+            words = shlex.split(command)
+        except ValueError:
+            return None
+        for w in words:
+            if "=" in w and not w.startswith(("/", ".")) and w.split("=", 1)[0].isidentifier():
+                continue  # leading VAR=value assignments
+            return w
+    return None
+
+
+def _shell_builtin(prog: str) -> bool:
+    return prog in {"cd", "export", "echo", "source", ".", "set", "true", "false", "test"}
+
+
+def _files_needed(task: Task) -> list[str]:
+    urls: list[Any] = []
+    for s in (*task.config, *task.evaluator.postconfig):
+        if s.type == "download":
+            for f in s.parameters.get("files", []) or []:
+                if isinstance(f, Mapping) and isinstance(f.get("url"), str):
+                    urls.append(f["url"])
+    for g in (*task.evaluator.result, *task.evaluator.expected):
+        if g is not None and g.type == "cloud_file":
+            paths = g.params.get("path")
+            urls.extend(paths if isinstance(paths, list) else [paths])
+    return [u for u in urls if isinstance(u, str)]
+
+
+def _apps_needed(task: Task) -> list[str]:
+    apps: list[str] = []
+    for s in (*task.config, *task.evaluator.postconfig):
+        p = s.parameters
+        if s.type in ("launch", "execute", "command"):
+            prog = _program(p.get("command"), bool(p.get("shell", False)))
+            if prog and not _shell_builtin(prog):
+                apps.append(prog)
+        elif s.type == "open":
+            path = str(p.get("path", ""))
+            if Path(path).suffix.lower() in _OFFICE_EXTS:
+                apps.append("|".join(_OFFICE_BINS))
+    return list(dict.fromkeys(apps))
+
+
+def _app_available(app: str) -> bool:
+    return any(shutil.which(a) is not None for a in app.split("|"))
+
+
+def capabilities(
+    task: Task,
+    backend_name: str,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> Runnable | NotRunnable:
+    """Whether ``backend_name`` can run ``task`` here, and if not every reason why.
+
+    Checks: proxy/live-web and account steps; setup steps, getters and metrics this package does
+    not implement; remote files (``download`` steps, ``cloud_file`` getters) absent from the local
+    file cache (see ``osworld_jax.env.cache``); for host backends (``local``) the programs that
+    launch/execute steps run and the office suite that ``open`` needs (``shutil.which``); and
+    backend-specific limits (a backend class may define ``capability_reasons(task)``).
+
+    Args:
+      task: the task.
+      backend_name: a ``BACKENDS`` name (``"local"``, ``"memory"``, ...).
+      cache_dir: the local file cache (default: ``cache.default_cache_dir()``).
+
+    Returns:
+      ``Runnable()`` or ``NotRunnable(reasons)``.
+    """
+    reasons: list[Reason] = []
+    if task.proxy:
+        reasons.append(Reason(LIVE_WEB, "task sets proxy=true"))
+    for s in (*task.config, *task.evaluator.postconfig):
+        if s.type in _NETWORK_STEPS:
+            reasons.append(Reason(_NETWORK_STEPS[s.type], f"setup step {s.type}"))
+    for g in (*task.evaluator.result, *task.evaluator.expected):
+        if g is not None and g.type in _NETWORK_GETTERS:
+            reasons.append(Reason(_NETWORK_GETTERS[g.type], f"getter {g.type}"))
+    for u in task.unknown:
+        kind, name = u.split(":", 1)
+        if kind == "setup" and name in _NETWORK_STEPS:
+            continue
+        if kind == "getter" and name in _NETWORK_GETTERS:
+            continue
+        reasons.append(Reason({"setup": SETUP, "getter": GETTER, "metric": METRIC}[kind], name))
+    from osworld_jax.env.evaluators.registry import METRICS, option_checker
+
+    for name, opts in zip(task.evaluator.func, task.evaluator.options, strict=True):
+        check = option_checker(METRICS.get(name)) if name in METRICS else None
+        if check is not None:
+            reasons.extend(Reason(METRIC, d) for d in check(opts))
+    base_dir = task.path.parent if task.path is not None else None
+    for url in _files_needed(task):
+        if cache.resolve(url, cache_dir, task.id, base_dir) is None:
+            reasons.append(Reason(REMOTE_FILE, url))
+    if backend_name in _HOST_APP_BACKENDS:
+        for app in _apps_needed(task):
+            if not _app_available(app):
+                reasons.append(Reason(APP, app))
+    from osworld_jax.env.backend import BACKENDS
+
+    if backend_name in BACKENDS:
+        hook = getattr(BACKENDS.get(backend_name), "capability_reasons", None)
+        if hook is not None:
+            reasons.extend(Reason(BACKEND, r) for r in hook(task))
+    reasons = list(dict.fromkeys(reasons))
+    return NotRunnable(tuple(reasons)) if reasons else Runnable()
+
+
+# --------------------------------------------------------------------------- report
+
+
+@dataclasses.dataclass
+class _DomainRow:
+    total: int = 0
+    runnable: int = 0
+    kinds: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    details: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+
+
+def report(
+    root: str | os.PathLike[str],
+    backend_name: str = "local",
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+    top: int = 3,
+) -> str:
+    """A per-domain table: total tasks, runnable on ``backend_name`` here, the top reasons.
+
+    Reason kinds are counted once per task; the detail column names the most common specific
+    metric/app/step (remote file URLs are not listed one by one).
+    """
+    rows: dict[str, _DomainRow] = collections.defaultdict(_DomainRow)
+    for p in iter_task_files(root):
+        task = load_task(p)
+        row = rows[task.domain]
+        row.total += 1
+        cap = capabilities(task, backend_name, cache_dir=cache_dir)
+        if cap:
+            row.runnable += 1
+            continue
+        assert isinstance(cap, NotRunnable)
+        row.kinds.update({r.kind for r in cap.reasons})
+        row.details.update({str(r) for r in cap.reasons if r.kind != REMOTE_FILE})
+    total = _DomainRow()
+    for row in rows.values():
+        total.total += row.total
+        total.runnable += row.runnable
+        total.kinds.update(row.kinds)
+        total.details.update(row.details)
+    lines = [f"backend={backend_name}  tasks={total.total}  runnable={total.runnable}"]
+    head = f"{'domain':<20} {'total':>5} {'runnable':>8}  top reasons (tasks)"
+    lines += [head, "-" * len(head)]
+    for name, row in [*sorted(rows.items()), ("ALL", total)]:
+        reasons = "; ".join(f"{k} ({c})" for k, c in row.kinds.most_common(top))
+        lines.append(f"{name:<20} {row.total:>5} {row.runnable:>8}  {reasons}")
+    lines.append("")
+    lines.append("most common specific reasons:")
+    for d, c in total.details.most_common(2 * top + 4):
+        lines.append(f"  {c:>4}  {d}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI: ``python -m osworld_jax.env.tasks report DIR [--backend B] [--cache-dir C]``."""
+    parser = argparse.ArgumentParser(prog="python -m osworld_jax.env.tasks")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    rep = sub.add_parser("report", help="per-domain runnable counts and reasons")
+    rep.add_argument("dir", help="a directory of task JSON files (<domain>/<id>.json)")
+    rep.add_argument("--backend", default="local", help="backend name (default: local)")
+    rep.add_argument("--cache-dir", default=None, help="local file cache directory")
+    args = parser.parse_args(argv)
+    try:
+        print(report(args.dir, args.backend, cache_dir=args.cache_dir))
+    except TaskFormatError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
