@@ -21,6 +21,8 @@ GateOutput = tuple[Bool[Array, "R *t"], Float[Array, "R T"]]
 # h(d) = d e^d - expm1(d) = sum_{k>=2} (k-1)/k! d^k; Horner coefficients for |d| < _SERIES_CUTOFF.
 _H_COEFFS = tuple((k - 1) / math.factorial(k) for k in range(2, 13))
 _SERIES_CUTOFF = 0.5
+# exp(88) < float32 max (3.4e38) < exp(89)
+_MAX_LOG_RATIO = 88.0
 
 
 def _h(d: Float[Array, "*S"]) -> Float[Array, "*S"]:
@@ -86,9 +88,13 @@ def _finite_weights(
     behavior: Float[Array, "R T"],
     train: Float[Array, "R T"],
 ) -> Float[Array, "R T"]:
-    """``exp(train - behavior)`` where ``decide`` and the log-ratio is finite, else exactly 0."""
+    """``exp(train - behavior)`` where ``decide``, else exactly 0; always finite.
+
+    A log-ratio that is not finite, or so large that ``exp`` overflows float32 (``> 88``), gives
+    0: such a ratio is never exponentiated, so neither the weight nor its gradient is inf/NaN.
+    """
     log_ratio = train - behavior
-    ok = decide & jnp.isfinite(log_ratio)
+    ok = decide & jnp.isfinite(log_ratio) & (log_ratio < _MAX_LOG_RATIO)
     return jnp.where(ok, jnp.exp(jnp.where(ok, log_ratio, 0.0)), 0.0)
 
 
@@ -140,7 +146,8 @@ def flash_reinforce_gate(
     ``m`` = loss mask; masked tokens never count; a row without loss tokens has ``stat = 0`` and
     is kept); ``keep_r = stat_r <= threshold``, and a loss token with a non-finite behaviour
     logprob rejects its row. ``is_weight[r, t] = keep_r * exp(train - behavior)`` (unclipped), 0 on
-    a rejected row, and 0 wherever ``train - behavior`` is not finite, so weights stay finite.
+    a rejected row, and 0 wherever ``train - behavior`` is not finite or would overflow float32
+    (``> 88``), so weights stay finite.
 
     Token level: ``keep_rt = KL_rt <= threshold`` per loss token (masked tokens are kept) and
     ``is_weight[r, t] = keep_rt * exp(train - behavior)``.
