@@ -1,1 +1,50 @@
-"""osworld_jax.model room (see docs/INTERFACES.md)."""
+"""osworld_jax.model: the Qwen3-MoE policy in Flax NNX (see docs/INTERFACES.md).
+
+Public face: configs, the policy and its pure `forward`, KV cache, HF checkpoint I/O, the tiny
+checkpoint builder, R3 validation, expert backends, sharding rules and the frozen-router label.
+"""
+
+from osworld_jax.model.config import SUPPORTED_ROPE_TYPES, ModelRuntimeConfig, Qwen3MoeConfig
+from osworld_jax.model.errors import CheckpointError, ModelConfigError, RouterReplayError
+from osworld_jax.model.hf_io import load_hf_checkpoint, save_hf_checkpoint
+from osworld_jax.model.moe import EXPERT_BACKENDS
+from osworld_jax.model.policy import (
+    KVCache,
+    Policy,
+    PolicyOutput,
+    forward,
+    init_kv_cache,
+    unembed_matrix,
+)
+from osworld_jax.model.remat import REMAT_POLICIES
+from osworld_jax.model.replay import validate_replay
+from osworld_jax.model.sharding import (
+    ShardingRules,
+    make_mesh,
+    param_shardings,
+    policy_shardings,
+)
+
+__all__ = [
+    "EXPERT_BACKENDS",
+    "REMAT_POLICIES",
+    "SUPPORTED_ROPE_TYPES",
+    "CheckpointError",
+    "KVCache",
+    "ModelConfigError",
+    "ModelRuntimeConfig",
+    "Policy",
+    "PolicyOutput",
+    "Qwen3MoeConfig",
+    "RouterReplayError",
+    "ShardingRules",
+    "forward",
+    "init_kv_cache",
+    "load_hf_checkpoint",
+    "make_mesh",
+    "param_shardings",
+    "policy_shardings",
+    "save_hf_checkpoint",
+    "unembed_matrix",
+    "validate_replay",
+]

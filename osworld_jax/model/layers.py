@@ -1,0 +1,175 @@
+"""One Qwen3-MoE decoder layer as pure functions of arrays (HF ``Qwen3MoeDecoderLayer``).
+
+``x = x + o(attn(rope(q_norm(q(n1 x))), rope(k_norm(k(n1 x))), v(n1 x)))``;
+``x = x + mlp(n2 x)`` with ``mlp`` the sparse MoE block or the dense SwiGLU MLP.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from osworld_jax.model import moe
+from osworld_jax.model.config import ModelRuntimeConfig, Qwen3MoeConfig
+from osworld_jax.model.rope import apply_rope
+
+_NEG = float(jnp.finfo(jnp.float32).min)
+
+
+def rms_norm(x: Float[Array, "... H"], w: Float[Array, " H"], eps: float) -> Float[Array, "... H"]:
+    """HF RMSNorm in float32: ``w * x / sqrt(mean(x^2) + eps)``, returned in ``x.dtype``."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (w.astype(jnp.float32) * normed).astype(x.dtype)
+
+
+def segment_mask(
+    segment_ids: Int[Array, "B S"], positions: Int[Array, "B S"]
+) -> Bool[Array, "B S S"]:
+    """Query i sees key j iff same non-zero segment and ``pos_j <= pos_i``.
+
+    Padding queries (segment 0) see only themselves so their softmax stays finite.
+    """
+    seg_q, seg_k = segment_ids[:, :, None], segment_ids[:, None, :]
+    causal = positions[:, None, :] <= positions[:, :, None]  # [B, S, S]
+    same = (seg_q == seg_k) & (seg_q != 0)  # [B, S, S]
+    eye = jnp.eye(segment_ids.shape[1], dtype=bool)[None]  # [1, S, S]
+    return (same & causal) | eye
+
+
+def cache_mask(positions: Int[Array, "B S"], max_len: int) -> Bool[Array, "B S M"]:
+    """With a KV cache, query at position p sees cache slots ``j <= p``."""
+    return jnp.arange(max_len)[None, None, :] <= positions[:, :, None]
+
+
+def attention(
+    q: Float[Array, "B S N D"],
+    k: Float[Array, "B T KV D"],
+    v: Float[Array, "B T KV D"],
+    mask: Bool[Array, "B S T"],
+) -> Float[Array, "B S N D"]:
+    """GQA softmax attention (query head h uses kv head h // (N / KV)); float32 softmax."""
+    b, s, n, d = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, s, kv, n // kv, d)  # [B, S, KV, G, D]
+    scores = jnp.einsum("bskgd,btkd->bkgst", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (d**-0.5)  # [B, KV, G, S, T]
+    scores = jnp.where(mask[:, None, None], scores, _NEG)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)  # [B, S, KV, G, D]
+    return out.reshape(b, s, n, d)
+
+
+class LayerCache(NamedTuple):
+    """One layer's KV cache rows: k, v [B, M, KV, D]."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+class LayerOut(NamedTuple):
+    """What a decoder layer returns besides the new residual stream."""
+
+    routed: jax.Array  # i32[B, S, K] (-1 on dense layers)
+    expert_count: jax.Array  # f32[E] live top-k assignments of valid tokens
+    prob_sum: jax.Array  # f32[E]
+    z_sum: jax.Array  # f32[]
+    cache: LayerCache | None
+
+
+def _scatter_cache(
+    cache: LayerCache, k: jax.Array, v: jax.Array, positions: jax.Array
+) -> LayerCache:
+    """Writes k/v [B, S, KV, D] into cache rows at ``positions`` (out-of-range writes drop)."""
+    rows = jnp.arange(k.shape[0])[:, None]  # [B, 1]
+    new_k = cache.k.at[rows, positions].set(k.astype(cache.k.dtype), mode="drop")
+    new_v = cache.v.at[rows, positions].set(v.astype(cache.v.dtype), mode="drop")
+    return LayerCache(new_k, new_v)
+
+
+def attention_block(
+    p: dict[str, jax.Array],
+    x: Float[Array, "B S H"],
+    *,
+    config: Qwen3MoeConfig,
+    cos: jax.Array,
+    sin: jax.Array,
+    mask: jax.Array | None,
+    positions: jax.Array,
+    cache: LayerCache | None,
+) -> tuple[jax.Array, LayerCache | None]:
+    """Self-attention of one layer (input already normed); returns (out [B,S,H], new cache)."""
+    eps = config.rms_norm_eps
+    q = rms_norm(jnp.einsum("bsh,hnd->bsnd", x, p["q_proj"]), p["q_norm"], eps)
+    k = rms_norm(jnp.einsum("bsh,hnd->bsnd", x, p["k_proj"]), p["k_norm"], eps)
+    v = jnp.einsum("bsh,hnd->bsnd", x, p["v_proj"])
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if cache is not None:
+        cache = _scatter_cache(cache, k, v, positions)
+        k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
+        mask = cache_mask(positions, k.shape[1])
+    assert mask is not None
+    out = attention(q, k, v, mask)
+    return jnp.einsum("bsnd,ndh->bsh", out, p["o_proj"]), cache
+
+
+def decoder_layer(
+    attn_p: dict[str, jax.Array],
+    mlp_p: dict[str, jax.Array],
+    x: Float[Array, "B S H"],
+    *,
+    is_moe: bool,
+    config: Qwen3MoeConfig,
+    runtime: ModelRuntimeConfig,
+    cos: jax.Array,
+    sin: jax.Array,
+    mask: jax.Array | None,
+    positions: jax.Array,
+    valid: Float[Array, "B S"],
+    replay: Int[Array, "B S K"] | None,
+    cache: LayerCache | None,
+) -> tuple[jax.Array, LayerOut]:
+    """One decoder layer; returns (new residual [B,S,H], `LayerOut`)."""
+    b, s, h = x.shape
+    eps = config.rms_norm_eps
+    attn_out, cache = attention_block(
+        attn_p,
+        rms_norm(x, attn_p["input_norm"], eps),
+        config=config,
+        cos=cos,
+        sin=sin,
+        mask=mask,
+        positions=positions,
+        cache=cache,
+    )
+    x = x + attn_out
+    y = rms_norm(x, attn_p["post_norm"], eps).reshape(b * s, h)  # [T, H]
+    k, e = config.num_experts_per_tok, config.num_experts
+    if is_moe:
+        routing = moe.route(
+            y,
+            mlp_p["router"],
+            top_k=k,
+            norm_topk_prob=config.norm_topk_prob,
+            replay=None if replay is None else replay.reshape(b * s, k),
+        )
+        expert_fn = moe.EXPERT_BACKENDS.get(runtime.expert_backend)
+        out = expert_fn(
+            y, routing.experts, routing.weights.astype(y.dtype), *_experts(mlp_p)
+        )  # [T, H]
+        count, prob_sum, z_sum = moe.router_stats(routing, valid.reshape(-1))
+        routed = routing.experts.reshape(b, s, k).astype(jnp.int32)
+    else:
+        out = moe.swiglu_mlp(y, mlp_p["gate"], mlp_p["up"], mlp_p["down"])
+        count, prob_sum = jnp.zeros((e,), jnp.float32), jnp.zeros((e,), jnp.float32)
+        z_sum = jnp.zeros((), jnp.float32)
+        routed = jnp.full((b, s, k), -1, jnp.int32)
+    x = x + out.reshape(b, s, h).astype(x.dtype)
+    return x, LayerOut(routed, count, prob_sum, z_sum, cache)
+
+
+def _experts(p: dict[str, Any]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return p["gate"], p["up"], p["down"]

@@ -1,0 +1,258 @@
+"""The Qwen3-MoE policy (Flax NNX): embed -> L decoder layers -> final norm -> lm head.
+
+Same function as HF transformers' ``Qwen3MoeForCausalLM`` (see `layers`, `moe`, `rope`).
+
+Precision policy: parameters and activations are ``runtime.dtype`` (bfloat16 in training,
+float32 in the parity tests); router logits/softmax/top-k, RMSNorm, RoPE, the attention
+softmax and the final logits are computed in float32.
+
+Packed rows: ``segment_ids`` (0 = padding) and ``positions`` are inputs; attention stays inside
+a segment and is causal by position. With a KV cache (the embedded server's decode path) the
+call scatters its k/v at ``positions`` and each query attends cache slots ``j <= position``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from osworld_jax.model import layers
+from osworld_jax.model.config import ModelRuntimeConfig, Qwen3MoeConfig
+from osworld_jax.model.moe import load_balancing_loss
+from osworld_jax.model.params import layer_runs, param_specs
+from osworld_jax.model.remat import apply_remat
+from osworld_jax.model.rope import rope_cos_sin, rope_frequencies
+
+Params = dict[str, dict[str, jax.Array]]
+
+
+class KVCache(NamedTuple):
+    """Per-layer key/value cache rows: k, v [L, B, max_len, num_kv_heads, head_dim]."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+def init_kv_cache(
+    config: Qwen3MoeConfig, batch: int, max_len: int, dtype: Any = jnp.bfloat16
+) -> KVCache:
+    """An all-zero `KVCache` for ``batch`` rows of up to ``max_len`` tokens."""
+    shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads, config.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+class PolicyOutput(NamedTuple):
+    """What a policy call returns.
+
+    Attributes:
+      logits: f32[B, S, V] (None when called with ``return_logits=False``).
+      hidden: [B, S, H] final-normed hidden states (``logits = hidden @ unembed``).
+      routed_experts: i32[B, S, L, K] experts used per token and layer (-1 on dense layers).
+      aux: {"load_balancing_loss", "router_z_loss", "total"} float32 scalars; ``total`` is
+        ``router_aux_loss_coef * lb + router_z_loss_coef * z`` of the runtime config.
+      kv_cache: the updated `KVCache` when one was passed, else None.
+    """
+
+    logits: jax.Array | None
+    hidden: jax.Array
+    routed_experts: jax.Array
+    aux: dict[str, jax.Array]
+    kv_cache: KVCache | None
+
+
+def forward(
+    params: Params,
+    config: Qwen3MoeConfig,
+    runtime: ModelRuntimeConfig,
+    input_ids: Int[Array, "B S"],
+    *,
+    positions: Int[Array, "B S"] | None = None,
+    segment_ids: Int[Array, "B S"] | None = None,
+    replay_experts: Int[Array, "B S L K"] | None = None,
+    kv_cache: KVCache | None = None,
+    return_logits: bool = True,
+) -> PolicyOutput:
+    """The policy as a pure function of its parameter tree (see `Policy.__call__`)."""
+    b, s = input_ids.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    if segment_ids is None:
+        segment_ids = jnp.ones((b, s), jnp.int32)
+    top = params["top"]
+    x = jnp.take(top["embed"], input_ids, axis=0)  # [B, S, H]
+    inv_freq, attn_scale = rope_frequencies(config)
+    cos, sin = rope_cos_sin(positions, inv_freq, attn_scale)  # [B, S, D]
+    mask = None if kv_cache is not None else layers.segment_mask(segment_ids, positions)
+    valid = (segment_ids != 0).astype(jnp.float32)  # [B, S]
+    common = dict(config=config, runtime=runtime, cos=cos, sin=sin, mask=mask)
+    common |= dict(positions=positions, valid=valid)
+
+    routed, counts, prob_sums, z_sums, new_k, new_v = [], [], [], [], [], []
+    for is_moe, start, end, kind_start in layer_runs(config):
+        n = end - start
+        xs = {
+            "attn": _slice(params["attn"], start, end),
+            "mlp": _slice(params["moe" if is_moe else "mlp"], kind_start, kind_start + n),
+            "replay": None
+            if replay_experts is None
+            else jnp.moveaxis(replay_experts[:, :, start:end], 2, 0),  # [n, B, S, K]
+            "cache": None
+            if kv_cache is None
+            else layers.LayerCache(kv_cache.k[start:end], kv_cache.v[start:end]),
+        }
+
+        def body(x, xl, is_moe=is_moe):
+            return layers.decoder_layer(
+                xl["attn"],
+                xl["mlp"],
+                x,
+                is_moe=is_moe,
+                replay=xl["replay"],
+                cache=xl["cache"],
+                **common,
+            )
+
+        body = apply_remat(body, runtime.remat)
+        if runtime.scan_layers:
+            x, out = jax.lax.scan(body, x, xs)
+        else:
+            outs = []
+            for i in range(n):
+                x, o = body(x, jax.tree.map(lambda a, i=i: a[i], xs))
+                outs.append(o)
+            out = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+        routed.append(out.routed)  # [n, B, S, K]
+        counts.append(out.expert_count.sum(0))
+        prob_sums.append(out.prob_sum.sum(0))
+        z_sums.append(out.z_sum.sum())
+        if out.cache is not None:
+            new_k.append(out.cache.k)
+            new_v.append(out.cache.v)
+
+    hidden = layers.rms_norm(x, top["final_norm"], config.rms_norm_eps)  # [B, S, H]
+    logits = None
+    if return_logits:
+        logits = jnp.einsum(
+            "bsh,hv->bsv",
+            hidden,
+            unembed_matrix(params, config),
+            preferred_element_type=jnp.float32,
+        )
+    num_moe = len(config.moe_layers)
+    rows = jnp.sum(valid) * num_moe
+    lb = load_balancing_loss(sum(counts), sum(prob_sums), rows) if num_moe else jnp.zeros(())
+    z = sum(z_sums) / jnp.maximum(rows, 1.0) if num_moe else jnp.zeros(())
+    aux = {
+        "load_balancing_loss": lb,
+        "router_z_loss": z,
+        "total": runtime.router_aux_loss_coef * lb + runtime.router_z_loss_coef * z,
+    }
+    routed_experts = jnp.moveaxis(jnp.concatenate(routed, axis=0), 0, 2)  # [B, S, L, K]
+    cache = None
+    if kv_cache is not None:
+        cache = KVCache(jnp.concatenate(new_k, axis=0), jnp.concatenate(new_v, axis=0))
+    return PolicyOutput(logits, hidden, routed_experts, aux, cache)
+
+
+def _slice(tree: dict[str, jax.Array], start: int, end: int) -> dict[str, jax.Array]:
+    return {k: v[start:end] for k, v in tree.items()}
+
+
+def unembed_matrix(params: Params, config: Qwen3MoeConfig) -> Float[Array, "H V"]:
+    """The [H, V] output projection: lm_head, or embedding^T when tied."""
+    top = params["top"]
+    return top["embed"].T if config.tie_word_embeddings else top["lm_head"]
+
+
+class _ParamGroup(nnx.Module):
+    """A flat group of parameters (one per `ParamSpec`), set as attributes."""
+
+    def __init__(self, values: dict[str, nnx.Param]):
+        for name, value in values.items():
+            setattr(self, name, value)
+
+
+class Policy(nnx.Module):
+    """Qwen3-MoE causal LM (HF ``Qwen3MoeForCausalLM`` semantics) in Flax NNX.
+
+    Parameters live in groups ``top`` (embed, final_norm, lm_head), ``attn`` (stacked over all
+    layers), ``moe`` (stacked over MoE layers) and ``mlp`` (stacked over dense layers); each
+    ``nnx.Param`` carries ``logical_axes`` metadata for `osworld_jax.model.sharding`.
+    """
+
+    def __init__(
+        self,
+        config: Qwen3MoeConfig,
+        runtime: ModelRuntimeConfig | None = None,
+        *,
+        rngs: nnx.Rngs,
+    ):
+        self.config = config
+        self.runtime = runtime or ModelRuntimeConfig()
+        dtype = jnp.dtype(self.runtime.dtype)
+        normal = jax.nn.initializers.normal(config.initializer_range)
+        groups: dict[str, dict[str, nnx.Param]] = {}
+        for key, spec in param_specs(config).items():
+            group, name = key.split(".")
+            if spec.init == "ones":
+                value = jnp.ones(spec.shape, dtype)
+            else:
+                value = normal(rngs.params(), spec.shape, jnp.float32).astype(dtype)
+            groups.setdefault(group, {})[name] = nnx.Param(value, logical_axes=spec.axes)
+        self.top = _ParamGroup(groups.pop("top"))
+        self.attn = _ParamGroup(groups.pop("attn"))
+        self.moe = _ParamGroup(groups.pop("moe", {}))
+        self.mlp = _ParamGroup(groups.pop("mlp", {}))
+
+    def params(self) -> Params:
+        """The parameter values as a nested dict ``{group: {name: array}}``."""
+        out: Params = {}
+        for key in param_specs(self.config):
+            group, name = key.split(".")
+            out.setdefault(group, {})[name] = getattr(getattr(self, group), name)[...]
+        return out
+
+    def unembed(self) -> Float[Array, "H V"]:
+        """The [H, V] output projection (lm_head, or embedding^T when tied)."""
+        return unembed_matrix(self.params(), self.config)
+
+    def __call__(
+        self,
+        input_ids: Int[Array, "B S"],
+        *,
+        positions: Int[Array, "B S"] | None = None,
+        segment_ids: Int[Array, "B S"] | None = None,
+        replay_experts: Int[Array, "B S L K"] | None = None,
+        kv_cache: KVCache | None = None,
+        return_logits: bool = True,
+    ) -> PolicyOutput:
+        """Runs the model on packed rows.
+
+        Args:
+          input_ids: i32[B, S] token ids.
+          positions: i32[B, S] position ids (default ``arange(S)`` per row).
+          segment_ids: i32[B, S]; attention stays within equal non-zero ids; 0 = padding
+            (default all ones). Ignored with a KV cache (each row is one sequence).
+          replay_experts: i32[B, S, L, K] R3 routes (rows of -1 route live); validate on the
+            host with `validate_replay` first.
+          kv_cache: a `KVCache` to update and attend over (see module docstring).
+          return_logits: False returns only ``hidden`` (for chunked logprobs via `unembed`).
+
+        Returns:
+          `PolicyOutput`.
+        """
+        return forward(
+            self.params(),
+            self.config,
+            self.runtime,
+            input_ids,
+            positions=positions,
+            segment_ids=segment_ids,
+            replay_experts=replay_experts,
+            kv_cache=kv_cache,
+            return_logits=return_logits,
+        )

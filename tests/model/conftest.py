@@ -1,0 +1,65 @@
+"""Shared helpers of the model tests: tiny HF reference models built with transformers (torch)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+HF_TINY = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_experts=8,
+    num_experts_per_tok=2,
+    mlp_only_layers=[1],
+    norm_topk_prob=True,
+    initializer_range=0.1,
+    rope_theta=10000.0,
+    max_position_embeddings=256,
+)
+
+
+def build_hf_model(path, seed=0, **overrides):
+    """A random transformers Qwen3MoeForCausalLM (non-trivial norms too), saved to ``path``."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(**{**HF_TINY, **overrides})
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
+def hf_forward(model, ids, **kwargs):
+    """(logits f32[B,S,V], router logits list of [B*S, E], aux_loss) from the torch model."""
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.as_tensor(np.asarray(ids)), output_router_logits=True, **kwargs)
+    return (
+        out.logits.float().numpy(),
+        [r.float().numpy() for r in out.router_logits],
+        float(out.aux_loss),
+    )
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tmp_path_factory):
+    """(torch model, checkpoint dir) of the default tiny HF model."""
+    path = tmp_path_factory.mktemp("hf_tiny")
+    return build_hf_model(path), path
