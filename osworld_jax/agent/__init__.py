@@ -1,1 +1,70 @@
-"""osworld_jax.agent room (see docs/INTERFACES.md)."""
+"""osworld_jax.agent room: prompts, context compaction, history -> segments -> batches.
+
+See docs/INTERFACES.md. Numpy only (jax is imported lazily by ``owner_advantages``).
+"""
+
+from osworld_jax.agent.batching import (
+    GroupSelection,
+    bucket_length,
+    estimator_inputs,
+    owner_advantages,
+    pack_batch,
+    select_groups,
+)
+from osworld_jax.agent.config import (
+    BASELINE_POPULATIONS,
+    ON_DROPPED_GROUP,
+    AgentConfig,
+    CompactionConfig,
+    GroupPolicyConfig,
+)
+from osworld_jax.agent.context import ContextManager
+from osworld_jax.agent.errors import (
+    AgentCallError,
+    AgentError,
+    ChatTemplateError,
+    ContextOverflowError,
+    GroupPolicyError,
+    PackingError,
+    SegmentIntegrityError,
+)
+from osworld_jax.agent.history import CallRecord, Compaction, History
+from osworld_jax.agent.owner import GenerateClient, OwnerAgent, OwnerRollout
+from osworld_jax.agent.prompts import render_observation, system_prompt
+from osworld_jax.agent.segments import Segment, build_segments
+from osworld_jax.agent.template import QWEN_CHAT_TEMPLATE, AgentTokenizer, ChatTemplate
+
+__all__ = [
+    "BASELINE_POPULATIONS",
+    "ON_DROPPED_GROUP",
+    "QWEN_CHAT_TEMPLATE",
+    "AgentCallError",
+    "AgentConfig",
+    "AgentError",
+    "AgentTokenizer",
+    "CallRecord",
+    "ChatTemplate",
+    "ChatTemplateError",
+    "Compaction",
+    "CompactionConfig",
+    "ContextManager",
+    "ContextOverflowError",
+    "GenerateClient",
+    "GroupPolicyConfig",
+    "GroupPolicyError",
+    "GroupSelection",
+    "History",
+    "OwnerAgent",
+    "OwnerRollout",
+    "PackingError",
+    "Segment",
+    "SegmentIntegrityError",
+    "bucket_length",
+    "build_segments",
+    "estimator_inputs",
+    "owner_advantages",
+    "pack_batch",
+    "render_observation",
+    "select_groups",
+    "system_prompt",
+]

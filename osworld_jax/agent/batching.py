@@ -1,0 +1,271 @@
+"""Owners -> group policy -> per-owner advantages -> a padded ``Batch``.
+
+One logical owner has one reward and one advantage, however many segments (rows) it has; the
+advantage is fanned out to every trainable token of every row of that owner, and ``owner_ids``
+lets ``aggregate_loss`` treat the owner's rows as one sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from osworld_jax.agent.config import GroupPolicyConfig
+from osworld_jax.agent.errors import GroupPolicyError, PackingError
+from osworld_jax.agent.owner import OwnerRollout
+from osworld_jax.agent.segments import Segment
+from osworld_jax.batch import Batch, BatchMeta, check_batch
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class GroupSelection:
+    """The owners a step trains on, and the estimator's inputs over them.
+
+    Attributes:
+      owners: the kept owners, in input order.
+      dropped_group_ids: prompt groups dropped for too few healthy owners.
+      rewards: f32[N] reward per kept owner (0 for failed owners).
+      valid: bool[N] owners in the baseline population (see ``baseline_population``).
+      group_index: i32[N] dense group index in ``[0, num_groups)`` (sorted group ids).
+      num_groups: number of kept groups.
+    """
+
+    owners: tuple[OwnerRollout, ...]
+    dropped_group_ids: tuple[int, ...]
+    rewards: np.ndarray
+    valid: np.ndarray
+    group_index: np.ndarray
+    num_groups: int
+
+
+def estimator_inputs(
+    owners: Sequence[OwnerRollout], baseline_population: str = "healthy"
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """``(rewards f32[N], valid bool[N], group_index i32[N], num_groups)`` of ``owners``.
+
+    Failed owners have reward 0; ``valid`` is the healthy owners (``healthy``) or everyone
+    (``all_owners``: failed owners count with reward 0). Group indices are the rank of each
+    owner's ``group_id`` among the sorted distinct ids.
+    """
+    if baseline_population not in ("healthy", "all_owners"):
+        raise GroupPolicyError(f"unknown baseline_population {baseline_population!r}")
+    rewards = np.array([0.0 if o.failed else float(o.reward or 0.0) for o in owners], np.float32)
+    failed = np.array([o.failed for o in owners], bool)
+    valid = ~failed if baseline_population == "healthy" else np.ones_like(failed)
+    ids = np.array([o.group_id for o in owners], np.int64)
+    uniq, index = np.unique(ids, return_inverse=True)
+    return rewards, valid, index.astype(np.int32), int(uniq.size)
+
+
+def select_groups(
+    owners: Sequence[OwnerRollout], config: GroupPolicyConfig, num_prompts: int
+) -> GroupSelection:
+    """Applies the group policy to a step's owners.
+
+    A group with fewer than ``min_healthy_per_group`` healthy owners is dropped (``shrink``) or
+    fails the step (``fail``); fewer than ``ceil(min_step_batch_fraction * num_prompts)`` kept
+    groups fail the step.
+
+    Args:
+      owners: every owner of the step (failed ones included).
+      config: the group policy.
+      num_prompts: B, the number of prompt groups the step asked for.
+
+    Returns:
+      The kept owners and their estimator inputs.
+
+    Raises:
+      GroupPolicyError: a group was dropped under ``fail``, or too few groups remain.
+    """
+    healthy: dict[int, int] = {}
+    for o in owners:
+        healthy[o.group_id] = healthy.get(o.group_id, 0) + (not o.failed)
+    dropped = tuple(sorted(g for g, n in healthy.items() if n < config.min_healthy_per_group))
+    if dropped and config.on_dropped_group == "fail":
+        raise GroupPolicyError(
+            f"groups {list(dropped)} have fewer than min_healthy_per_group="
+            f"{config.min_healthy_per_group} healthy owners (on_dropped_group='fail')"
+        )
+    kept = tuple(o for o in owners if o.group_id not in dropped)
+    num_kept = len(healthy) - len(dropped)
+    need = math.ceil(config.min_step_batch_fraction * num_prompts - 1e-9)
+    if num_kept < need:
+        raise GroupPolicyError(
+            f"only {num_kept} of {num_prompts} prompt groups have >= "
+            f"{config.min_healthy_per_group} healthy owners; the step needs at least {need} "
+            f"(min_step_batch_fraction={config.min_step_batch_fraction}); dropped groups: "
+            f"{list(dropped)}"
+        )
+    rewards, valid, index, num_groups = estimator_inputs(kept, config.baseline_population)
+    return GroupSelection(
+        owners=kept,
+        dropped_group_ids=dropped,
+        rewards=rewards,
+        valid=valid,
+        group_index=index,
+        num_groups=num_groups,
+    )
+
+
+def owner_advantages(
+    owners: Sequence[OwnerRollout], estimator: str, *, baseline_population: str = "healthy"
+) -> np.ndarray:
+    """One advantage per owner, by ``osworld_jax.algorithms.compute_advantages`` (one call).
+
+    Args:
+      owners: the owners to train on (after ``select_groups``).
+      estimator: a name of ``osworld_jax.algorithms.ESTIMATORS``.
+      baseline_population: ``healthy`` or ``all_owners`` (see ``GroupPolicyConfig``).
+
+    Returns:
+      f32[N] advantages; failed owners get 0 (they are masked rows anyway).
+    """
+    import jax.numpy as jnp  # the estimators are jax functions; segment building stays numpy
+
+    from osworld_jax.algorithms import compute_advantages
+
+    if not owners:
+        return np.zeros((0,), np.float32)
+    rewards, valid, index, num_groups = estimator_inputs(owners, baseline_population)
+    tokens = np.array([o.num_trainable for o in owners], np.float32)
+    adv = np.asarray(
+        compute_advantages(
+            estimator,
+            jnp.asarray(rewards),
+            jnp.asarray(index),
+            num_groups,
+            valid=jnp.asarray(valid),
+            token_counts=jnp.asarray(tokens),
+        ),
+        np.float32,
+    )
+    failed = np.array([o.failed for o in owners], bool)
+    return np.where(failed, np.float32(0.0), adv).astype(np.float32)
+
+
+def bucket_length(n: int, length_buckets: Sequence[int] | None, min_length: int = 128) -> int:
+    """The padded row length T for a longest row of ``n`` tokens.
+
+    With ``length_buckets`` the smallest bucket ``>= n``; otherwise the next power of two
+    ``>= max(n, min_length)``.
+    """
+    if length_buckets:
+        for b in sorted(length_buckets):
+            if b >= n:
+                return int(b)
+        raise PackingError(
+            f"a row of {n} tokens exceeds the largest length bucket {max(length_buckets)}"
+        )
+    return 1 << max(max(n, min_length, 1) - 1, 0).bit_length()
+
+
+def _num_rows(n: int, dp_size: int, row_buckets: Sequence[int] | None) -> int:
+    r = max(n, 1)
+    if row_buckets:
+        fits = [b for b in sorted(row_buckets) if b >= r]
+        if not fits:
+            raise PackingError(f"{r} rows exceed the largest row bucket {max(row_buckets)}")
+        r = fits[0]
+    return -(-r // dp_size) * dp_size
+
+
+def pack_batch(
+    owners: Sequence[OwnerRollout],
+    advantages: Sequence[float] | np.ndarray,
+    *,
+    num_layers: int,
+    top_k: int,
+    dp_size: int = 1,
+    length_buckets: Sequence[int] | None = None,
+    min_length: int = 128,
+    row_buckets: Sequence[int] | None = None,
+    norm_length: int | None = None,
+) -> tuple[Batch, BatchMeta]:
+    """Packs owners' segments into padded rows (one segment per row).
+
+    Row order: owners in input order, each owner's segments in order; a failed owner is one fully
+    masked placeholder row (row weight 0); padding rows (row weight 0, owner 0, group 0) bring R
+    to a multiple of ``dp_size`` (after ``row_buckets``). ``owner_ids[r]`` is the owner's index in
+    ``owners``; ``group_ids[r]`` the rank of its ``group_id`` among the distinct ids.
+    ``advantages[t] = advantage[owner] * loss_mask[t]``.
+
+    Args:
+      owners: the step's owners (after ``select_groups``).
+      advantages: f32[N] one advantage per owner (``owner_advantages``).
+      num_layers: L of ``routed_experts``.
+      top_k: K of ``routed_experts``.
+      dp_size: the data-parallel size R must be a multiple of.
+      length_buckets: allowed T values (else next power of two >= max(len, ``min_length``)).
+      min_length: the smallest power-of-two T.
+      row_buckets: allowed R values before rounding to ``dp_size`` (bounds recompiles).
+      norm_length: ``BatchMeta.norm_length`` (default T).
+
+    Returns:
+      ``(Batch, BatchMeta)`` with ``num_owners = len(owners)`` and the number of distinct groups.
+    """
+    adv = np.asarray(advantages, np.float32).reshape(-1)
+    if adv.size != len(owners):
+        raise PackingError(f"{adv.size} advantages for {len(owners)} owners")
+    if dp_size < 1:
+        raise PackingError(f"dp_size must be >= 1, got {dp_size}")
+    _, _, group_index, num_groups = estimator_inputs(owners)
+    rows: list[tuple[int, int, Segment | None]] = []  # (owner index, group index, segment)
+    for i, o in enumerate(owners):
+        if o.failed or not o.segments:
+            rows.append((i, int(group_index[i]), None))
+        else:
+            rows.extend((i, int(group_index[i]), s) for s in o.segments)
+    longest = max((s.length for _, _, s in rows if s is not None), default=1)
+    t = bucket_length(longest, length_buckets, min_length)
+    r = _num_rows(len(rows), dp_size, row_buckets)
+    tokens = np.zeros((r, t), np.int32)
+    loss_mask = np.zeros((r, t), np.float32)
+    behavior = np.zeros((r, t), np.float32)
+    advantages_rt = np.zeros((r, t), np.float32)
+    segment_ids = np.zeros((r, t), np.int32)
+    positions = np.broadcast_to(np.arange(t, dtype=np.int32), (r, t)).copy()
+    owner_ids = np.zeros((r,), np.int32)
+    group_ids = np.zeros((r,), np.int32)
+    row_weight = np.zeros((r,), np.float32)
+    routes = np.full((r, t, num_layers, top_k), -1, np.int32)
+    for row, (i, g, seg) in enumerate(rows):
+        owner_ids[row] = i
+        group_ids[row] = g
+        if seg is None:
+            continue
+        n = seg.length
+        tokens[row, :n] = seg.tokens
+        loss_mask[row, :n] = seg.loss_mask
+        behavior[row, :n] = seg.behavior_logprobs
+        advantages_rt[row, :n] = adv[i] * seg.loss_mask
+        segment_ids[row, :n] = 1
+        row_weight[row] = 1.0
+        if seg.routed_experts is not None:
+            if seg.routed_experts.shape[1:] != (num_layers, top_k):
+                raise PackingError(
+                    f"owner {i}: routed_experts [L, K] = {seg.routed_experts.shape[1:]}, "
+                    f"expected ({num_layers}, {top_k})"
+                )
+            routes[row, :n] = seg.routed_experts
+    batch = Batch(
+        tokens=tokens,
+        loss_mask=loss_mask,
+        behavior_logprobs=behavior,
+        advantages=advantages_rt,
+        positions=positions,
+        segment_ids=segment_ids,
+        owner_ids=owner_ids,
+        group_ids=group_ids,
+        row_weight=row_weight,
+        routed_experts=routes,
+    )
+    check_batch(batch)
+    meta = BatchMeta(
+        num_owners=len(owners),
+        num_groups=num_groups,
+        norm_length=t if norm_length is None else int(norm_length),
+    )
+    return batch, meta

@@ -1,0 +1,185 @@
+"""Configs of the agent room: prompting, context compaction and the group policy."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from osworld_jax.env.actions import ACTION_SPACES
+from osworld_jax.errors import ConfigError
+from osworld_jax.registry import Registry
+
+#: What happens when a prompt group has too few healthy owners.
+ON_DROPPED_GROUP: Registry[str] = Registry("dropped-group policy")
+ON_DROPPED_GROUP.add("shrink", "train on the remaining groups")
+ON_DROPPED_GROUP.add("fail", "fail the step")
+
+#: Which owners of a group form the estimator's baseline population.
+BASELINE_POPULATIONS: Registry[str] = Registry("baseline population")
+BASELINE_POPULATIONS.add("healthy", "failed owners are excluded from group statistics")
+BASELINE_POPULATIONS.add("all_owners", "failed owners count with reward 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompactionConfig:
+    """When and how the context of one owner is rewritten (a declared compaction).
+
+    A compaction keeps the system prompt and the instruction, keeps the last
+    ``keep_last_observations`` observations (with the model replies between them), and replaces
+    every older turn by a compact numbered action history. It seals the current training segment.
+
+    Attributes:
+      every_k_actions: compact after this many actions since the last (re)build of the context;
+        0 disables the periodic trigger.
+      max_context_tokens: the model's context length in tokens (prompt + generation).
+      reserved_generation_tokens: tokens kept free for the reply; a prompt longer than
+        ``max_context_tokens - reserved_generation_tokens`` triggers a compaction.
+      keep_last_observations: observations kept verbatim by a compaction (>= 1, the current one
+        included).
+      max_action_chars: each action of the compact history is cut to this many characters.
+      max_history_actions: the compact history lists at most this many most recent actions (older
+        ones are counted, not listed).
+    """
+
+    every_k_actions: int = 0
+    max_context_tokens: int = 32768
+    reserved_generation_tokens: int = 1024
+    keep_last_observations: int = 1
+    max_action_chars: int = 200
+    max_history_actions: int = 50
+
+    def __post_init__(self) -> None:
+        if self.every_k_actions < 0:
+            raise ConfigError(
+                f"CompactionConfig.every_k_actions must be >= 0, got {self.every_k_actions}"
+            )
+        if self.reserved_generation_tokens < 1:
+            raise ConfigError(
+                "CompactionConfig.reserved_generation_tokens must be >= 1, got "
+                f"{self.reserved_generation_tokens}"
+            )
+        if self.max_context_tokens <= self.reserved_generation_tokens:
+            raise ConfigError(
+                f"CompactionConfig.max_context_tokens ({self.max_context_tokens}) must exceed "
+                f"reserved_generation_tokens ({self.reserved_generation_tokens})"
+            )
+        if self.keep_last_observations < 1:
+            raise ConfigError(
+                "CompactionConfig.keep_last_observations must be >= 1, got "
+                f"{self.keep_last_observations}"
+            )
+        for name in ("max_action_chars", "max_history_actions"):
+            if getattr(self, name) < 1:
+                raise ConfigError(
+                    f"CompactionConfig.{name} must be >= 1, got {getattr(self, name)}"
+                )
+
+    @property
+    def prompt_budget(self) -> int:
+        """The longest prompt allowed: ``max_context_tokens - reserved_generation_tokens``."""
+        return self.max_context_tokens - self.reserved_generation_tokens
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """How an owner's observations become prompt tokens.
+
+    Attributes:
+      action_space: ``pyautogui`` or ``computer_13`` (the env's ``ACTION_SPACES``; the env must
+        parse with the same one); the system prompt describes it plus WAIT, DONE and FAIL.
+      system_prompt: replaces the built-in system prompt when not None (then it must state the
+        action space and output format itself).
+      screen_width: screen width in pixels, stated in the system prompt.
+      screen_height: screen height in pixels, stated in the system prompt.
+      a11y_max_chars: the accessibility tree is cut (at line boundaries) to this many characters;
+        0 drops it.
+      a11y_max_tokens: then cut to this many tokens (at line boundaries); 0 means no token cap.
+      terminal_max_chars: the terminal text keeps its last this-many characters; 0 drops it.
+      image_tokens: a screenshot becomes ``<|vision_start|>`` + this many ``<|image_pad|>`` +
+        ``<|vision_end|>``; 0 drops screenshots from the prompt.
+      image_start_token: the media span's opening special token.
+      image_pad_token: the media placeholder special token.
+      image_end_token: the media span's closing special token.
+      extra_media_tokens: further special tokens that count as media (masked when generated).
+      compaction: the context compaction policy.
+    """
+
+    action_space: str = "pyautogui"
+    system_prompt: str | None = None
+    screen_width: int = 1920
+    screen_height: int = 1080
+    a11y_max_chars: int = 20000
+    a11y_max_tokens: int = 0
+    terminal_max_chars: int = 4000
+    image_tokens: int = 0
+    image_start_token: str = "<|vision_start|>"
+    image_pad_token: str = "<|image_pad|>"
+    image_end_token: str = "<|vision_end|>"
+    extra_media_tokens: tuple[str, ...] = ("<|video_pad|>",)
+    compaction: CompactionConfig = field(default_factory=CompactionConfig)
+
+    def __post_init__(self) -> None:
+        ACTION_SPACES.validate(self.action_space, "AgentConfig.action_space")
+        for name in (
+            "a11y_max_chars",
+            "a11y_max_tokens",
+            "terminal_max_chars",
+            "image_tokens",
+        ):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"AgentConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.screen_width < 1 or self.screen_height < 1:
+            raise ConfigError(
+                f"AgentConfig.screen_width/screen_height must be >= 1, got "
+                f"{self.screen_width}x{self.screen_height}"
+            )
+        object.__setattr__(self, "extra_media_tokens", tuple(self.extra_media_tokens))
+
+    @property
+    def media_tokens(self) -> tuple[str, ...]:
+        """Every special token string that counts as media."""
+        return (
+            self.image_start_token,
+            self.image_pad_token,
+            self.image_end_token,
+            *self.extra_media_tokens,
+        )
+
+    def replace(self, **changes: object) -> AgentConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupPolicyConfig:
+    """Which prompt groups of a step are trained on, and who forms the baseline.
+
+    Attributes:
+      min_healthy_per_group: a group with fewer healthy (non-failed) owners is dropped.
+      on_dropped_group: ``shrink`` trains on the remaining groups; ``fail`` fails the step.
+      min_step_batch_fraction: the step fails when fewer than this fraction of the step's prompt
+        groups survive.
+      baseline_population: ``healthy`` excludes failed owners from the group statistics;
+        ``all_owners`` counts them with reward 0.
+    """
+
+    min_healthy_per_group: int = 2
+    on_dropped_group: str = "shrink"
+    min_step_batch_fraction: float = 0.5
+    baseline_population: str = "healthy"
+
+    def __post_init__(self) -> None:
+        if self.min_healthy_per_group < 1:
+            raise ConfigError(
+                "GroupPolicyConfig.min_healthy_per_group must be >= 1, got "
+                f"{self.min_healthy_per_group}"
+            )
+        ON_DROPPED_GROUP.validate(self.on_dropped_group, "GroupPolicyConfig.on_dropped_group")
+        BASELINE_POPULATIONS.validate(
+            self.baseline_population, "GroupPolicyConfig.baseline_population"
+        )
+        if not 0.0 <= self.min_step_batch_fraction <= 1.0:
+            raise ConfigError(
+                "GroupPolicyConfig.min_step_batch_fraction must be in [0, 1], got "
+                f"{self.min_step_batch_fraction}"
+            )

@@ -1,0 +1,121 @@
+"""What an owner's rollout records: every model call, exactly, and every declared compaction."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class CallRecord:
+    """One model call, exactly as the server saw and answered it.
+
+    Attributes:
+      prompt_ids: i32[P] the input ids sent.
+      output_ids: i32[O] the generated ids.
+      output_logprobs: f32[O] the engine's logprob of each generated id.
+      routed_experts: i32[P + O - 1, L, K] the route when token j of (prompt + output) was the
+        input (the last generated token has none), or None when routes were not requested.
+      finish_reason: the server's finish reason (``{"type": "stop" | "length", ...}``).
+      weight_version: the policy version that generated the reply.
+      rid: the request id.
+      text: the decoded reply the env received.
+    """
+
+    prompt_ids: np.ndarray
+    output_ids: np.ndarray
+    output_logprobs: np.ndarray
+    routed_experts: np.ndarray | None
+    finish_reason: dict[str, Any]
+    weight_version: str
+    rid: str = ""
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_ids", np.asarray(self.prompt_ids, np.int32).reshape(-1))
+        object.__setattr__(self, "output_ids", np.asarray(self.output_ids, np.int32).reshape(-1))
+        object.__setattr__(
+            self, "output_logprobs", np.asarray(self.output_logprobs, np.float32).reshape(-1)
+        )
+        if self.routed_experts is not None:
+            object.__setattr__(self, "routed_experts", np.asarray(self.routed_experts, np.int32))
+
+    @property
+    def length(self) -> int:
+        """Prompt plus output tokens."""
+        return int(self.prompt_ids.size + self.output_ids.size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Compaction:
+    """A declared context rewrite: the call ``before_call`` starts a new segment.
+
+    Attributes:
+      before_call: index of the first call made with the rewritten context.
+      reason: ``every_k_actions`` or ``budget``.
+      dropped_observations: observations replaced by the compact action history (cumulative over
+        the episode: every observation before the first kept one).
+      kept_observations: observations kept verbatim (the current one included).
+      tokens_before: length of the context the rewrite replaced (what the next prompt would have
+        extended).
+      tokens_after: length of the rewritten prompt.
+    """
+
+    before_call: int
+    reason: str
+    dropped_observations: int
+    kept_observations: int
+    tokens_before: int
+    tokens_after: int
+
+
+@dataclass(kw_only=True)
+class History:
+    """An owner's ordered calls and compactions.
+
+    Attributes:
+      owner_id: the logical owner.
+      group_id: the owner's prompt group.
+      media_token_ids: ids of media placeholder tokens (masked out of the loss when generated).
+      events: calls and compactions in the order they happened.
+    """
+
+    owner_id: int
+    group_id: int
+    media_token_ids: frozenset[int] = frozenset()
+    events: list[CallRecord | Compaction] = field(default_factory=list)
+
+    @property
+    def calls(self) -> list[CallRecord]:
+        """The calls, in order."""
+        return [e for e in self.events if isinstance(e, CallRecord)]
+
+    @property
+    def compactions(self) -> list[Compaction]:
+        """The declared compactions, in order."""
+        return [e for e in self.events if isinstance(e, Compaction)]
+
+    @property
+    def num_calls(self) -> int:
+        """Number of calls recorded."""
+        return sum(isinstance(e, CallRecord) for e in self.events)
+
+    def record_call(self, call: CallRecord) -> None:
+        """Appends a call."""
+        self.events.append(call)
+
+    def declare_compaction(self, compaction: Compaction) -> None:
+        """Declares that the next call starts a rewritten context."""
+        if compaction.before_call != self.num_calls:
+            raise ValueError(
+                f"owner {self.owner_id}: compaction before call {compaction.before_call} declared "
+                f"after {self.num_calls} calls"
+            )
+        self.events.append(compaction)
+
+    def replace(self, **changes: Any) -> History:
+        """A shallow copy with ``changes`` applied (tests build variants this way)."""
+        return dataclasses.replace(self, **changes)

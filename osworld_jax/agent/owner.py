@@ -1,0 +1,188 @@
+"""``OwnerAgent``: the env's agent protocol for one logical owner, recording its history."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from osworld_jax.agent.config import AgentConfig
+from osworld_jax.agent.context import ContextManager
+from osworld_jax.agent.errors import AgentCallError
+from osworld_jax.agent.history import CallRecord, History
+from osworld_jax.agent.segments import Segment, build_segments
+from osworld_jax.errors import InfraError
+
+if TYPE_CHECKING:
+    from osworld_jax.agent.template import AgentTokenizer
+    from osworld_jax.env.backend import Observation
+
+
+class GenerateClient(Protocol):
+    """What the agent needs of ``osworld_jax.rollout.SGLangClient``."""
+
+    async def generate(self, input_ids: list[int], sampling: Any, *, rid: str) -> Any:
+        """Returns a ``Generation`` (output ids, logprobs, routed experts, finish reason, ...)."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class OwnerRollout:
+    """One logical owner's outcome, ready for advantages and packing.
+
+    Attributes:
+      owner_id: the logical owner (its index in the step's owner list).
+      group_id: the owner's prompt group.
+      segments: its training segments (empty for a failed owner).
+      reward: the evaluator's reward (None when the owner failed).
+      failed: an infrastructure failure masked this owner.
+      error: the failure's message, or None.
+    """
+
+    owner_id: int
+    group_id: int
+    segments: tuple[Segment, ...]
+    reward: float | None
+    failed: bool
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "segments", tuple(self.segments))
+        if not self.failed and self.reward is None:
+            raise ValueError(f"owner {self.owner_id}: a healthy owner needs a reward")
+
+    @property
+    def num_trainable(self) -> int:
+        """Trainable tokens over all segments."""
+        return sum(s.num_trainable for s in self.segments)
+
+
+class OwnerAgent:
+    """Drives one owner: observation -> prompt ids -> ``/generate`` -> reply text.
+
+    A ``length`` finish is data (the reply is what the model produced). A transport or server
+    failure raises an ``InfraError`` (the env marks the owner failed). Every call and declared
+    compaction goes into ``history``.
+
+    Attributes:
+      history: the recorded calls and compactions.
+      context: the owner's context manager.
+      result: the env's ``OwnerResult`` once the episode ended (``on_episode_end``).
+    """
+
+    def __init__(
+        self,
+        client: GenerateClient,
+        tokenizer: AgentTokenizer,
+        config: AgentConfig,
+        *,
+        owner_id: int,
+        group_id: int,
+        sampling: Any,
+        rid_prefix: str | None = None,
+    ) -> None:
+        self.client = client
+        self.config = config
+        self.sampling = sampling
+        self.context = ContextManager(tokenizer, config)
+        self.history = History(
+            owner_id=owner_id, group_id=group_id, media_token_ids=self.context.media_token_ids()
+        )
+        self._rid_prefix = rid_prefix or uuid.uuid4().hex[:12]
+        self.result: Any = None
+
+    @property
+    def owner_id(self) -> int:
+        """The logical owner."""
+        return self.history.owner_id
+
+    @property
+    def group_id(self) -> int:
+        """The owner's prompt group."""
+        return self.history.group_id
+
+    async def act(self, observation: Observation) -> str:
+        """The model's raw reply text to ``observation`` (the env parses it into an action)."""
+        prompt, compaction = self.context.next_prompt(observation)
+        if compaction is not None:
+            self.history.declare_compaction(compaction)
+        call_index = self.history.num_calls
+        room = self.config.compaction.max_context_tokens - int(prompt.size)
+        sampling = self.sampling.replace(max_new_tokens=min(self.sampling.max_new_tokens, room))
+        rid = f"{self._rid_prefix}-g{self.group_id}-o{self.owner_id}-c{call_index}"
+        try:
+            gen = await self.client.generate(prompt.tolist(), sampling, rid=rid)
+        except InfraError:
+            self.context.abandon_prompt()
+            raise
+        except (TimeoutError, OSError) as e:
+            self.context.abandon_prompt()
+            raise AgentCallError(
+                f"owner {self.owner_id} call {call_index} (rid {rid}): transport failure: {e!r}"
+            ) from e
+        record = self._record(prompt, gen, rid, call_index)
+        self.history.record_call(record)
+        self.context.record_reply(record.output_ids, record.text)
+        return record.text
+
+    def _record(self, prompt: np.ndarray, gen: Any, rid: str, call_index: int) -> CallRecord:
+        """Checks the reply's shapes and turns it into a ``CallRecord``."""
+
+        def fail(msg: str) -> AgentCallError:
+            self.context.abandon_prompt()
+            return AgentCallError(f"owner {self.owner_id} call {call_index} (rid {rid}): {msg}")
+
+        reason = dict(gen.finish_reason or {})
+        if reason.get("type") not in ("stop", "length"):
+            raise fail(f"unusable finish reason {reason!r}")
+        out = np.asarray(gen.output_ids, np.int32).reshape(-1)
+        lps = np.asarray(gen.output_logprobs, np.float32).reshape(-1)
+        if lps.size != out.size:
+            raise fail(f"{lps.size} logprobs for {out.size} output tokens")
+        routes = gen.routed_experts
+        if routes is not None:
+            routes = np.asarray(routes, np.int32)
+            rows = prompt.size + out.size - 1
+            if routes.ndim != 3 or routes.shape[0] != rows:
+                raise fail(
+                    f"routed_experts shape {tuple(routes.shape)}, expected [{rows}, L, K] "
+                    "(prompt + output - 1 rows)"
+                )
+        return CallRecord(
+            prompt_ids=prompt,
+            output_ids=out,
+            output_logprobs=lps,
+            routed_experts=routes,
+            finish_reason=reason,
+            weight_version=str(gen.weight_version),
+            rid=rid,
+            text=str(gen.text),
+        )
+
+    async def on_episode_end(self, result: Any) -> None:
+        """Keeps the env's ``OwnerResult`` (reward, failed, error) for ``to_rollout``."""
+        self.result = result
+
+    def segments(self) -> list[Segment]:
+        """The owner's training segments (raises ``SegmentIntegrityError`` on a prefix break)."""
+        return build_segments(self.history)
+
+    def to_rollout(self, result: Any | None = None) -> OwnerRollout:
+        """The owner's ``OwnerRollout`` from its history and the env's ``OwnerResult``.
+
+        A failed owner keeps no segments (it becomes one masked placeholder row).
+        """
+        result = self.result if result is None else result
+        if result is None:
+            raise ValueError(f"owner {self.owner_id}: the episode has no result yet")
+        failed = bool(result.failed)
+        return OwnerRollout(
+            owner_id=self.owner_id,
+            group_id=self.group_id,
+            segments=() if failed else tuple(self.segments()),
+            reward=None if failed else float(result.reward),
+            failed=failed,
+            error=result.error,
+        )

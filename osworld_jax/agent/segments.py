@@ -1,0 +1,163 @@
+"""Rollout history -> token-exact training segments (one owner's chain).
+
+Consecutive calls whose prompt extends the previous prompt + output token-exactly form one segment:
+its tokens are the last call's prompt + output, and every call's generated span sits at its own
+positions. A declared compaction seals the segment; an undeclared prefix break is fatal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from osworld_jax.agent.errors import SegmentIntegrityError
+from osworld_jax.agent.history import CallRecord, Compaction, History
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Segment:
+    """One training row of one owner.
+
+    Attributes:
+      owner_id: the logical owner.
+      group_id: the owner's prompt group.
+      tokens: i32[n] the last call's prompt + output.
+      loss_mask: f32[n] 1 on generated non-media tokens, else 0.
+      behavior_logprobs: f32[n] the engine's logprob of ``tokens[t]`` where generated, else 0.
+      routed_experts: i32[n, L, K] the route when ``tokens[t]`` was the input, -1 where none
+        was recorded (always the last token); None when no call of the segment returned routes.
+      call_indices: the owner's call indices in this segment.
+      weight_versions: the policy version of each of those calls.
+    """
+
+    owner_id: int
+    group_id: int
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    behavior_logprobs: np.ndarray
+    routed_experts: np.ndarray | None
+    call_indices: tuple[int, ...]
+    weight_versions: tuple[str, ...]
+
+    @property
+    def length(self) -> int:
+        """Number of tokens."""
+        return int(self.tokens.size)
+
+    @property
+    def num_trainable(self) -> int:
+        """Number of tokens with loss mask 1."""
+        return int(self.loss_mask.sum())
+
+
+def _first_difference(a: np.ndarray, b: np.ndarray) -> int:
+    """First index where ``a`` and ``b`` differ (``min(len)`` when one is a prefix of the other)."""
+    n = min(a.size, b.size)
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+def _check_routes(call: CallRecord, owner_id: int, call_index: int) -> None:
+    re_ = call.routed_experts
+    if re_ is None:
+        return
+    rows = call.length - 1
+    if re_.ndim != 3 or re_.shape[0] != rows:
+        raise SegmentIntegrityError(
+            owner_id,
+            call_index,
+            min(int(re_.shape[0]) if re_.ndim else 0, rows),
+            f"routed_experts has shape {tuple(re_.shape)}, expected [prompt + output - 1 = {rows}, "
+            "L, K]",
+        )
+
+
+def _build_one(calls: Sequence[tuple[int, CallRecord]], history: History, owner_id: int) -> Segment:
+    """One segment from calls already checked to extend each other."""
+    last = calls[-1][1]
+    tokens = np.concatenate([last.prompt_ids, last.output_ids]).astype(np.int32)
+    n = tokens.size
+    loss_mask = np.zeros((n,), np.float32)
+    logprobs = np.zeros((n,), np.float32)
+    media = np.fromiter(history.media_token_ids, np.int32, len(history.media_token_ids))
+    shapes = {c.routed_experts.shape[1:] for _, c in calls if c.routed_experts is not None}
+    if len(shapes) > 1:
+        raise SegmentIntegrityError(
+            owner_id, calls[0][0], 0, f"routed_experts [L, K] differ across calls: {shapes}"
+        )
+    routes = np.full((n, *shapes.pop()), -1, np.int32) if shapes else None
+    for _, call in calls:
+        start = call.prompt_ids.size
+        stop = start + call.output_ids.size
+        loss_mask[start:stop] = np.where(np.isin(call.output_ids, media), 0.0, 1.0)
+        logprobs[start:stop] = call.output_logprobs
+        if routes is not None and call.routed_experts is not None:
+            # Row j is the route when token j was the input; later calls re-route their whole
+            # prefix, so the last call that saw a token gives its route (one consistent forward).
+            routes[: stop - 1] = call.routed_experts
+    return Segment(
+        owner_id=owner_id,
+        group_id=history.group_id,
+        tokens=tokens,
+        loss_mask=loss_mask,
+        behavior_logprobs=logprobs,
+        routed_experts=routes,
+        call_indices=tuple(i for i, _ in calls),
+        weight_versions=tuple(c.weight_version for _, c in calls),
+    )
+
+
+def build_segments(history: History, *, owner_id: int | None = None) -> list[Segment]:
+    """Splits an owner's calls into token-exact segments.
+
+    Call ``c`` joins the current segment when ``prompt_c[: len(prompt_{c-1}) + len(output_{c-1})]
+    == prompt_{c-1} + output_{c-1}`` and no compaction was declared before it; a declared
+    compaction starts a new segment. Every call's ``routed_experts`` must have
+    ``len(prompt) + len(output) - 1`` rows.
+
+    Args:
+      history: the owner's recorded calls and compactions.
+      owner_id: the logical owner index written into the segments (default ``history.owner_id``).
+
+    Returns:
+      The owner's segments in order (empty when no call was made).
+
+    Raises:
+      SegmentIntegrityError: a call breaks the prefix without a declared compaction (naming the
+        owner, the call and the first differing position), or a routed-experts shape is wrong.
+    """
+    owner = history.owner_id if owner_id is None else owner_id
+    segments: list[Segment] = []
+    current: list[tuple[int, CallRecord]] = []
+    sealed = False
+    call_index = 0
+    for event in history.events:
+        if isinstance(event, Compaction):
+            sealed = True
+            continue
+        call = event
+        _check_routes(call, owner, call_index)
+        if current and sealed:
+            segments.append(_build_one(current, history, owner))
+            current = []
+        if current:
+            prev = current[-1][1]
+            context = np.concatenate([prev.prompt_ids, prev.output_ids])
+            pos = _first_difference(context, call.prompt_ids)
+            if pos < context.size:
+                got = int(call.prompt_ids[pos]) if pos < call.prompt_ids.size else "end of prompt"
+                raise SegmentIntegrityError(
+                    owner,
+                    call_index,
+                    pos,
+                    f"expected token {int(context[pos])}, got {got}; previous prompt+output has "
+                    f"{context.size} tokens, this prompt {call.prompt_ids.size}",
+                )
+        current.append((call_index, call))
+        sealed = False
+        call_index += 1
+    if current:
+        segments.append(_build_one(current, history, owner))
+    return segments

@@ -1,0 +1,197 @@
+"""Chat templates and the tokenizer the agent speaks through.
+
+The model's own ``chat_template`` (``tokenizer_config.json`` or ``chat_template.jinja``) is rendered
+with jinja2 in an immutable sandbox, with the same environment HF ``transformers`` uses
+(``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, ``raise_exception``, ``tojson``,
+``strftime_now``), so a prompt renders exactly as ``apply_chat_template(..., tokenize=False)``
+would. A built-in Qwen-style (ChatML) template serves models without one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import numpy as np
+import tokenizers
+
+from osworld_jax.agent.errors import ChatTemplateError
+
+#: ChatML, as the Qwen2.5 / Qwen3 (non-thinking) templates render plain string messages.
+QWEN_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+Message = Mapping[str, Any]
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, **kw: Any) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, **kw)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token entry of ``tokenizer_config.json`` (string or AddedToken dict) as text."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+class ChatTemplate:
+    """A compiled jinja2 chat template.
+
+    Attributes:
+      source: the template text.
+      name: where it came from (a path or ``"builtin-qwen"``), used in error messages.
+      special_tokens: ``bos_token``/``eos_token``/... values passed to the template.
+    """
+
+    def __init__(
+        self,
+        source: str,
+        *,
+        name: str = "chat_template",
+        special_tokens: Mapping[str, str] | None = None,
+    ) -> None:
+        self.source = source
+        self.name = name
+        self.special_tokens = dict(special_tokens or {})
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        try:
+            self._template = env.from_string(source)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"{name}: the chat template does not compile: {e}") from e
+
+    @classmethod
+    def builtin_qwen(cls) -> ChatTemplate:
+        """The built-in Qwen-style (ChatML) template."""
+        return cls(
+            QWEN_CHAT_TEMPLATE,
+            name="builtin-qwen",
+            special_tokens={"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+        )
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path, *, allow_builtin: bool = True) -> ChatTemplate:
+        """The template of a HF model directory.
+
+        Looks at ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of named
+        templates of which ``default`` is taken), then ``chat_template.jinja``; falls back to the
+        built-in Qwen template when ``allow_builtin`` (else raises ``ChatTemplateError``).
+        """
+        path = Path(path)
+        cfg_path = path / "tokenizer_config.json"
+        cfg: dict[str, Any] = {}
+        if cfg_path.exists():
+            try:
+                cfg = json.loads(cfg_path.read_text())
+            except json.JSONDecodeError as e:
+                raise ChatTemplateError(f"{cfg_path}: not valid JSON: {e}") from e
+        special = {
+            k: v
+            for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+            if (v := _token_content(cfg.get(k))) is not None
+        }
+        source = cfg.get("chat_template")
+        name = f"{cfg_path}:chat_template"
+        if isinstance(source, list):
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, Mapping)}
+            source = named.get("default")
+            name += "[default]"
+        if not isinstance(source, str) and (path / "chat_template.jinja").exists():
+            source = (path / "chat_template.jinja").read_text()
+            name = str(path / "chat_template.jinja")
+        if not isinstance(source, str):
+            if not allow_builtin:
+                raise ChatTemplateError(f"{path}: no chat_template in tokenizer_config.json")
+            builtin = cls.builtin_qwen()
+            builtin.special_tokens.update(special)
+            return builtin
+        return cls(source, name=name, special_tokens=special)
+
+    def render(
+        self, messages: Sequence[Message], *, add_generation_prompt: bool, **kwargs: Any
+    ) -> str:
+        """Renders ``messages`` (dicts with ``role`` and ``content``) to text."""
+        ctx = {**self.special_tokens, **kwargs}
+        try:
+            return self._template.render(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                **ctx,
+            )
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"{self.name}: rendering failed: {e}") from e
+
+
+class AgentTokenizer:
+    """A ``tokenizers.Tokenizer`` plus the model's chat template: everything text <-> ids.
+
+    Encoding never adds special tokens of its own (no BOS): prompts are ids of rendered text.
+
+    Attributes:
+      tokenizer: the underlying fast tokenizer.
+      template: the chat template.
+    """
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, template: ChatTemplate) -> None:
+        self.tokenizer = tokenizer
+        self.template = template
+        self._special = tuple(
+            t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special
+        )
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path, *, allow_builtin: bool = True) -> AgentTokenizer:
+        """Loads ``tokenizer.json`` and the chat template of a HF model directory."""
+        path = Path(path)
+        tok_path = path / "tokenizer.json"
+        if not tok_path.exists():
+            raise ChatTemplateError(f"{tok_path}: missing (a fast tokenizer file is required)")
+        tok = tokenizers.Tokenizer.from_file(str(tok_path))
+        return cls(tok, ChatTemplate.from_model_dir(path, allow_builtin=allow_builtin))
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        """The special token strings of the vocabulary."""
+        return self._special
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids of ``text`` as i32[n] (special token strings map to their ids)."""
+        return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
+
+    def decode(self, ids: Sequence[int] | np.ndarray, *, skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``."""
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a single token string, or None when it is not in the vocabulary."""
+        i = self.tokenizer.token_to_id(token)
+        return None if i is None else int(i)
+
+    def count(self, text: str) -> int:
+        """Number of tokens of ``text``."""
+        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)

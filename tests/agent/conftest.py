@@ -1,0 +1,119 @@
+"""Shared fixtures of the agent tests: an offline byte-level BPE tokenizer with Qwen specials."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from osworld_jax.agent import AgentTokenizer, ChatTemplate
+
+SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+]
+
+_CORPUS = [
+    "You are an agent that operates a Linux desktop to complete a task.",
+    "Accessibility tree: <button name='OK' x=10 y=20/> <window title='Terminal'/>",
+    "```python\nimport pyautogui\npyautogui.click(100, 200)\n```",
+    "Task instruction: open the terminal and type hello world. DONE WAIT FAIL",
+    '```json\n{"action_type": "CLICK", "parameters": {"x": 1, "y": 2}}\n```',
+] * 20
+
+
+def build_tokenizer() -> tokenizers.Tokenizer:
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    return tok
+
+
+@pytest.fixture(scope="session")
+def raw_tokenizer() -> tokenizers.Tokenizer:
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def agent_tokenizer(raw_tokenizer) -> AgentTokenizer:
+    return AgentTokenizer(raw_tokenizer, ChatTemplate.builtin_qwen())
+
+
+def write_model_dir(path: Path, tok: tokenizers.Tokenizer, chat_template=None) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    cfg = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None}
+    if chat_template is not None:
+        cfg["chat_template"] = chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeGeneration:
+    """The fields of ``osworld_jax.rollout.Generation`` the agent reads."""
+
+    output_ids: list[int]
+    output_logprobs: list[float]
+    routed_experts: np.ndarray | None
+    finish_reason: dict
+    prompt_tokens: int
+    completion_tokens: int
+    weight_version: str
+    rid: str
+    text: str
+
+
+class ScriptedClient:
+    """A fake SGLang client: replies with scripted texts, tokenised, ending in <|im_end|>.
+
+    Records every request. Routed experts are synthetic but shaped like the server's reply:
+    [prompt + completion - 1, L, K], with row j = (j + c) % E for a per-call offset c.
+    """
+
+    def __init__(self, tokenizer: AgentTokenizer, replies, *, stop=True, layers=2, top_k=2):
+        self.tokenizer = tokenizer
+        self.replies = list(replies)
+        self.stop = stop
+        self.layers = layers
+        self.top_k = top_k
+        self.requests: list[tuple[list[int], object, str]] = []
+
+    async def generate(self, input_ids, sampling, *, rid):
+        i = len(self.requests)
+        self.requests.append((list(input_ids), sampling, rid))
+        text = self.replies[i % len(self.replies)]
+        out = self.tokenizer.encode(text).tolist()
+        if self.stop:
+            out.append(self.tokenizer.token_id("<|im_end|>"))
+        n = len(input_ids) + len(out) - 1
+        routes = (np.arange(n)[:, None, None] + i + np.zeros((1, self.layers, self.top_k))) % 8
+        return FakeGeneration(
+            output_ids=out,
+            output_logprobs=[-0.5 - 0.01 * k for k in range(len(out))],
+            routed_experts=routes.astype(np.int32),
+            finish_reason={"type": "stop", "matched": out[-1]}
+            if self.stop
+            else {"type": "length", "length": len(out)},
+            prompt_tokens=len(input_ids),
+            completion_tokens=len(out),
+            weight_version="v1",
+            rid=rid,
+            text=text,
+        )
