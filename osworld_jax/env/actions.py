@@ -250,6 +250,7 @@ def to_pyautogui(action: Action | Mapping[str, Any]) -> str:
 
 # --------------------------------------------------------------------------- parsing
 
+_THINK = re.compile(r"<think>.*?</think>", re.S)
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n?(.*?)```", re.S)
 _KEYWORD = re.compile(r"^\s*(WAIT|DONE|FAIL)\s*$")
 
@@ -343,7 +344,8 @@ def parse_action(text: str, action_space: str = "pyautogui") -> Action:
     ``pyautogui``: fenced code blocks (any language tag) are concatenated into one program; a
     block (or the whole text, or its last line) that is exactly ``WAIT``/``DONE``/``FAIL`` is that
     special action when no code accompanies it; text without fences is taken as code when it is
-    valid Python. ``computer_13``: the first fenced block, else the outermost ``{...}``, is parsed
+    valid Python that calls something. ``<think>...</think>`` spans are ignored.
+    ``computer_13``: the first fenced block, else the outermost ``{...}``, is parsed
     as JSON and validated against ``ACTION_SPACE``.
 
     Args:
@@ -357,8 +359,8 @@ def parse_action(text: str, action_space: str = "pyautogui") -> Action:
       ConfigError: an unknown ``action_space`` (a configuration error, not model output).
     """
     ACTION_SPACES.validate(action_space, "action_space")
-    if not text or not text.strip():
+    body = _THINK.sub("", text or "")
+    if not body.strip():
         return _fail(text, "empty output")
-    if action_space == "computer_13":
-        return _parse_computer_13(text)
-    return _parse_pyautogui(text)
+    action = _parse_computer_13(body) if action_space == "computer_13" else _parse_pyautogui(body)
+    return dataclasses.replace(action, text=text)

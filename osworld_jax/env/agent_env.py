@@ -1,0 +1,319 @@
+"""AgentEnv: init a task's sandbox once, fork it for exactly the active owners, run their loops.
+
+For one prompt group: ``backend.create(task)`` runs the task's setup once; ``backend.fork(base,
+n)`` copies the initialised state for exactly the ``n`` active owners (no fork for none); each
+owner claims its fork and runs ``observation -> await agent.act(obs) -> parse_action -> step``
+until DONE, FAIL or ``max_turns``, then the sandbox evaluates. An infrastructure failure
+(``InfraError``/``SandboxError``, a timeout) fails only that owner (reward None, error text);
+its siblings continue. Every sandbox is closed before ``run_group`` returns, also after failures
+and on cancellation (the backend's ``inventory()`` is empty again). Unparsable model output is
+not a failure: it is a FAIL action, scored and trained on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+from osworld_jax.env.actions import ACTION_SPACES, Action, parse_action
+from osworld_jax.env.backend import (
+    BACKENDS,
+    Observation,
+    Sandbox,
+    SandboxBackend,
+    SandboxCreateError,
+    SandboxError,
+    SandboxEvalError,
+    SandboxTimeout,
+)
+from osworld_jax.env.protocol import is_transient
+from osworld_jax.env.tasks import Task
+from osworld_jax.errors import ConfigError, InfraError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AgentEnvConfig:
+    """How AgentEnv drives sandboxes.
+
+    Attributes:
+      backend: the sandbox backend's ``BACKENDS`` name (``local``, ``remote``, ``osworld``,
+        ``memory`` for tests).
+      max_turns: agent turns per episode; the episode ends (and is evaluated) after this many.
+      action_space: ``pyautogui`` or ``computer_13`` (how model text is parsed).
+      create_timeout_s: limit for ``backend.create`` (the task's setup included).
+      fork_timeout_s: limit for ``backend.fork``.
+      step_timeout_s: limit for one ``observe``/``step``.
+      act_timeout_s: limit for one ``agent.act`` (None: no limit; the rollout client has its own).
+      eval_timeout_s: limit for one ``sandbox.evaluate`` attempt.
+      eval_attempts: tries of ``sandbox.evaluate`` on transient errors (5xx, timeouts).
+      eval_retry_delay_s: the first back-off between evaluation attempts (doubles per retry).
+      close_timeout_s: limit for closing one sandbox.
+      cache_dir: the local file cache for task downloads (None: the default cache).
+    """
+
+    backend: str = "local"
+    max_turns: int = 15
+    action_space: str = "pyautogui"
+    create_timeout_s: float = 600.0
+    fork_timeout_s: float = 600.0
+    step_timeout_s: float = 120.0
+    act_timeout_s: float | None = None
+    eval_timeout_s: float = 600.0
+    eval_attempts: int = 3
+    eval_retry_delay_s: float = 1.0
+    close_timeout_s: float = 60.0
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1:
+            raise ConfigError(f"AgentEnvConfig.max_turns must be >= 1, got {self.max_turns}")
+        if self.eval_attempts < 1:
+            raise ConfigError(
+                f"AgentEnvConfig.eval_attempts must be >= 1, got {self.eval_attempts}"
+            )
+        ACTION_SPACES.validate(self.action_space, "AgentEnvConfig.action_space")
+
+    def validate_backend(self) -> None:
+        """Raises ``ConfigError`` when ``backend`` is not a registered backend name."""
+        BACKENDS.validate(self.backend, "AgentEnvConfig.backend")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OwnerResult:
+    """One logical owner's episode.
+
+    Attributes:
+      owner_index: the owner's index within its group (as passed to ``run_group``).
+      reward: the evaluator's reward in [0, 1], or None when the owner failed.
+      failed: True for an infrastructure failure (the owner is masked, not trained on).
+      error: the failure, one line, or None.
+      turns: how many agent turns ran.
+      actions: the raw model text of each turn.
+    """
+
+    owner_index: int
+    reward: float | None
+    failed: bool
+    error: str | None
+    turns: int
+    actions: tuple[str, ...]
+
+
+class Agent(Protocol):
+    """What ``make_agent(owner_index)`` returns (``on_episode_end`` is optional)."""
+
+    async def act(self, observation: Observation) -> str:
+        """The model's raw reply to ``observation``."""
+        ...
+
+
+MakeAgent = Callable[[int], "Agent | Awaitable[Agent]"]
+
+
+@dataclasses.dataclass
+class EnvMetrics:
+    """Counters of sandbox activity (monotonic over an AgentEnv's life).
+
+    Attributes:
+      groups: ``run_group`` calls.
+      creates: sandboxes created (base sandboxes).
+      forks: forked sandboxes handed to owners.
+      create_failures: failed or timed-out creates.
+      fork_failures: failed or timed-out forks.
+      owner_failures: owners that ended failed.
+      steps: actions stepped.
+      evaluations: successful evaluations.
+      eval_retries: evaluation retries after transient errors.
+      timeouts: operations that hit their limit.
+    """
+
+    groups: int = 0
+    creates: int = 0
+    forks: int = 0
+    create_failures: int = 0
+    fork_failures: int = 0
+    owner_failures: int = 0
+    steps: int = 0
+    evaluations: int = 0
+    eval_retries: int = 0
+    timeouts: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        """The counters, keyed ``env/<name>`` (for the metrics writer)."""
+        return {f"env/{k}": v for k, v in dataclasses.asdict(self).items()}
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".strip()
+
+
+class AgentEnv:
+    """Runs prompt groups of owners against a sandbox backend (see the module docstring)."""
+
+    def __init__(self, backend: SandboxBackend, config: AgentEnvConfig) -> None:
+        self.backend = backend
+        self.config = config
+        self.metrics = EnvMetrics()
+
+    async def _timed(self, aw: Awaitable[Any], limit: float | None, what: str) -> Any:
+        try:
+            return await asyncio.wait_for(aw, limit)
+        except TimeoutError as e:
+            self.metrics.timeouts += 1
+            raise SandboxTimeout(f"{what} exceeded {limit:g} s") from e
+
+    async def _close(self, sandboxes: Sequence[Sandbox]) -> None:
+        async def close_one(sb: Sandbox) -> None:
+            try:
+                await asyncio.wait_for(sb.close(), self.config.close_timeout_s)
+            except Exception:  # noqa: BLE001 - closing is best effort; inventory() tells the truth
+                pass
+
+        if sandboxes:
+            # Shielded: a second cancellation must not leave sandboxes half-closed.
+            await asyncio.shield(asyncio.gather(*(close_one(sb) for sb in sandboxes)))
+
+    async def run_group(
+        self, task: Task, owner_indices: Sequence[int], make_agent: MakeAgent
+    ) -> list[OwnerResult]:
+        """Runs one episode per owner of ``owner_indices`` on forks of one initialised sandbox.
+
+        Args:
+          task: the task.
+          owner_indices: the active owners (exactly this many forks; none for an empty list).
+          make_agent: ``owner_index -> agent`` (or an awaitable of one).
+
+        Returns:
+          One ``OwnerResult`` per owner, in the order of ``owner_indices``.
+
+        Raises:
+          Exception: anything that is not an infrastructure failure (a bug) propagates, after
+            every sandbox is closed; ``asyncio.CancelledError`` likewise.
+        """
+        self.metrics.groups += 1
+        owners = list(owner_indices)
+        if not owners:
+            return []
+        if len(set(owners)) != len(owners):
+            raise ValueError(f"run_group: duplicate owner indices {owners}")
+        cfg = self.config
+        base: Sandbox | None = None
+        forks: list[Sandbox] = []
+        try:
+            try:
+                base = await self._timed(
+                    self.backend.create(task), cfg.create_timeout_s, f"create({task.id})"
+                )
+                self.metrics.creates += 1
+            except (InfraError, SandboxError) as e:
+                self.metrics.create_failures += 1
+                return self._all_failed(owners, f"create failed: {_one_line(e)}")
+            assert base is not None
+            try:
+                forks = list(
+                    await self._timed(
+                        self.backend.fork(base, len(owners)),
+                        cfg.fork_timeout_s,
+                        f"fork({task.id}, {len(owners)})",
+                    )
+                )
+                if len(forks) != len(owners):
+                    raise SandboxCreateError(
+                        f"backend returned {len(forks)} forks for {len(owners)} owners"
+                    )
+                self.metrics.forks += len(forks)
+            except (InfraError, SandboxError) as e:
+                self.metrics.fork_failures += 1
+                return self._all_failed(owners, f"fork failed: {_one_line(e)}")
+            # The base is only a template once forked: free it before the episodes run.
+            await self._close([base])
+            jobs = [
+                asyncio.create_task(self._run_owner(task, o, sb, make_agent))
+                for o, sb in zip(owners, forks, strict=True)
+            ]
+            try:
+                return list(await asyncio.gather(*jobs))
+            except BaseException:
+                for j in jobs:
+                    j.cancel()
+                await asyncio.gather(*jobs, return_exceptions=True)
+                raise
+        finally:
+            await self._close([*forks, *([base] if base is not None else [])])
+
+    def _all_failed(self, owners: Sequence[int], error: str) -> list[OwnerResult]:
+        self.metrics.owner_failures += len(owners)
+        return [
+            OwnerResult(owner_index=o, reward=None, failed=True, error=error, turns=0, actions=())
+            for o in owners
+        ]
+
+    async def _evaluate(self, sb: Sandbox, last: Action | None) -> float:
+        cfg = self.config
+        for i in range(cfg.eval_attempts):
+            try:
+                return float(
+                    await self._timed(sb.evaluate(last), cfg.eval_timeout_s, f"evaluate({sb.id})")
+                )
+            except (InfraError, SandboxError) as e:
+                cause = e.__cause__ if isinstance(e, SandboxEvalError) else None
+                if not (is_transient(e) or (cause is not None and is_transient(cause))):
+                    raise
+                if i + 1 == cfg.eval_attempts:
+                    raise
+                self.metrics.eval_retries += 1
+                await asyncio.sleep(cfg.eval_retry_delay_s * 2**i)
+        raise AssertionError("unreachable")
+
+    async def _run_owner(
+        self, task: Task, owner: int, sb: Sandbox, make_agent: MakeAgent
+    ) -> OwnerResult:
+        cfg = self.config
+        texts: list[str] = []
+        agent: Any = None
+        try:
+            agent = make_agent(owner)
+            if inspect.isawaitable(agent):
+                agent = await agent
+            obs = await self._timed(sb.observe(), cfg.step_timeout_s, f"observe({sb.id})")
+            last: Action | None = None
+            for _ in range(cfg.max_turns):
+                text = await self._timed(agent.act(obs), cfg.act_timeout_s, f"act(owner {owner})")
+                texts.append(text)
+                last = parse_action(text, cfg.action_space)
+                if last.is_terminal:
+                    break
+                obs = await self._timed(sb.step(last), cfg.step_timeout_s, f"step({sb.id})")
+                self.metrics.steps += 1
+            reward = await self._evaluate(sb, last)
+            self.metrics.evaluations += 1
+            result = OwnerResult(
+                owner_index=owner,
+                reward=reward,
+                failed=False,
+                error=None,
+                turns=len(texts),
+                actions=tuple(texts),
+            )
+        except (InfraError, SandboxError) as e:
+            self.metrics.owner_failures += 1
+            result = OwnerResult(
+                owner_index=owner,
+                reward=None,
+                failed=True,
+                error=_one_line(e),
+                turns=len(texts),
+                actions=tuple(texts),
+            )
+        finally:
+            await self._close([sb])
+        hook = getattr(agent, "on_episode_end", None)
+        if hook is not None:
+            out = hook(result)
+            if inspect.isawaitable(out):
+                await out
+        return result
