@@ -1,0 +1,532 @@
+"""The ``local`` sandbox backend: jailed Xvfb desktops on this machine, no VM.
+
+A sandbox is one ``LocalDesktop`` (see ``desktop.py`` for the jail) initialised for one task: its
+setup steps run once through the in-VM server protocol (``run_setup``). Actions run inside the
+jail: pyautogui code (and computer_13 actions, translated to pyautogui code) is executed by the
+jail's system python3 against the project's xdotool-backed ``pyautogui`` shim.
+
+Fork (``fork(sandbox, n)``) copies the initialised sandbox's FILESYSTEM and restarts programs:
+
+- copied (``cp -a``, byte-exact, ownership and timestamps kept): everything the sandbox wrote
+  under ``/home/user`` (files, app configs, caches, recently-used lists) and ``/tmp`` (minus the
+  X, ICE and dbus sockets, which belong to the running session), and the host-side work dir of
+  setup outputs (``execute`` steps' saved stdout/stderr that ``cache_file`` getters read).
+- not copied: any process state: open windows, their positions and focus, the mouse position,
+  clipboard, unsaved edits in an app's memory, undo history, running shells, the X server's
+  state, the session and at-spi buses. Each fork starts a fresh desktop on the copied filesystem
+  and re-runs only the task's program-starting setup steps (``fork_rerun_step_types``: launch,
+  open, activate/close window, sleep), so a fork equals the source right after its setup as long
+  as setup did its work through files (which OSWorld setups do: download/upload files, then open
+  them). A file an app rewrites at the instant of the snapshot may be copied half-written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from osworld_jax.env.backend import (
+    BACKENDS,
+    Observation,
+    PreflightError,
+    Sandbox,
+    SandboxBackend,
+    SandboxCreateError,
+    SandboxError,
+    SandboxEvalError,
+    SandboxStepError,
+)
+from osworld_jax.env.local.desktop import LocalDesktop, build_jail_argv, prepare_shared_dir
+
+if TYPE_CHECKING:
+    from osworld_jax.env.actions import Action
+    from osworld_jax.env.tasks import Task
+
+__all__ = ["LocalBackend", "LocalBackendConfig", "LocalSandbox"]
+
+PYAUTOGUI_PREFIX = "import pyautogui; import time; pyautogui.FAILSAFE = False; "
+
+# Binaries the jail needs, with the Debian package that ships each.
+REQUIRED_BINARIES = {
+    "bwrap": "bubblewrap",
+    "Xvfb": "xvfb",
+    "xdotool": "xdotool",
+    "wmctrl": "wmctrl",
+    "dbus-run-session": "dbus",
+    "cp": "coreutils",
+}
+DEFAULT_OPENERS: tuple[tuple[str, str], ...] = (
+    (".txt", "mousepad"),
+    (".md", "mousepad"),
+    (".py", "mousepad"),
+    (".json", "mousepad"),
+    (".log", "mousepad"),
+    (".sh", "mousepad"),
+    (".html", "mousepad"),
+    (".xml", "mousepad"),
+    (".csv", "libreoffice --calc"),
+    (".xlsx", "libreoffice --calc"),
+    (".xls", "libreoffice --calc"),
+    (".ods", "libreoffice --calc"),
+    (".docx", "libreoffice --writer"),
+    (".doc", "libreoffice --writer"),
+    (".odt", "libreoffice --writer"),
+    (".pptx", "libreoffice --impress"),
+    (".odp", "libreoffice --impress"),
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LocalBackendConfig:
+    """Configuration of the ``local`` backend.
+
+    Attributes:
+      root: directory holding the sandboxes' directories; None = a fresh temporary directory
+        (removed by ``aclose``).
+      screen_width: Xvfb screen width in pixels.
+      screen_height: Xvfb screen height in pixels.
+      window_manager: the window manager command run inside each desktop.
+      start_timeout_s: deadline for a desktop to start (Xvfb, window manager, server).
+      rpc_timeout_s: default deadline of one in-VM server request.
+      step_timeout_s: deadline of one action's execution.
+      open_timeout_s: how long ``open`` setup steps wait for the file's window.
+      settle_s: pause after an action before observing (lets the screen repaint).
+      wait_action_s: how long a WAIT action pauses.
+      observe_a11y: include the accessibility tree in observations.
+      observe_terminal: include the focused terminal's text in observations.
+      openers: (file suffix, command) pairs the in-VM ``open_file`` uses, first match wins.
+      cache_dir: the task file cache for ``download`` steps and ``cloud_file`` getters; None =
+        ``osworld_jax.env.cache``'s default.
+      host_uid: unprivileged host uid the jail runs as when the host process is root (the jail
+        then cannot read root-only host files); ignored when not root.
+      extra_ro_binds: further host paths mounted read-only at the same place in each jail
+        (e.g. an app installed under ``/opt``).
+      fork_rerun_step_types: the setup step types a fork re-runs on its copied filesystem.
+    """
+
+    root: str | None = None
+    screen_width: int = 1920
+    screen_height: int = 1080
+    window_manager: str = "openbox --sm-disable"
+    start_timeout_s: float = 30.0
+    rpc_timeout_s: float = 120.0
+    step_timeout_s: float = 60.0
+    open_timeout_s: float = 30.0
+    settle_s: float = 0.1
+    wait_action_s: float = 1.0
+    observe_a11y: bool = True
+    observe_terminal: bool = True
+    openers: tuple[tuple[str, str], ...] = DEFAULT_OPENERS
+    cache_dir: str | None = None
+    host_uid: int = 65534
+    extra_ro_binds: tuple[str, ...] = ()
+    fork_rerun_step_types: tuple[str, ...] = (
+        "launch",
+        "open",
+        "activate_window",
+        "close_window",
+        "sleep",
+    )
+
+    def __post_init__(self) -> None:
+        if self.screen_width <= 0 or self.screen_height <= 0:
+            raise ValueError(
+                f"LocalBackendConfig.screen_width/height must be > 0, got "
+                f"{self.screen_width}x{self.screen_height}"
+            )
+        for name in ("start_timeout_s", "rpc_timeout_s", "step_timeout_s", "open_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"LocalBackendConfig.{name} must be > 0")
+
+
+class LocalSandbox(Sandbox):
+    """A jailed local desktop initialised for one task.
+
+    Attributes:
+      id: the sandbox id.
+      task: the task it was set up for.
+      desktop: the running desktop (jail, processes, ``VMClient`` as ``desktop.client``).
+    """
+
+    def __init__(self, backend: LocalBackend, desktop: LocalDesktop, task: Task) -> None:
+        self.id = desktop.id
+        self.task = task
+        self.desktop = desktop
+        self._backend = backend
+        self._cfg = backend.config
+
+    @property
+    def vm(self):  # noqa: ANN201 - VMClient
+        """The desktop's in-VM protocol client."""
+        return self.desktop.client
+
+    @property
+    def work_dir(self) -> Path:
+        """Host-side directory of setup outputs (``execute`` steps' saved stdout/stderr)."""
+        return self.desktop.dir / "work"
+
+    async def observe(self) -> Observation:
+        """Screenshot, a11y tree and terminal text, fetched concurrently."""
+        client = self.desktop.client
+
+        async def empty() -> str:
+            return ""
+
+        try:
+            shot, tree, term = await asyncio.gather(
+                client.screenshot(),
+                client.accessibility() if self._cfg.observe_a11y else empty(),
+                client.terminal() if self._cfg.observe_terminal else empty(),
+            )
+        except SandboxError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any other failure is a step failure
+            raise SandboxStepError(f"sandbox {self.id}: observe failed: {e!r}") from e
+        return Observation(
+            screenshot=shot, a11y_tree=tree, terminal=term, instruction=self.task.instruction
+        )
+
+    async def run_code(self, code: str) -> dict[str, Any]:
+        """Runs pyautogui/python code in the jail; returns the ``/execute`` reply."""
+        return await self.desktop.client.execute(
+            ["python3", "-c", PYAUTOGUI_PREFIX + code], timeout=self._cfg.step_timeout_s
+        )
+
+    async def step(self, action: Action) -> Observation:
+        """Runs one action in the jail and observes.
+
+        An action whose code raises (a model error) is not an infrastructure failure: the
+        episode goes on and the screen shows what happened; only sandbox failures raise.
+        """
+        from osworld_jax.env.actions import ActionKind, to_pyautogui
+
+        if action.kind == ActionKind.PYAUTOGUI:
+            await self.run_code(action.code)
+        elif action.kind == ActionKind.COMPUTER_13:
+            await self.run_code(to_pyautogui(action))
+        elif action.kind == ActionKind.WAIT:
+            await asyncio.sleep(self._cfg.wait_action_s)
+        if self._cfg.settle_s > 0 and action.kind not in (ActionKind.DONE, ActionKind.FAIL):
+            await asyncio.sleep(self._cfg.settle_s)
+        return await self.observe()
+
+    async def evaluate(self, last_action: Action | None) -> float:
+        """Runs postconfig and the task's evaluator in this sandbox; a reward in [0, 1]."""
+        from osworld_jax.env.evaluators import evaluate_task
+
+        try:
+            return float(
+                await evaluate_task(
+                    self.task, self.desktop.client, last_action, cache_dir=self._cfg.cache_dir
+                )
+            )
+        except SandboxError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise SandboxEvalError(f"sandbox {self.id}: evaluation failed: {e!r}") from e
+
+    async def close(self) -> None:
+        """Kills the jail's process tree and removes its directory; idempotent."""
+        await self.desktop.close()
+
+
+@BACKENDS.register("local")
+class LocalBackend(SandboxBackend):
+    """Creates, forks and tracks jailed local desktops (see the module docstring)."""
+
+    name = "local"
+
+    def __init__(self, config: LocalBackendConfig | None = None) -> None:
+        self.config = config if config is not None else LocalBackendConfig()
+        self._root: Path | None = Path(self.config.root) if self.config.root else None
+        self._own_root = self.config.root is None
+        self._shared: Path | None = None
+        self._live: dict[str, LocalSandbox] = {}
+        self._desktops: dict[str, LocalDesktop] = {}
+
+    # -- capabilities and preflight ---------------------------------------------------------
+
+    @classmethod
+    def capability_reasons(cls, task: Task) -> list[str]:
+        """Local-only limits: files that ``open`` steps open but no configured app opens."""
+        reasons = []
+        for step in task.config:
+            if step.type != "open":
+                continue
+            path = str(step.parameters.get("path", ""))
+            suffixes = [s for s, _ in DEFAULT_OPENERS if path.lower().endswith(s)]
+            if not suffixes and shutil.which("xdg-open") is None and shutil.which(path) is None:
+                reasons.append(f"no local application opens {path!r}")
+        return reasons
+
+    @property
+    def _host_uid(self) -> int | None:
+        return self.config.host_uid if os.geteuid() == 0 else None
+
+    def preflight(self) -> None:
+        """Checks the binaries and that bubblewrap can create its namespaces here."""
+        problems = []
+        missing = [f"{b} (apt {p})" for b, p in REQUIRED_BINARIES.items() if not shutil.which(b)]
+        wm = shlex.split(self.config.window_manager)[0]
+        if not shutil.which(wm):
+            missing.append(wm)
+        if not Path("/usr/bin/python3").exists():
+            missing.append("/usr/bin/python3 (apt python3)")
+        if missing:
+            problems.append("missing " + ", ".join(missing))
+        else:
+            probe = subprocess.run(
+                [
+                    "/usr/bin/python3",
+                    "-c",
+                    "import Xlib.display, pyatspi",
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if probe.returncode != 0:
+                last = probe.stderr.strip().splitlines()[-1:] or ["?"]
+                problems.append(f"system python3 lacks python3-xlib/python3-pyatspi ({last[0]})")
+            err = self._probe_bwrap()
+            if err:
+                problems.append(err)
+        if problems:
+            raise PreflightError(
+                "local sandbox backend cannot run here: "
+                + "; ".join(problems)
+                + " (run scripts/setup.sh as root)"
+            )
+
+    def _probe_bwrap(self) -> str | None:
+        argv = ["bwrap", "--unshare-all", "--die-with-parent", "--uid", "1000", "--gid", "1000"]
+        argv += ["--ro-bind", "/usr", "/usr", "--proc", "/proc", "--dev", "/dev"]
+        for top in ("bin", "lib", "lib64"):
+            host = Path("/") / top
+            if host.is_symlink():
+                argv += ["--symlink", os.readlink(host), f"/{top}"]
+            elif host.is_dir():
+                argv += ["--ro-bind", str(host), f"/{top}"]
+        argv += ["--", "/usr/bin/true"]
+        kwargs: dict[str, Any] = {}
+        if self._host_uid is not None:
+            kwargs.update(user=self._host_uid, group=self._host_uid, extra_groups=[])
+        try:
+            res = subprocess.run(
+                argv, capture_output=True, text=True, check=False, timeout=20, **kwargs
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"bwrap probe failed: {e}"
+        if res.returncode != 0:
+            return (
+                f"bwrap cannot create namespaces here ({res.stderr.strip()[:200]}); "
+                "unprivileged user namespaces must be enabled"
+            )
+        return None
+
+    # -- sandboxes --------------------------------------------------------------------------
+
+    def _ensure_dirs(self) -> tuple[Path, Path]:
+        if self._root is None:
+            self._root = Path(tempfile.mkdtemp(prefix="osworld_jax-local-"))
+        self._root.mkdir(parents=True, exist_ok=True)
+        self._root.chmod(0o711)
+        if self._shared is None:
+            shared = self._root / "_shared"
+            prepare_shared_dir(shared, self._host_uid)
+            self._shared = shared
+        return self._root, self._shared
+
+    async def _start_desktop(self, populate: Path | None = None) -> LocalDesktop:
+        root, shared = self._ensure_dirs()
+        sid = f"local-{uuid.uuid4().hex[:12]}"
+        sdir = root / sid
+        if populate is None:
+            LocalDesktop.make_dirs(sdir, self._host_uid)
+        else:
+            await _copy_tree(populate, sdir)
+            for sub in ("run", "log"):
+                (sdir / sub).mkdir(exist_ok=True)
+                if self._host_uid is not None:
+                    os.chown(sdir / sub, self._host_uid, self._host_uid)
+        (sdir / "work").mkdir(exist_ok=True)
+        desktop = LocalDesktop(sid, sdir, on_close=self._forget)
+        self._desktops[sid] = desktop
+        cfg = self.config
+        argv = build_jail_argv(
+            sandbox_dir=sdir,
+            shared_dir=shared,
+            width=cfg.screen_width,
+            height=cfg.screen_height,
+            openers=cfg.openers,
+            window_manager=cfg.window_manager,
+            open_timeout_s=cfg.open_timeout_s,
+            start_timeout_s=cfg.start_timeout_s,
+            extra_ro_binds=cfg.extra_ro_binds,
+        )
+        try:
+            await desktop.start(
+                argv,
+                host_uid=self._host_uid,
+                start_timeout_s=cfg.start_timeout_s,
+                rpc_timeout_s=cfg.rpc_timeout_s,
+            )
+        except BaseException:
+            await self._discard(desktop)
+            raise
+        return desktop
+
+    async def _discard(self, desktop: LocalDesktop) -> None:
+        await asyncio.shield(desktop.close())
+
+    async def start_desktop(self) -> LocalDesktop:
+        """A bare jailed desktop with no task (tests, benchmarks); close it with ``close()``.
+
+        It is listed by ``inventory`` until closed.
+        """
+        return await self._start_desktop()
+
+    def _setup_ctx(self, task: Task, desktop: LocalDesktop) -> Any:
+        from osworld_jax.env.setup import SetupContext
+
+        return SetupContext(
+            cache_dir=self.config.cache_dir,
+            task_id=task.id,
+            base_dir=task.path.parent if task.path is not None else None,
+            work_dir=desktop.dir / "work",
+        )
+
+    async def create(self, task: Task) -> LocalSandbox:
+        """Starts a desktop and runs the task's setup steps in it."""
+        from osworld_jax.env.setup import run_setup
+
+        desktop = await self._start_desktop()
+        try:
+            await run_setup(task.config, desktop.client, ctx=self._setup_ctx(task, desktop))
+        except BaseException as e:
+            await self._discard(desktop)
+            if isinstance(e, SandboxError | asyncio.CancelledError):
+                raise
+            if isinstance(e, Exception):
+                raise SandboxCreateError(f"task {task.id}: setup failed: {e!r}") from e
+            raise
+        return self._adopt(desktop, task)
+
+    def _adopt(self, desktop: LocalDesktop, task: Task) -> LocalSandbox:
+        sandbox = LocalSandbox(self, desktop, task)
+        self._live[desktop.id] = sandbox
+        return sandbox
+
+    def _forget(self, sandbox_id: str) -> None:
+        self._live.pop(sandbox_id, None)
+        self._desktops.pop(sandbox_id, None)
+
+    async def snapshot(self, sandbox: LocalSandbox) -> Path:
+        """Copies the sandbox's filesystem state (home, tmp, work) into a new directory."""
+        root, _ = self._ensure_dirs()
+        snap = root / f"_snap-{sandbox.id}-{uuid.uuid4().hex[:6]}"
+        snap.mkdir(mode=0o711)
+        for sub in ("home", "tmp", "work"):
+            if (sandbox.desktop.dir / sub).exists():
+                await _copy_tree(sandbox.desktop.dir / sub, snap / sub)
+        await asyncio.to_thread(_drop_session_files, snap / "tmp")
+        return snap
+
+    async def fork(self, sandbox: Sandbox, n: int) -> list[Sandbox]:
+        """Returns n sandboxes started from a copy of ``sandbox``'s files (module doc)."""
+        if not isinstance(sandbox, LocalSandbox) or sandbox.id not in self._live:
+            raise SandboxCreateError(f"fork: {getattr(sandbox, 'id', sandbox)!r} is not live here")
+        if n < 0:
+            raise ValueError(f"fork: n must be >= 0, got {n}")
+        if n == 0:
+            return []
+        from osworld_jax.env.setup import run_setup
+
+        snap = await self.snapshot(sandbox)
+        task = sandbox.task
+
+        async def one() -> LocalSandbox:
+            desktop = await self._start_desktop(populate=snap)
+            try:
+                await run_setup(
+                    task.config,
+                    desktop.client,
+                    only_types=self.config.fork_rerun_step_types,
+                    ctx=self._setup_ctx(task, desktop),
+                )
+            except BaseException:
+                await self._discard(desktop)
+                raise
+            return self._adopt(desktop, task)
+
+        try:
+            results = await asyncio.gather(*(one() for _ in range(n)), return_exceptions=True)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, snap, True)
+        good = [r for r in results if isinstance(r, LocalSandbox)]
+        bad = [r for r in results if isinstance(r, BaseException)]
+        if bad:
+            for s in good:
+                await asyncio.shield(s.close())
+            err = bad[0]
+            if isinstance(err, SandboxError | asyncio.CancelledError):
+                raise err
+            raise SandboxCreateError(f"fork of {sandbox.id}: {err!r}") from err
+        return list(good)
+
+    def inventory(self) -> list[str]:
+        """Ids of the sandboxes (and bare desktops) started here and not yet closed."""
+        return sorted(self._desktops)
+
+    async def aclose(self) -> None:
+        """Closes every live sandbox and removes the backend's temporary root."""
+        for desktop in list(self._desktops.values()):
+            with contextlib.suppress(Exception):
+                await desktop.close()
+        if self._root is not None and self._shared is not None:
+            await asyncio.to_thread(shutil.rmtree, self._shared, True)
+            self._shared = None
+        if self._own_root and self._root is not None:
+            await asyncio.to_thread(shutil.rmtree, self._root, True)
+            self._root = None
+
+
+async def _copy_tree(src: Path, dst: Path) -> None:
+    """``cp -a`` (ownership, modes, timestamps, symlinks kept; reflinks where the FS has them)."""
+    proc = await asyncio.create_subprocess_exec(
+        "cp",
+        "-a",
+        "--reflink=auto",
+        str(src),
+        str(dst),
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, err = await proc.communicate()
+    if proc.returncode != 0:
+        raise SandboxCreateError(f"copy {src} -> {dst} failed: {err.decode(errors='replace')}")
+
+
+def _drop_session_files(tmp: Path) -> None:
+    """Removes the running session's sockets and locks from a copied /tmp."""
+    if not tmp.exists():
+        return
+    for name in (".X11-unix", ".ICE-unix", ".X0-lock", ".font-unix", ".XIM-unix"):
+        p = tmp / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.exists() or p.is_symlink():
+            p.unlink()
+    for p in list(tmp.rglob("*")):
+        with contextlib.suppress(OSError):
+            if p.is_socket() or p.name.startswith("dbus-"):
+                p.unlink()
