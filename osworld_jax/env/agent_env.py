@@ -78,6 +78,9 @@ class AgentEnvConfig:
 
     def validate_backend(self) -> None:
         """Raises ``ConfigError`` when ``backend`` is not a registered backend name."""
+        from osworld_jax.env import load_backends
+
+        load_backends(self.backend)
         BACKENDS.validate(self.backend, "AgentEnvConfig.backend")
 
 

@@ -326,7 +326,9 @@ BACKEND = "backend cannot express it"
 
 @dataclasses.dataclass(frozen=True)
 class Runnable:
-    """The task can run on the backend here."""
+    """The task can run on the backend here (``reasons`` is always empty)."""
+
+    reasons: tuple[Reason, ...] = ()
 
     def __bool__(self) -> bool:
         return True
@@ -473,8 +475,10 @@ def capabilities(
         for app in _apps_needed(task):
             if not _app_available(app):
                 reasons.append(Reason(APP, app))
+    from osworld_jax.env import load_backends
     from osworld_jax.env.backend import BACKENDS
 
+    load_backends(backend_name)
     if backend_name in BACKENDS:
         hook = getattr(BACKENDS.get(backend_name), "capability_reasons", None)
         if hook is not None:
