@@ -24,7 +24,9 @@ import shutil
 import stat
 import uuid
 from pathlib import Path
+from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from osworld_jax.algorithms import dapo_band_keep
@@ -42,7 +44,7 @@ def read_calibration(path: str | Path) -> list[dict]:
             continue
         try:
             rec = json.loads(line)
-            row = {
+            row: dict[str, Any] = {
                 "task_id": str(rec["task_id"]),
                 "reps": int(rec["reps"]),
                 "passes": int(rec["passes"]),
@@ -130,7 +132,9 @@ def freeze_band(
 
     passes = np.array([r["passes"] for r in rows], np.int32)
     reps_arr = np.array([r["reps"] for r in rows], np.int32)
-    keep = np.asarray(dapo_band_keep(passes, reps_arr, low=low, high=high))
+    keep = np.asarray(
+        dapo_band_keep(jnp.asarray(passes), jnp.asarray(reps_arr), low=low, high=high)
+    )
     admitted = sorted(r["task_id"] for r, k in zip(rows, keep, strict=True) if k)
     if not admitted:
         raise FreezeError(
@@ -143,9 +147,9 @@ def freeze_band(
     task_rel: dict[str, str] = {}
     for tid in admitted:
         src = Path(by_id[tid].path)
-        rel = Path("tasks") / src.relative_to(task_root)
-        task_rel[tid] = rel.as_posix()
-        plan.append((src, rel.as_posix()))
+        dst = (Path("tasks") / src.relative_to(task_root)).as_posix()
+        task_rel[tid] = dst
+        plan.append((src, dst))
         for asset in task_asset_files(src):
             plan.append((asset, (Path("tasks") / asset.relative_to(task_root)).as_posix()))
     sources = [calibration_jsonl.resolve()] + [s for s, _ in plan]

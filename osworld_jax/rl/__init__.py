@@ -1,1 +1,16 @@
-"""osworld_jax.rl room (see docs/INTERFACES.md)."""
+"""osworld_jax.rl: the RL loop that wires the rooms together (see docs/INTERFACES.md)."""
+
+from osworld_jax.rl.config import ExperimentConfig, ModelSourceConfig, RLConfig, ServerConfig
+from osworld_jax.rl.loop import TrainResult, train
+from osworld_jax.rl.preflight import PreflightFailed, run_preflight
+
+__all__ = [
+    "ExperimentConfig",
+    "ModelSourceConfig",
+    "PreflightFailed",
+    "RLConfig",
+    "ServerConfig",
+    "TrainResult",
+    "run_preflight",
+    "train",
+]

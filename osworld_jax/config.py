@@ -1,0 +1,272 @@
+"""gin at the edge: bind every room's config dataclass from gin files, build `ExperimentConfig`.
+
+The only library module that imports gin. Files bind ``ClassName.field = value`` (T5X
+convention: ``--gin_file`` repeatable, later files override earlier ones, ``--gin_param``
+bindings are applied after every file)::
+
+    parse_gin(["configs/osworld_b8n8_r3.gin", "configs/dr_grpo.gin"], ["RLConfig.steps = 2"])
+    experiment = build_experiment()
+    write_operative_config(run_dir)
+
+`build_experiment` calls each config class through gin; a dataclass-typed field that no binding
+sets (``RolloutConfig.sampling``, ``TrainerConfig.optimizer``, ...) is itself built from its own
+class's bindings, so ``SamplingParams.temperature = 0.7`` reaches ``experiment.rollout.sampling``.
+Every mistake fails at start-up with ONE line naming the file, the line and the binding: an
+unknown class or field (gin's error, rewritten), a value of the wrong type (checked against the
+field's annotation), or a value a config's own validation rejects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import gin
+
+from osworld_jax.agent.config import AgentConfig, CompactionConfig, GroupPolicyConfig
+from osworld_jax.data import DataConfig
+from osworld_jax.env import AgentEnvConfig
+from osworld_jax.env.local import LocalBackendConfig
+from osworld_jax.errors import ConfigError
+from osworld_jax.model.config import ModelRuntimeConfig
+from osworld_jax.rl.config import ExperimentConfig, ModelSourceConfig, RLConfig, ServerConfig
+from osworld_jax.rollout.config import RolloutConfig, SamplingParams
+from osworld_jax.trainer.config import CheckpointConfig, OptimizerConfig, TrainerConfig
+
+#: Every config class gin can bind (by class name, or ``module.ClassName``).
+CONFIGURABLES: tuple[type, ...] = (
+    ExperimentConfig,
+    ModelSourceConfig,
+    ModelRuntimeConfig,
+    TrainerConfig,
+    OptimizerConfig,
+    CheckpointConfig,
+    RolloutConfig,
+    SamplingParams,
+    ServerConfig,
+    AgentEnvConfig,
+    LocalBackendConfig,
+    AgentConfig,
+    CompactionConfig,
+    GroupPolicyConfig,
+    DataConfig,
+    RLConfig,
+)
+#: The repository's ``configs/`` directory: ``--gin_file=grpo.gin`` and gin ``include`` find
+#: files there.
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
+OPERATIVE_CONFIG_NAME = "operative_config.gin"
+RESOLVED_CONFIG_NAME = "experiment.json"
+
+_registered = False
+# binding "Class.field" -> "file:line" of the binding that set its current value.
+_locations: dict[str, str] = {}
+
+
+def register_configurables() -> None:
+    """Registers `CONFIGURABLES` with gin (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    for cls in CONFIGURABLES:
+        gin.register(cls, module=cls.__module__)
+    gin.add_config_file_search_path(str(CONFIGS_DIR))
+    _registered = True
+
+
+def parse_gin(files: Sequence[str | Path] = (), params: Sequence[str] = ()) -> None:
+    """Clears gin, then parses ``files`` in order and ``params`` after them.
+
+    Raises:
+      ConfigError: one line ``<file>:<line>: <binding>: <problem>`` for a missing file, a syntax
+        error, an unknown class or an unknown field.
+    """
+    register_configurables()
+    gin.clear_config()
+    _locations.clear()
+    for f in files:
+        path = _find_config_file(str(f))
+        _parse_one(lambda p=path: gin.parse_config_file(p), str(path), path.read_text())
+    for i, param in enumerate(params):
+        where = f"--gin_param[{i}]"
+        _parse_one(lambda param=param: gin.parse_config(param), where, param)
+
+
+def build(cls: type) -> Any:
+    """Builds the registered config class ``cls`` from the current bindings (recursively)."""
+    hints = typing.get_type_hints(cls)
+    name = cls.__name__
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        key = f"{name}.{f.name}"
+        try:
+            value = gin.query_parameter(key)
+        except ValueError:  # not bound: a nested config is built from its own class's bindings
+            sub = _config_class(hints[f.name])
+            if sub is not None:
+                kwargs[f.name] = build(sub)
+            continue
+        if not _matches(value, hints[f.name]):
+            raise ConfigError(
+                f"{_where(key)}{key} = {value!r}: expected {_type_name(hints[f.name])}"
+            )
+    try:
+        return gin.get_configurable(cls)(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(_locate(str(e))) from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{name}: {_first_line(str(e))}") from None
+
+
+def build_experiment() -> ExperimentConfig:
+    """The `ExperimentConfig` of the current bindings (call `parse_gin` first)."""
+    return build(ExperimentConfig)
+
+
+def load_experiment(
+    files: Sequence[str | Path] = (), params: Sequence[str] = ()
+) -> ExperimentConfig:
+    """`parse_gin` then `build_experiment`."""
+    parse_gin(files, params)
+    return build_experiment()
+
+
+def operative_config() -> str:
+    """The operative gin config: the bindings the built configs actually used."""
+    return gin.operative_config_str()
+
+
+def write_operative_config(run_dir: str | Path, experiment: ExperimentConfig) -> Path:
+    """Writes ``operative_config.gin`` and the resolved ``experiment.json`` into ``run_dir``."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / OPERATIVE_CONFIG_NAME
+    path.write_text(operative_config())
+    resolved = json.dumps(dataclasses.asdict(experiment), indent=2, sort_keys=True, default=str)
+    (run_dir / RESOLVED_CONFIG_NAME).write_text(resolved + "\n")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _find_config_file(name: str) -> Path:
+    for candidate in (Path(name), CONFIGS_DIR / name):
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(f"--gin_file {name}: no such file (also looked in {CONFIGS_DIR})")
+
+
+def _parse_one(parse: Any, where: str, text: str) -> None:
+    before = _bindings()
+    try:
+        parse()
+    except (ValueError, SyntaxError, OSError, ImportError) as e:
+        raise ConfigError(_gin_error_line(e, where)) from None
+    after = _bindings()
+    for key, value in after.items():
+        if key not in before or before[key] is not value:
+            _locations[key] = f"{where}:{_line_of(text, key)}"
+
+
+def _bindings() -> dict[str, Any]:
+    out = {}
+    for (_scope, selector), params in gin.config._CONFIG.items():  # noqa: SLF001
+        short = selector.rsplit(".", 1)[-1]
+        for p, v in params.items():
+            out[f"{short}.{p}"] = v
+    return out
+
+
+def _line_of(text: str, key: str) -> int:
+    cls, field = key.split(".")
+    pattern = re.compile(rf"^\s*(?:[\w.]+\.)?{re.escape(cls)}\.{re.escape(field)}\s*=", re.M)
+    m = pattern.search(text)
+    return text.count("\n", 0, m.start()) + 1 if m else 1
+
+
+def _gin_error_line(e: BaseException, where: str) -> str:
+    msg = str(e)
+    lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
+    cause = re.sub(r"\s*\([^()]*line \d+\)$", "", lines[0]) if lines else type(e).__name__
+    m = re.search(r'In file "([^"]+)", line (\d+)', msg)
+    if m:
+        loc = f"{m.group(1)}:{m.group(2)}"
+    else:
+        m2 = re.search(r"(?:bindings string )?line (\d+)", msg)
+        lineno = getattr(e, "lineno", None) or (int(m2.group(1)) if m2 else None)
+        loc = f"{where}:{lineno}" if lineno else where
+    binding = ""
+    for ln in lines[1:]:
+        if "=" in ln and not ln.startswith("In "):
+            binding = ln
+            break
+    return f"{loc}: {binding + ': ' if binding else ''}{cause}"
+
+
+def _where(key: str) -> str:
+    return f"{_locations[key]}: " if key in _locations else ""
+
+
+def _locate(message: str) -> str:
+    """Prefixes a config's own validation error with the location of the binding it names."""
+    message = _first_line(message)
+    for m in re.finditer(r"\b([A-Z]\w*)\.(\w+)", message):
+        key = f"{m.group(1)}.{m.group(2)}"
+        if key in _locations:
+            return f"{_locations[key]}: {message}"
+    return message
+
+
+def _first_line(s: str) -> str:
+    return s.strip().splitlines()[0] if s.strip() else s
+
+
+def _config_class(hint: Any) -> type | None:
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint) and hint in CONFIGURABLES:
+        return hint
+    return None
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """A light structural check of a bound value against a field annotation."""
+    if hint is Any or isinstance(value, gin.config.ConfigurableReference):
+        return True
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin is tuple:
+        if not isinstance(value, tuple | list):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_matches(v, args[0]) for v in value)
+        return len(args) == len(value) and all(
+            _matches(v, a) for v, a in zip(value, args, strict=True)
+        )
+    if origin is list:
+        return isinstance(value, list | tuple) and all(_matches(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return True
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")

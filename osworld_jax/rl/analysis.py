@@ -1,0 +1,79 @@
+"""Loaders for analysing a run directory (used by ``notebooks/analysis.py``).
+
+A run directory holds ``metrics.jsonl`` (one record per step, see `osworld_jax.rl.metrics`) and
+``rollouts.jsonl`` (one record per logical owner per step: task, group, reward, failure,
+advantage, turns, segments, tokens). These helpers turn them into numpy columns; plotting stays
+in the notebook.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from osworld_jax.rl.metrics import STAGES, read_metrics
+
+ROLLOUTS_FILE = "rollouts.jsonl"
+
+
+def metrics_dir(run_dir: str | Path) -> Path:
+    """The directory holding ``metrics.jsonl`` (the run dir or its ``metrics_dir``)."""
+    run_dir = Path(run_dir)
+    resolved = run_dir / "experiment.json"
+    if resolved.is_file():
+        sub = json.loads(resolved.read_text()).get("rl", {}).get("metrics_dir", ".")
+        return (run_dir / sub).resolve()
+    return run_dir
+
+
+def load_metrics(run_dir: str | Path) -> dict[str, np.ndarray]:
+    """Step metrics as float columns keyed by metric name (NaN where a step lacks one)."""
+    records = read_metrics(metrics_dir(run_dir))
+    keys = sorted({k for r in records for k in r if _is_number(r[k])})
+    return {
+        k: np.array([float(r[k]) if _is_number(r.get(k)) else np.nan for r in records])
+        for k in keys
+    }
+
+
+def load_rollouts(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every per-owner record of ``rollouts.jsonl`` (empty if the run wrote none)."""
+    p = metrics_dir(run_dir) / ROLLOUTS_FILE
+    if not p.is_file():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def per_task_pass_rate(
+    rollouts: list[dict[str, Any]], *, success: float = 1.0
+) -> dict[str, tuple[int, int]]:
+    """``task_id -> (passes, healthy attempts)``; a pass is a reward >= ``success``."""
+    out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for r in rollouts:
+        if r.get("failed") or r.get("reward") is None:
+            continue
+        out[r["task_id"]][0] += int(r["reward"] >= success)
+        out[r["task_id"]][1] += 1
+    return {k: (v[0], v[1]) for k, v in sorted(out.items())}
+
+
+def advantages_by_step(rollouts: list[dict[str, Any]]) -> dict[int, np.ndarray]:
+    """``step -> f32[owners]`` advantages of the healthy owners trained at that step."""
+    out: dict[int, list[float]] = defaultdict(list)
+    for r in rollouts:
+        if not r.get("failed") and r.get("advantage") is not None:
+            out[int(r["step"])].append(float(r["advantage"]))
+    return {s: np.asarray(v, np.float32) for s, v in sorted(out.items())}
+
+
+def stage_times(metrics: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``stage -> seconds per step`` for the stages a run timed (`STAGES` order)."""
+    return {s: metrics[f"time/{s}"] for s in STAGES if f"time/{s}" in metrics}
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)

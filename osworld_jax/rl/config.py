@@ -1,0 +1,182 @@
+"""Configs of the RL loop and the experiment root that gathers every room's config.
+
+Plain frozen dataclasses (no gin here): ``osworld_jax/config.py`` binds them from gin files at the
+edge and passes the built `ExperimentConfig` to `osworld_jax.rl.train`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from osworld_jax.agent.config import AgentConfig, GroupPolicyConfig
+from osworld_jax.algorithms import ESTIMATORS
+from osworld_jax.data import DataConfig
+from osworld_jax.env import AgentEnvConfig
+from osworld_jax.env.local import LocalBackendConfig
+from osworld_jax.errors import ConfigError
+from osworld_jax.model.config import ModelRuntimeConfig
+from osworld_jax.rollout.config import RolloutConfig
+from osworld_jax.trainer.config import TrainerConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class RLConfig:
+    """The shape and cadence of the RL loop (one optimizer step per rollout batch).
+
+    Attributes:
+      num_prompts: B, prompt groups (tasks) per step.
+      num_owners: N, logical owners (rollouts) per prompt group.
+      steps: optimizer steps of the run (``--steps`` overrides).
+      estimator: advantage estimator over the logical owners (a name of
+        ``osworld_jax.algorithms.ESTIMATORS``).
+      train_global_batch_size: logical owners per optimizer step; must equal B x N (one
+        optimizer step per rollout batch). ``None`` means B x N.
+      seed: seed of the rollout sampling seeds (``fold(seed, step, owner)``; ``None`` leaves
+        sampling to the server's randomness).
+      max_failed_fraction: the step fails (with the infrastructure errors listed) when more than
+        this fraction of its owners failed.
+      metrics_dir: where ``metrics.jsonl`` and TensorBoard events go, relative to the run dir.
+      weights_keep: how many exported HF weight directories (``weights/step_*``) to keep.
+      progress_bar: show a tqdm bar with per-stage timing.
+      success_reward: a healthy owner with reward >= this counts as a pass (``reward/pass_rate``).
+      norm_length: the constant L of ``seq-mean-token-sum-norm`` (Dr.GRPO); ``None`` uses the
+        generation budget ``max_new_tokens x max_turns``.
+      mesh: the trainer's device-mesh shape, ``{"data": d, "fsdp": f, "expert": e, "tensor":
+        t}`` (missing axes are 1; empty: one device).
+      length_buckets: allowed padded row lengths of the device batch (ascending; the smallest
+        that fits is used, so few shapes are compiled). Empty: round up to a multiple of 128.
+    """
+
+    num_prompts: int = 2
+    num_owners: int = 4
+    steps: int = 3
+    estimator: str = "grpo"
+    train_global_batch_size: int | None = None
+    seed: int | None = 0
+    max_failed_fraction: float = 0.5
+    metrics_dir: str = "."
+    weights_keep: int = 2
+    progress_bar: bool = True
+    success_reward: float = 1.0
+    norm_length: int | None = None
+    mesh: dict[str, int] = field(default_factory=dict)
+    length_buckets: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("num_prompts", "num_owners", "steps", "weights_keep"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"RLConfig.{name} must be >= 1, got {getattr(self, name)}")
+        ESTIMATORS.validate(self.estimator, "RLConfig.estimator")
+        owners = self.num_prompts * self.num_owners
+        if self.train_global_batch_size is not None and self.train_global_batch_size != owners:
+            raise ConfigError(
+                f"RLConfig.train_global_batch_size ({self.train_global_batch_size}) must equal "
+                f"num_prompts x num_owners = {self.num_prompts} x {self.num_owners} = {owners} "
+                "logical owners (one optimizer step per rollout batch)"
+            )
+        if not 0.0 <= self.max_failed_fraction <= 1.0:
+            raise ConfigError(
+                f"RLConfig.max_failed_fraction must be in [0, 1], got {self.max_failed_fraction}"
+            )
+        unknown = set(self.mesh) - {"data", "fsdp", "expert", "tensor"}
+        if unknown:
+            raise ConfigError(f"RLConfig.mesh: unknown axes {sorted(unknown)}")
+        if self.norm_length is not None and self.norm_length < 1:
+            raise ConfigError(f"RLConfig.norm_length must be >= 1, got {self.norm_length}")
+        buckets = tuple(int(b) for b in self.length_buckets)
+        if list(buckets) != sorted(set(buckets)) or any(b < 2 for b in buckets):
+            raise ConfigError(f"RLConfig.length_buckets must be ascending and >= 2: {buckets}")
+        object.__setattr__(self, "length_buckets", buckets)
+
+    @property
+    def num_logical_owners(self) -> int:
+        """B x N, the logical owners of one optimizer step."""
+        return self.num_prompts * self.num_owners
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSourceConfig:
+    """Which HF checkpoint the run starts from.
+
+    Attributes:
+      path: an HF Qwen3-MoE checkpoint directory (``config.json``, safetensors, tokenizer), or
+        ``"tiny"``: build a random tiny model with the offline tokenizer into
+        ``<run_dir>/base_model`` (``osworld_jax.model.make_tiny_checkpoint``).
+      tiny_seed: init seed of the tiny model.
+      tiny_overrides: ``Qwen3MoeConfig`` keys overriding the tiny model's defaults.
+    """
+
+    path: str = "tiny"
+    tiny_seed: int = 0
+    tiny_overrides: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ConfigError("ModelSourceConfig.path: empty; name an HF checkpoint dir or 'tiny'")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """The rollout servers: external SGLang URLs (``RolloutConfig.urls``) or an embedded one.
+
+    Attributes:
+      embedded: launch ``python -m osworld_jax.rollout.serve`` as a subprocess on the run's
+        model and point the rollout client at it (``RolloutConfig.urls`` is then ignored).
+      host: the embedded server's bind address.
+      port: the embedded server's port (0: a free port).
+      max_running_requests: the embedded server's concurrent-request cap (its decode batch).
+      dtype: the embedded server's compute dtype.
+      startup_timeout_s: how long to wait for the embedded server's ``/health``.
+    """
+
+    embedded: bool = False
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_running_requests: int = 64
+    dtype: str = "float32"
+    startup_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"ServerConfig.port must be in [0, 65536), got {self.port}")
+        if self.max_running_requests < 1:
+            raise ConfigError(
+                f"ServerConfig.max_running_requests must be >= 1, got {self.max_running_requests}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExperimentConfig:
+    """The root of a run's configuration: one config per room.
+
+    Attributes:
+      model: the starting checkpoint.
+      runtime: how the policy computes (expert backend, dtype, remat).
+      trainer: the train step, optimizer and checkpointing.
+      rollout: the rollout client (server URLs, timeouts, sampling, R3).
+      server: external servers or the embedded one.
+      env: AgentEnv (sandbox backend, turns, timeouts).
+      local: the ``local`` sandbox backend's settings (used when ``env.backend == "local"``).
+      agent: prompting and context compaction.
+      group: which prompt groups are trained on and the baseline population.
+      data: the task set and its order.
+      rl: the loop's shape (B, N, steps, estimator).
+    """
+
+    model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
+    runtime: ModelRuntimeConfig = field(default_factory=ModelRuntimeConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    env: AgentEnvConfig = field(default_factory=AgentEnvConfig)
+    local: LocalBackendConfig = field(default_factory=LocalBackendConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    group: GroupPolicyConfig = field(default_factory=GroupPolicyConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+
+    def replace(self, **changes: Any) -> ExperimentConfig:
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)

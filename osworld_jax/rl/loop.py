@@ -1,0 +1,94 @@
+"""The RL loop: ``train(experiment, run_dir, steps)``.
+
+Each step: B tasks from grain -> B x N owners rolled out concurrently -> segments -> group
+policy + advantages -> device batch -> train_step (R3) -> export + refit every server ->
+metrics -> orbax checkpoint (with the task-stream position). Set-up and tear-down live in
+`osworld_jax.rl.run` (`RunResources`), the stage helpers in `osworld_jax.rl.stages`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from osworld_jax.agent import pack_batch
+from osworld_jax.rl import stages
+from osworld_jax.rl.config import ExperimentConfig
+from osworld_jax.rl.metrics import MetricsLogger, StageTimer
+from osworld_jax.rl.run import RunResources
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    """What a finished (or resumed-and-finished) run reports.
+
+    Attributes:
+      run_dir: the run directory.
+      first_step: the first step this call ran (``last_step + 1`` if nothing was left to do).
+      last_step: the run's final step.
+      history: the metrics records this call logged, one per step.
+      summary: a few human-readable lines.
+    """
+
+    run_dir: Path
+    first_step: int
+    last_step: int
+    history: list[dict[str, Any]]
+    summary: str
+
+
+def train(
+    experiment: ExperimentConfig, run_dir: str | Path, steps: int | None = None
+) -> TrainResult:
+    """Runs (or resumes) the RL loop of ``experiment`` in ``run_dir`` up to step ``steps``.
+
+    Args:
+      experiment: the built configuration.
+      run_dir: the run directory; if it holds a checkpoint, the run resumes after it.
+      steps: the last step to run (default ``experiment.rl.steps``).
+    """
+    rl, last_step = experiment.rl, steps if steps is not None else experiment.rl.steps
+    with RunResources(experiment, Path(run_dir)) as run:
+        log = MetricsLogger(
+            run.metrics_dir,
+            total_steps=last_step,
+            initial_step=run.start_step,
+            progress_bar=rl.progress_bar,
+        )
+        try:
+            for step in range(run.start_step + 1, last_step + 1):
+                t = StageTimer()
+                with t.stage("data"):
+                    tasks = next(run.stream)
+                with t.stage("rollout"):
+                    raw = run.runner.run(run.rollout(tasks, step))
+                with t.stage("segments"):
+                    rollouts = stages.collect_owners(raw, rl, step)
+                with t.stage("advantages"):
+                    kept, adv, dropped = stages.advantages(rollouts, rl, experiment.group)
+                with t.stage("batch"):
+                    batch, meta = pack_batch(kept, adv, **run.pack_kwargs)
+                with t.stage("train"):
+                    agree = stages.route_agreement(run.trainer.policy(run.state), batch)
+                    run.state, train_metrics = run.trainer.train_step(run.state, batch, meta)
+                with t.stage("refit"):
+                    run.refit(step)
+                with t.stage("checkpoint"):
+                    run.save(step, force=step == last_step)
+                m = stages.step_metrics(
+                    rollouts,
+                    kept,
+                    adv,
+                    dropped,
+                    batch,
+                    train_metrics,
+                    success_reward=rl.success_reward,
+                )
+                m["r3/route_agreement"] = agree
+                log.log(step, {**m, **t.metrics(), **raw.timing()})
+                run.write_owner_records(stages.owner_records(step, rollouts, kept, adv))
+        finally:
+            log.close()
+        summary = log.summary()
+    return TrainResult(Path(run_dir), run.start_step + 1, last_step, log.history, summary)

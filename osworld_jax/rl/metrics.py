@@ -1,0 +1,160 @@
+"""Run metrics: ``metrics.jsonl`` + TensorBoard events + a tqdm bar with per-stage timing.
+
+One JSON object per step (``{"step": s, "time": ..., "reward/mean": ..., "time/rollout": ...}``);
+the same scalars go to TensorBoard (tensorboardX). `StageTimer` measures the stages of one step
+(``time/<stage>`` seconds); the bar shows the last step's reward and stage times, and `summary`
+is printed at the end of the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tqdm
+from tensorboardX import SummaryWriter
+
+METRICS_FILE = "metrics.jsonl"
+#: The stages of a step, in order (``time/<stage>`` metrics).
+STAGES = ("data", "rollout", "segments", "advantages", "batch", "train", "refit", "checkpoint")
+
+
+class StageTimer:
+    """Wall-clock seconds per named stage of one step."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """Times the ``with`` body, adding to ``seconds[name]``."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        """``time/<stage>`` for every timed stage plus ``time/step`` (their sum)."""
+        out = {f"time/{k}": v for k, v in self.seconds.items()}
+        out["time/step"] = sum(self.seconds.values())
+        return out
+
+
+def _scalar(v: Any) -> float | int | None:
+    if isinstance(v, bool | np.bool_):
+        return int(v)
+    if isinstance(v, int | np.integer):
+        return int(v)
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f
+
+
+class MetricsLogger:
+    """Writes step metrics to JSONL and TensorBoard and drives the progress bar.
+
+    Args:
+      directory: where ``metrics.jsonl`` and the event files go (created).
+      total_steps: the run's last step (for the bar).
+      initial_step: the first step of this process (a resumed run starts past 0).
+      progress_bar: show the tqdm bar.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        total_steps: int,
+        initial_step: int = 0,
+        progress_bar: bool = True,
+    ) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.directory / METRICS_FILE, "a", buffering=1)  # noqa: SIM115
+        self._tb = SummaryWriter(logdir=str(self.directory / "tensorboard"))
+        self._bar = tqdm.tqdm(
+            total=total_steps,
+            initial=initial_step,
+            disable=not progress_bar,
+            unit="step",
+            dynamic_ncols=True,
+        )
+        self.history: list[dict[str, Any]] = []
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Records the metrics of ``step`` (non-scalar values go to JSONL only)."""
+        record: dict[str, Any] = {"step": step, "time": time.time()}
+        for k, v in metrics.items():
+            s = _scalar(v)
+            record[k] = v if s is None else s
+            if s is not None and math.isfinite(s):
+                self._tb.add_scalar(k, s, global_step=step)
+        self._jsonl.write(json.dumps(record, default=_json_default) + "\n")
+        self._tb.flush()
+        self.history.append(record)
+        self._bar.set_postfix_str(_postfix(record), refresh=False)
+        self._bar.update(1)
+
+    def summary(self) -> str:
+        """A few lines: steps run, first/last reward, pass rate, mean stage times."""
+        if not self.history:
+            return "no step completed"
+        first, last = self.history[0], self.history[-1]
+        stage = {s: float(np.mean([h.get(f"time/{s}", 0.0) for h in self.history])) for s in STAGES}
+        stage_txt = " ".join(f"{s}={t:.1f}s" for s, t in stage.items() if t > 0)
+        return "\n".join(
+            [
+                f"steps {first['step']}..{last['step']} ({len(self.history)} this run)",
+                f"reward/mean {first.get('reward/mean', float('nan')):.3f} -> "
+                f"{last.get('reward/mean', float('nan')):.3f}; pass_rate "
+                f"{last.get('reward/pass_rate', float('nan')):.3f}; failed owners "
+                f"{sum(h.get('owners/failed', 0) for h in self.history)}",
+                f"mean stage time: {stage_txt}",
+            ]
+        )
+
+    def close(self) -> None:
+        """Flushes and closes every writer (idempotent)."""
+        self._bar.close()
+        self._tb.close()
+        if not self._jsonl.closed:
+            self._jsonl.close()
+
+
+def _postfix(record: Mapping[str, Any]) -> str:
+    parts = [f"r={record.get('reward/mean', float('nan')):.2f}"]
+    for s in STAGES:
+        t = record.get(f"time/{s}")
+        if t is not None and t >= 0.05:
+            parts.append(f"{s}={t:.1f}s")
+    return " ".join(parts)
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, np.generic):
+        return o.item()
+    return str(o)
+
+
+def read_metrics(run_dir_or_file: str | Path) -> list[dict[str, Any]]:
+    """Reads ``metrics.jsonl`` (a later record of the same step replaces an earlier one)."""
+    p = Path(run_dir_or_file)
+    if p.is_dir():
+        p = p / METRICS_FILE
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in p.read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            by_step[int(rec["step"])] = rec
+    return [by_step[s] for s in sorted(by_step)]

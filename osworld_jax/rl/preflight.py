@@ -1,0 +1,121 @@
+"""Preflight: check every external part of a run before the first step, one line per problem.
+
+A run needs a model checkpoint, reachable rollout servers (unless embedded), a sandbox backend
+that passes its own preflight, and a non-empty task set; R3 also needs the rollout client's
+route shape to match the model. All problems are collected and raised together as one
+`PreflightFailed` whose message has one line per missing part.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+
+from osworld_jax.data import DataError, load_task_refs, resolve_task_set
+from osworld_jax.errors import ConfigError, OsworldJaxError
+from osworld_jax.rl.config import ExperimentConfig
+
+
+class PreflightFailed(ConfigError):
+    """One or more parts of a run are missing; the message lists one per line."""
+
+
+def check_model_path(path: str | Path) -> str | None:
+    """``None`` when ``path`` is an HF checkpoint dir, else the problem."""
+    p = Path(path)
+    if not p.is_dir():
+        return f"model path {str(path)!r} does not exist (ModelSourceConfig.path)"
+    if not (p / "config.json").is_file():
+        return f"model path {str(path)!r} has no config.json (not an HF checkpoint)"
+    if not any(p.glob("*.safetensors")):
+        return f"model path {str(path)!r} has no *.safetensors weights"
+    if not (p / "tokenizer.json").is_file():
+        return f"model path {str(path)!r} has no tokenizer.json"
+    return None
+
+
+def check_route_shape(experiment: ExperimentConfig, model_path: str | Path) -> str | None:
+    """R3 needs ``return_routed_experts`` and the client's route shape to match the model."""
+    rollout, trainer = experiment.rollout, experiment.trainer
+    if trainer.router_replay and not rollout.return_routed_experts:
+        return (
+            "TrainerConfig.router_replay (R3) needs RolloutConfig.return_routed_experts = True "
+            "(the engine's routes are what the trainer replays)"
+        )
+    if not rollout.return_routed_experts:
+        return None
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    want = (cfg.get("num_hidden_layers"), cfg.get("num_experts_per_tok"))
+    got = (rollout.num_layers, rollout.num_experts_per_tok)
+    if want != got:
+        return (
+            f"RolloutConfig.num_layers/num_experts_per_tok = {got} but the model at {model_path} "
+            f"has num_hidden_layers/num_experts_per_tok = {want}"
+        )
+    return None
+
+
+async def _probe(url: str, timeout_s: float) -> str | None:
+    try:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            async with session.get(f"{url}/health") as resp:
+                if resp.status != 200:
+                    return f"rollout server {url} is unhealthy: GET /health -> {resp.status}"
+    except (aiohttp.ClientError, TimeoutError, OSError) as e:
+        return f"rollout server {url} is unreachable: {type(e).__name__}: {e}"
+    return None
+
+
+def check_servers(urls: tuple[str, ...], timeout_s: float = 10.0) -> list[str]:
+    """One problem per unreachable or unhealthy server URL."""
+
+    async def probe_all() -> list[str | None]:
+        return await asyncio.gather(*(_probe(u, timeout_s) for u in urls))
+
+    return [p for p in asyncio.run(probe_all()) if p]
+
+
+def check_task_set(task_set: str) -> str | None:
+    """``None`` when the task set resolves to at least one task."""
+    try:
+        load_task_refs(resolve_task_set(task_set))
+    except DataError as e:
+        return f"{e} (DataConfig.task_set)"
+    return None
+
+
+def run_preflight(
+    experiment: ExperimentConfig,
+    *,
+    model_path: str | Path,
+    backend_preflight: Callable[[], None],
+) -> None:
+    """Runs every check; raises `PreflightFailed` listing each problem on its own line.
+
+    Args:
+      experiment: the run's config.
+      model_path: the resolved starting checkpoint (the tiny model is built before preflight).
+      backend_preflight: the sandbox backend's ``preflight`` (raises ``PreflightError``).
+    """
+    problems: list[str] = []
+    model_problem = check_model_path(model_path)
+    if model_problem:
+        problems.append(model_problem)
+    else:
+        problems += [p for p in [check_route_shape(experiment, model_path)] if p]
+    if not experiment.server.embedded:
+        problems += check_servers(experiment.rollout.urls, experiment.rollout.connect_timeout_s)
+    try:
+        backend_preflight()
+    except OsworldJaxError as e:
+        problems.append(f"sandbox backend {experiment.env.backend!r}: {e}")
+    task_problem = check_task_set(experiment.data.task_set)
+    if task_problem:
+        problems.append(task_problem)
+    if problems:
+        raise PreflightFailed("preflight failed:\n" + "\n".join(f"  - {p}" for p in problems))

@@ -1,0 +1,184 @@
+"""Set-up and tear-down of a run: model, preflight, servers, client, sandboxes, trainer, data.
+
+`RunResources` is a context manager: entering builds everything the loop needs (resuming from
+the run dir's latest checkpoint if there is one); leaving (normally, on an error or on Ctrl-C)
+closes the rollout client, every sandbox and the backend, stops the embedded server, and waits
+for an in-flight checkpoint save so the last checkpoint stays intact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+
+from osworld_jax.agent import AgentTokenizer
+from osworld_jax.data import TaskRef, make_task_stream
+from osworld_jax.env import AgentEnv, load_task, make_backend
+from osworld_jax.errors import ConfigError
+from osworld_jax.model import Qwen3MoeConfig, load_hf_checkpoint, make_mesh
+from osworld_jax.rl import stages
+from osworld_jax.rl.analysis import ROLLOUTS_FILE
+from osworld_jax.rl.config import ExperimentConfig
+from osworld_jax.rl.preflight import run_preflight
+from osworld_jax.rollout import SGLangClient
+from osworld_jax.trainer import Trainer
+
+CHECKPOINTS = "checkpoints"
+WEIGHTS = "weights"
+
+
+class RunResources(contextlib.ExitStack):
+    """Everything one run holds; see the module docstring.
+
+    Attributes:
+      experiment: the run's config (the trainer's checkpoint directory resolved).
+      run_dir: the run directory.
+      model_path: the starting HF checkpoint.
+      metrics_dir: where metrics and per-owner records go.
+      runner: the asyncio runner every async stage runs on (one event loop per run).
+      client: the rollout client.
+      trainer: the trainer.
+      state: the current train state.
+      stream: the task stream.
+      start_step: the last completed step (0 for a fresh run).
+      pack_kwargs: the static arguments of ``pack_batch``.
+    """
+
+    def __init__(self, experiment: ExperimentConfig, run_dir: Path) -> None:
+        super().__init__()
+        self.run_dir = run_dir.resolve()
+        trainer_cfg = experiment.trainer
+        if trainer_cfg.checkpoint.directory is None:
+            ckpt = dataclasses.replace(
+                trainer_cfg.checkpoint, directory=str(self.run_dir / CHECKPOINTS)
+            )
+            trainer_cfg = dataclasses.replace(trainer_cfg, checkpoint=ckpt)
+        if experiment.agent.action_space != experiment.env.action_space:
+            raise ConfigError(
+                f"AgentConfig.action_space ({experiment.agent.action_space!r}) and "
+                f"AgentEnvConfig.action_space ({experiment.env.action_space!r}) differ: the "
+                "prompt would describe one action space and the parser expect another"
+            )
+        self.experiment = experiment.replace(trainer=trainer_cfg)
+        self.metrics_dir = (self.run_dir / experiment.rl.metrics_dir).resolve()
+
+    def __enter__(self) -> RunResources:
+        super().__enter__()
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _open(self) -> None:
+        exp, rl = self.experiment, self.experiment.rl
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.model_path = stages.prepare_model(exp.model, self.run_dir)
+        # Backends with their own config section get it; the others take no arguments.
+        backend_args = {"local": (exp.local,)}.get(exp.env.backend, ())
+        backend = make_backend(exp.env.backend, *backend_args)
+        run_preflight(exp, model_path=self.model_path, backend_preflight=backend.preflight)
+
+        self.runner = self.enter_context(asyncio.Runner())
+        self.callback(self.runner.run, backend.aclose())  # after the client closes (LIFO)
+        urls = self._servers()
+        self.client = SGLangClient(urls, exp.rollout)
+        self.callback(self.runner.run, self.client.aclose())
+        self.tokenizer = AgentTokenizer.from_model_dir(self.model_path)
+        self.agent_env = AgentEnv(backend, exp.env)
+
+        model_config = Qwen3MoeConfig.from_json(self.model_path / "config.json")
+        policy = load_hf_checkpoint(
+            self.model_path, dtype=jnp.dtype(exp.runtime.dtype), runtime=exp.runtime
+        )
+        self.trainer = Trainer(exp.trainer, policy, mesh=make_mesh(**rl.mesh))  # type: ignore[arg-type]
+        self.callback(self.trainer.close)  # waits for an in-flight save: the checkpoint stays whole
+        self.stream = make_task_stream(exp.data, rl.num_prompts)
+        norm = rl.norm_length or exp.rollout.sampling.max_new_tokens * exp.env.max_turns
+        owners = rl.num_logical_owners
+        self.pack_kwargs: dict[str, Any] = dict(
+            num_layers=model_config.num_hidden_layers,
+            top_k=model_config.num_experts_per_tok,
+            dp_size=self.trainer.data_parallel * exp.trainer.num_micro_batches,
+            length_buckets=rl.length_buckets or None,
+            row_buckets=[owners * k for k in range(1, 9)],
+            norm_length=norm,
+        )
+        self.weights_dir = self.run_dir / WEIGHTS
+        self.weights_dir.mkdir(exist_ok=True)
+        latest = self.trainer.checkpointer.latest_step()
+        if latest is None:
+            self.state = self.trainer.init_state()
+            self.start_step = 0
+        else:
+            self.state, data_state = self.trainer.restore(latest)
+            if not isinstance(data_state, dict):
+                raise ConfigError(f"{self.run_dir}: checkpoint {latest} has no task-stream state")
+            self.stream.set_state(data_state)
+            self.start_step = latest
+            self.refit(latest)  # the servers start from the base model; serve the restored one
+        self.metrics_dir.mkdir(parents=True, exist_ok=True)
+        self._records = self.enter_context(open(self.metrics_dir / ROLLOUTS_FILE, "a", buffering=1))
+
+    def _servers(self) -> tuple[str, ...]:
+        exp = self.experiment
+        if not exp.server.embedded:
+            return exp.rollout.urls
+        from osworld_jax.rollout import launch_embedded  # type: ignore[attr-defined]
+
+        server = self.enter_context(
+            launch_embedded(
+                self.model_path,
+                host=exp.server.host,
+                port=exp.server.port,
+                max_running_requests=exp.server.max_running_requests,
+                enable_return_routed_experts=exp.rollout.return_routed_experts,
+                dtype=exp.server.dtype,
+                startup_timeout_s=exp.server.startup_timeout_s,
+                log_path=self.run_dir / "server.log",
+            )
+        )
+        return (server.url,)
+
+    async def rollout(self, tasks: list[TaskRef], step: int) -> stages.RawRollouts:
+        """Rolls out the B x N owners of ``step`` (see `stages.rollout_step`)."""
+        exp = self.experiment
+        return await stages.rollout_step(
+            self.agent_env,
+            self.client,
+            self.tokenizer,
+            exp.agent,
+            exp.rollout.sampling,
+            tasks,
+            rl=exp.rl,
+            step=step,
+            load_task=load_task,
+        )
+
+    def refit(self, step: int) -> Path:
+        """Exports the current weights and refits every server to them."""
+        return stages.export_and_refit(
+            self.trainer,
+            self.state,
+            self.client,
+            self.weights_dir,
+            step,
+            self.experiment.rl.weights_keep,
+            self.runner,
+        )
+
+    def save(self, step: int, *, force: bool = False) -> bool:
+        """Checkpoints the train state with the task stream's position (on the cadence)."""
+        return self.trainer.save(self.state, step, self.stream.get_state(), force=force)
+
+    def write_owner_records(self, records: list[dict[str, Any]]) -> None:
+        """Appends per-owner records to ``rollouts.jsonl``."""
+        for r in records:
+            self._records.write(json.dumps(r) + "\n")

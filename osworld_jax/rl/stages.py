@@ -1,0 +1,354 @@
+"""The stages of one RL step, as small helpers the loop in `osworld_jax.rl.loop` calls in order.
+
+Rollout (all B x N owners concurrently under asyncio), group policy + advantages, the device
+batch, the R3 route-agreement probe, weight export + refit, and the step's metrics. No math that
+belongs in ``algorithms/`` lives here: advantages come from ``compute_advantages`` through the
+agent room's ``owner_advantages``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from osworld_jax.agent import (
+    AgentConfig,
+    AgentTokenizer,
+    GroupPolicyConfig,
+    OwnerAgent,
+    OwnerRollout,
+    owner_advantages,
+    select_groups,
+)
+from osworld_jax.batch import Batch
+from osworld_jax.data import TaskRef
+from osworld_jax.errors import InfraError, OsworldJaxError
+from osworld_jax.rl.config import ModelSourceConfig, RLConfig
+from osworld_jax.rollout import SamplingParams, SGLangClient
+
+
+class RolloutStepError(OsworldJaxError):
+    """Too many owners of a step failed (infrastructure is broken); the message lists errors."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepRollouts:
+    """The B x N owners of one step, in group-major order (owner ``g * N + j``).
+
+    Attributes:
+      tasks: the B task references (group ``g`` is ``tasks[g]``).
+      owners: B x N owner rollouts (``group_id`` = g).
+      turns: B x N episode lengths (actions taken).
+    """
+
+    tasks: tuple[TaskRef, ...]
+    owners: tuple[OwnerRollout, ...]
+    turns: tuple[int, ...]
+
+
+def prepare_model(config: ModelSourceConfig, run_dir: Path) -> Path:
+    """The run's starting HF checkpoint: ``config.path``, or a tiny one built into the run dir."""
+    if config.path != "tiny":
+        return Path(config.path).expanduser()
+    from osworld_jax.model.tiny import make_tiny_checkpoint
+
+    path = run_dir / "base_model"
+    if not (path / "config.json").is_file():
+        tmp = run_dir / "base_model.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        make_tiny_checkpoint(tmp, seed=config.tiny_seed, **config.tiny_overrides)
+        tmp.rename(path)
+    return path
+
+
+def owner_seed(seed: int | None, step: int, owner: int) -> int | None:
+    """A per-(step, owner) sampling seed derived from the run seed (stable across resumes)."""
+    if seed is None:
+        return None
+    digest = hashlib.sha256(f"{seed}:{step}:{owner}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+class TimedOwnerAgent(OwnerAgent):
+    """An `OwnerAgent` that also measures its episode: wall time and time inside ``act``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.started = time.perf_counter()
+        self.act_seconds = 0.0
+        self.episode_seconds = 0.0
+
+    async def act(self, observation: Any) -> str:
+        """Times `OwnerAgent.act` (prompting + generation)."""
+        t0 = time.perf_counter()
+        try:
+            return await super().act(observation)
+        finally:
+            self.act_seconds += time.perf_counter() - t0
+
+    async def on_episode_end(self, result: Any) -> None:
+        """Records the episode's wall time."""
+        self.episode_seconds = time.perf_counter() - self.started
+        await super().on_episode_end(result)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RawRollouts:
+    """What the env returned for one step, before segments are built.
+
+    Attributes:
+      tasks: the B task references (group ``g`` is ``tasks[g]``).
+      agents: owner index -> its agent (history, timing).
+      results: per group, the env's ``OwnerResult`` list, or the group's exception.
+    """
+
+    tasks: tuple[TaskRef, ...]
+    agents: dict[int, TimedOwnerAgent]
+    results: tuple[list[Any] | BaseException, ...]
+
+    def timing(self) -> dict[str, float]:
+        """Mean per-owner seconds spent generating (``act``) and in the sandbox (the rest)."""
+        eps = [a for a in self.agents.values() if a.episode_seconds > 0]
+        if not eps:
+            return {}
+        gen = float(np.mean([a.act_seconds for a in eps]))
+        wall = float(np.mean([a.episode_seconds for a in eps]))
+        return {"time/owner_generate": gen, "time/owner_env": max(wall - gen, 0.0)}
+
+
+async def rollout_step(
+    agent_env: Any,
+    client: SGLangClient,
+    tokenizer: AgentTokenizer,
+    agent_config: AgentConfig,
+    sampling: SamplingParams,
+    tasks: Sequence[TaskRef],
+    *,
+    rl: RLConfig,
+    step: int,
+    load_task: Any,
+) -> RawRollouts:
+    """Runs N owners on each of the B tasks, all B x N owners at once (asyncio).
+
+    Owner ``g * N + j`` is owner j of group g. A group whose run raised is recorded with its
+    exception (`collect_owners` decides what it means).
+    """
+    n = rl.num_owners
+    agents: dict[int, TimedOwnerAgent] = {}
+
+    def make_agent(owner: int) -> TimedOwnerAgent:
+        agents[owner] = TimedOwnerAgent(
+            client,
+            tokenizer,
+            agent_config,
+            owner_id=owner,
+            group_id=owner // n,
+            sampling=sampling.replace(sampling_seed=owner_seed(rl.seed, step, owner)),
+            rid_prefix=f"s{step}",
+        )
+        return agents[owner]
+
+    async def group(g: int, ref: TaskRef) -> list[Any]:
+        task = load_task(ref.path)
+        return await agent_env.run_group(task, list(range(g * n, (g + 1) * n)), make_agent)
+
+    results = await asyncio.gather(
+        *(group(g, ref) for g, ref in enumerate(tasks)), return_exceptions=True
+    )
+    for res in results:
+        if isinstance(res, BaseException) and not isinstance(res, Exception):
+            raise res  # cancellation / KeyboardInterrupt
+    return RawRollouts(tasks=tuple(tasks), agents=agents, results=tuple(results))
+
+
+def collect_owners(raw: RawRollouts, rl: RLConfig, step: int) -> StepRollouts:
+    """Builds every owner's segments (`OwnerAgent.to_rollout`) in group-major order.
+
+    A group whose run raised an ``InfraError`` fails all its owners; any other exception (a
+    bug, a ``SegmentIntegrityError``) stops the run. More than ``max_failed_fraction`` failed
+    owners raise `RolloutStepError` listing the errors.
+    """
+    n = rl.num_owners
+    owners, turns = [], []
+    for g, res in enumerate(raw.results):
+        if isinstance(res, BaseException):
+            if not isinstance(res, InfraError):
+                raise res
+            for owner in range(g * n, (g + 1) * n):
+                owners.append(_failed(owner, g, f"group {g} ({raw.tasks[g].task_id}): {res!r}"))
+                turns.append(0)
+            continue
+        by_owner = {r.owner_index: r for r in res}
+        for owner in range(g * n, (g + 1) * n):
+            r = by_owner.get(owner)
+            if r is None or owner not in raw.agents:
+                owners.append(_failed(owner, g, "no result from the environment"))
+                turns.append(0)
+            else:
+                owners.append(raw.agents[owner].to_rollout(r))
+                turns.append(int(r.turns))
+    failed = [o for o in owners if o.failed]
+    if len(failed) > rl.max_failed_fraction * len(owners):
+        errors = sorted({str(o.error) for o in failed})
+        raise RolloutStepError(
+            f"step {step}: {len(failed)}/{len(owners)} owners failed (max_failed_fraction="
+            f"{rl.max_failed_fraction}); errors: {errors[:3]}"
+        )
+    return StepRollouts(tasks=raw.tasks, owners=tuple(owners), turns=tuple(turns))
+
+
+def _failed(owner: int, group: int, error: str) -> OwnerRollout:
+    return OwnerRollout(
+        owner_id=owner, group_id=group, segments=(), reward=None, failed=True, error=error
+    )
+
+
+def advantages(
+    rollouts: StepRollouts, rl: RLConfig, group: GroupPolicyConfig
+) -> tuple[tuple[OwnerRollout, ...], np.ndarray, tuple[int, ...]]:
+    """Group policy then the configured estimator over the kept logical owners.
+
+    Returns:
+      ``(kept owners, f32[kept] advantages, dropped group ids)``.
+    """
+    selection = select_groups(rollouts.owners, group, rl.num_prompts)
+    adv = owner_advantages(
+        selection.owners, rl.estimator, baseline_population=group.baseline_population
+    )
+    return selection.owners, adv, selection.dropped_group_ids
+
+
+@nnx.jit
+def _free_routes(model: nnx.Module, tokens: jax.Array, positions: jax.Array, seg: jax.Array):
+    return model(tokens, positions=positions, segment_ids=seg, return_logits=False).routed_experts
+
+
+def route_agreement(policy: nnx.Module, batch: Batch) -> float:
+    """R3 route agreement: how often the trainer's own router picks the engine's experts.
+
+    The fraction of (token, MoE layer) whose engine top-k expert set equals the trainer's own
+    (un-replayed) top-k set for the same input token.
+
+    Only tokens with a recorded engine route count (``routed_experts >= 0`` on real tokens).
+    NaN when no token has a route.
+    """
+    engine = np.asarray(batch.routed_experts)  # [R, T, L, K]
+    has = (engine >= 0).all(-1) & (np.asarray(batch.segment_ids) > 0)[..., None]  # [R, T, L]
+    if not has.any():
+        return float("nan")
+    ours = np.asarray(
+        _free_routes(
+            policy,
+            jnp.asarray(batch.tokens),
+            jnp.asarray(batch.positions),
+            jnp.asarray(batch.segment_ids),
+        )
+    )
+    same = (np.sort(ours, -1) == np.sort(engine, -1)).all(-1)
+    return float(same[has].mean())
+
+
+def export_and_refit(
+    trainer: Any,
+    state: Any,
+    client: SGLangClient,
+    weights_dir: Path,
+    step: int,
+    keep: int,
+    runner: asyncio.Runner,
+) -> Path:
+    """Exports ``state`` as HF weights (atomic) and moves every server to them.
+
+    Older exported directories beyond ``keep`` are deleted (never the one just served).
+    """
+    path = weights_dir / f"step_{step:08d}"
+    if not path.exists():
+        trainer.export_hf(state, path)
+    runner.run(client.refit(str(path.resolve()), str(step)))
+    for old in sorted(weights_dir.glob("step_*"))[:-keep]:
+        if old != path:
+            shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def step_metrics(
+    rollouts: StepRollouts,
+    kept: Sequence[OwnerRollout],
+    adv: np.ndarray,
+    dropped: Sequence[int],
+    batch: Batch,
+    train_metrics: dict[str, float],
+    *,
+    success_reward: float,
+) -> dict[str, float]:
+    """The scalars logged for one step (rewards, gate, KL, R3, tokens, failures)."""
+    healthy = [o for o in rollouts.owners if not o.failed]
+    rewards = np.array([o.reward for o in healthy], np.float64)
+    seg_counts = [len(o.segments) for o in healthy]
+    real = np.asarray(batch.segment_ids) > 0
+    m: dict[str, float] = {
+        "reward/mean": float(rewards.mean()) if rewards.size else float("nan"),
+        "reward/std": float(rewards.std()) if rewards.size else float("nan"),
+        "reward/pass_rate": float((rewards >= success_reward).mean())
+        if rewards.size
+        else float("nan"),
+        "owners/total": len(rollouts.owners),
+        "owners/failed": len(rollouts.owners) - len(healthy),
+        "owners/trained": len(kept),
+        "groups/dropped": len(dropped),
+        "segments/per_owner": float(np.mean(seg_counts)) if seg_counts else 0.0,
+        "turns/mean": float(np.mean(rollouts.turns)),
+        "tokens/trainable": float(np.asarray(batch.loss_mask).sum()),
+        "tokens/total": float(real.sum()),
+        "batch/rows": float(batch.tokens.shape[0]),
+        "batch/length": float(batch.tokens.shape[1]),
+        "advantage/mean": float(adv.mean()) if adv.size else 0.0,
+        "advantage/abs_mean": float(np.abs(adv).mean()) if adv.size else 0.0,
+    }
+    renames = {
+        "gate_rejected_fraction": "gate/rejected_fraction",
+        "binary_kl_mean": "gate/binary_kl_mean",
+        "logprob_abs_diff": "logprob/train_rollout_abs_diff",
+    }
+    for k, v in train_metrics.items():
+        if k != "step":
+            m[renames.get(k, f"train/{k}")] = float(v)
+    return m
+
+
+def owner_records(
+    step: int, rollouts: StepRollouts, kept: Sequence[OwnerRollout], adv: np.ndarray
+) -> list[dict[str, Any]]:
+    """One ``rollouts.jsonl`` record per owner of the step (reward, advantage, failure, ...)."""
+    adv_of = {o.owner_id: float(a) for o, a in zip(kept, adv, strict=True)}
+    n = len(rollouts.owners) // max(len(rollouts.tasks), 1)
+    out = []
+    for o, turns in zip(rollouts.owners, rollouts.turns, strict=True):
+        ref = rollouts.tasks[o.owner_id // n]
+        out.append(
+            {
+                "step": step,
+                "task_id": ref.task_id,
+                "group_id": ref.group_id,
+                "owner": o.owner_id,
+                "reward": o.reward,
+                "failed": o.failed,
+                "error": o.error,
+                "advantage": adv_of.get(o.owner_id),
+                "turns": turns,
+                "segments": len(o.segments),
+                "trainable_tokens": o.num_trainable,
+            }
+        )
+    return out

@@ -1,0 +1,69 @@
+#!/usr/bin/env python
+"""Train a computer-use agent with RL: gin configs in, `osworld_jax.rl.train` out.
+
+    python scripts/train.py                                   # configs/default.gin, CPU, embedded
+    python scripts/train.py --gin_file=configs/osworld_b8n8_r3.gin --gin_file=configs/dr_grpo.gin \
+        --gin_param="RLConfig.steps = 200" --run_dir=runs/b8n8
+
+``--gin_file`` and ``--gin_param`` repeat (later files override earlier ones; params apply
+last). The same ``--run_dir`` resumes from its latest checkpoint at the next step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+from osworld_jax import config
+from osworld_jax.errors import ConfigError
+
+DEFAULT_GIN = "default.gin"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--gin_file",
+        action="append",
+        default=[],
+        help=f"gin file (repeatable; default configs/{DEFAULT_GIN})",
+    )
+    p.add_argument(
+        "--gin_param",
+        action="append",
+        default=[],
+        help="gin binding 'Class.field = value' (repeatable, applied after files)",
+    )
+    p.add_argument("--run_dir", default=None, help="run directory (default runs/<UTC timestamp>)")
+    p.add_argument("--steps", type=int, default=None, help="override RLConfig.steps")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    run_dir = Path(args.run_dir or f"runs/{datetime.datetime.now(datetime.UTC):%Y%m%d-%H%M%S}")
+    try:
+        experiment = config.load_experiment(args.gin_file or [DEFAULT_GIN], args.gin_param)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    config.write_operative_config(run_dir, experiment)
+
+    from osworld_jax.rl import train  # after config parsing: a config typo fails fast
+
+    try:
+        result = train(experiment, run_dir, steps=args.steps)
+    except KeyboardInterrupt:
+        print(f"interrupted; the last checkpoint in {run_dir} is intact", file=sys.stderr)
+        return 130
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(result.summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from osworld_jax import config
+from osworld_jax.errors import ConfigError
+from osworld_jax.rl import ExperimentConfig
+
+CONFIGS = Path(config.CONFIGS_DIR)
+RECIPES = ["default.gin", "osworld_b8n8_r3.gin", "osworld_b17n16_r3.gin"]
+FRAGMENTS = ["grpo.gin", "dr_grpo.gin", "reinforce_baseline.gin", "flash_reinforce.gin"]
+# The recipe test swaps the real model and servers for tiny, embedded ones.
+TINY = [
+    "ModelSourceConfig.path = 'tiny'",
+    "ServerConfig.embedded = True",
+    "RolloutConfig.num_layers = 3",
+    "RolloutConfig.num_experts_per_tok = 2",
+    "RLConfig.mesh = {}",
+]
+
+
+def test_every_gin_file_is_covered():
+    assert sorted(p.name for p in CONFIGS.glob("*.gin")) == sorted(RECIPES + FRAGMENTS)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipes_build_with_tiny_model(recipe):
+    exp = config.load_experiment([CONFIGS / recipe], TINY)
+    assert isinstance(exp, ExperimentConfig)
+    assert exp.model.path == "tiny" and exp.server.embedded
+    assert exp.trainer.router_replay and exp.rollout.return_routed_experts
+    assert exp.trainer.gate == "binary_kl" and exp.trainer.gate_threshold == 0.01
+    assert exp.trainer.agg_mode == "prompt-mean-token-mean"
+    assert exp.rl.num_logical_owners == exp.rl.num_prompts * exp.rl.num_owners
+
+
+def test_recipe_values():
+    b8 = config.load_experiment(["osworld_b8n8_r3.gin"])
+    assert (b8.rl.num_prompts, b8.rl.num_owners, b8.rl.train_global_batch_size) == (8, 8, 64)
+    assert b8.trainer.optimizer.learning_rate == 5e-6
+    assert b8.trainer.ratio_clip is None  # one optimizer step per rollout batch
+    assert len(b8.rollout.urls) == 2 and b8.model.path.startswith("/")
+    b17 = config.load_experiment(["osworld_b17n16_r3.gin"])
+    assert b17.rl.num_logical_owners == 272 and b17.rl.train_global_batch_size == 272
+    assert b17.trainer.optimizer.learning_rate == 5e-6  # inherited by include
+    default = config.load_experiment(["default.gin"])
+    assert (default.rl.num_prompts, default.rl.num_owners) == (2, 4)
+    assert default.data.task_set == "bundled" and default.env.backend == "local"
+
+
+@pytest.mark.parametrize(
+    "fragment,estimator",
+    [
+        ("grpo.gin", "grpo"),
+        ("dr_grpo.gin", "dr_grpo"),
+        ("reinforce_baseline.gin", "reinforce_baseline"),
+        ("flash_reinforce.gin", "batch_mean"),
+    ],
+)
+def test_fragments_override_the_recipe(fragment, estimator):
+    exp = config.load_experiment(["osworld_b8n8_r3.gin", fragment], TINY)
+    assert exp.rl.estimator == estimator
+    assert exp.rl.num_prompts == 8  # the rest of the recipe is kept
+
+
+def test_later_files_and_params_override(tmp_path):
+    a, b = tmp_path / "a.gin", tmp_path / "b.gin"
+    a.write_text("RLConfig.steps = 5\nRLConfig.num_owners = 2\n")
+    b.write_text("RLConfig.steps = 7\n")
+    exp = config.load_experiment([a, b], ["RLConfig.num_owners = 3"])
+    assert (exp.rl.steps, exp.rl.num_owners) == (7, 3)
+
+
+def test_nested_configs_are_built_from_their_own_bindings():
+    exp = config.load_experiment(
+        [],
+        [
+            "SamplingParams.temperature = 0.25",
+            "OptimizerConfig.learning_rate = 0.5",
+            "CompactionConfig.every_k_actions = 3",
+        ],
+    )
+    assert exp.rollout.sampling.temperature == 0.25
+    assert exp.trainer.optimizer.learning_rate == 0.5
+    assert exp.agent.compaction.every_k_actions == 3
+
+
+def one_line_error(files, params=()):
+    with pytest.raises(ConfigError) as info:
+        config.load_experiment(files, params)
+    msg = str(info.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+def test_unknown_field_names_file_line_and_binding(tmp_path):
+    f = tmp_path / "typo.gin"
+    f.write_text("RLConfig.steps = 2\n\nRLConfig.num_promts = 8\n")
+    msg = one_line_error([f])
+    assert f"{f}:3" in msg and "RLConfig.num_promts = 8" in msg and "num_promts" in msg
+
+
+def test_unknown_class_names_file_and_binding(tmp_path):
+    f = tmp_path / "typo.gin"
+    f.write_text("RLConfg.steps = 2\n")
+    msg = one_line_error([f])
+    assert f"{f}:1" in msg and "RLConfg" in msg
+
+
+def test_bad_param_names_the_param():
+    msg = one_line_error([], ["RLConfig.stepz = 2"])
+    assert "--gin_param[0]" in msg and "stepz" in msg
+
+
+def test_syntax_error_names_the_file(tmp_path):
+    f = tmp_path / "bad.gin"
+    f.write_text("RLConfig.steps = \n")
+    assert str(f) in one_line_error([f])
+
+
+def test_wrong_type_names_file_line_and_binding(tmp_path):
+    f = tmp_path / "t.gin"
+    f.write_text("# comment\nRLConfig.num_prompts = 'eight'\n")
+    msg = one_line_error([f])
+    assert f"{f}:2" in msg and "RLConfig.num_prompts = 'eight'" in msg and "int" in msg
+
+
+def test_validation_error_names_the_binding_location(tmp_path):
+    f = tmp_path / "v.gin"
+    f.write_text("RLConfig.num_prompts = 2\nRLConfig.estimator = 'ppo'\n")
+    msg = one_line_error([f])
+    assert f"{f}:2" in msg and "RLConfig.estimator" in msg and "grpo" in msg  # lists choices
+    g = tmp_path / "bsz.gin"
+    g.write_text(
+        "RLConfig.num_prompts = 2\nRLConfig.num_owners = 4\nRLConfig.train_global_batch_size = 6\n"
+    )
+    msg = one_line_error([g])
+    assert "train_global_batch_size" in msg and "8" in msg
+
+
+def test_missing_file():
+    assert "nope.gin" in one_line_error(["nope.gin"])
+
+
+def test_operative_config_written(tmp_path):
+    exp = config.load_experiment(["default.gin"], ["RLConfig.steps = 9"])
+    path = config.write_operative_config(tmp_path, exp)
+    text = path.read_text()
+    assert "RLConfig.steps = 9" in text and "SamplingParams.max_new_tokens = 32" in text
+    resolved = json.loads((tmp_path / config.RESOLVED_CONFIG_NAME).read_text())
+    assert resolved["rl"]["steps"] == 9 and resolved["rollout"]["sampling"]["max_new_tokens"] == 32
