@@ -101,6 +101,9 @@ class AgentConfig:
       image_pad_token: the media placeholder special token.
       image_end_token: the media span's closing special token.
       extra_media_tokens: further special tokens that count as media (masked when generated).
+      incremental_routes: ask the server for routed experts only from the first position the
+        current segment has no route for (``routed_experts_start_len``), instead of the whole
+        prompt every call (same rows, far less transfer and memory on long contexts).
       compaction: the context compaction policy.
     """
 
@@ -116,6 +119,7 @@ class AgentConfig:
     image_pad_token: str = "<|image_pad|>"
     image_end_token: str = "<|vision_end|>"
     extra_media_tokens: tuple[str, ...] = ("<|video_pad|>",)
+    incremental_routes: bool = True
     compaction: CompactionConfig = field(default_factory=CompactionConfig)
 
     def __post_init__(self) -> None:

@@ -69,6 +69,15 @@ class ContextManager:
         self._first_kept = 0  # index of the first observation in the current context
         self._actions_since_rebuild = 0
         self._num_calls = 0
+        self._extended = 0  # tokens of the pending prompt that extend the previous context
+
+    @property
+    def extended_prefix(self) -> int:
+        """Leading tokens of the pending prompt that are the previous prompt + output.
+
+        0 after a (re)build. All but the last of them already have routes in the segment.
+        """
+        return self._extended
 
     @property
     def num_calls(self) -> int:
@@ -158,6 +167,7 @@ class ContextManager:
             _Turn(obs=obs, text=render_observation(obs, self.config, self.tokenizer))
         )
         compaction = None
+        self._extended = 0
         if self._context is None:
             prompt = self._rebuild(first=0)
         else:
@@ -173,6 +183,8 @@ class ContextManager:
                 prompt = np.concatenate([out, suffix]).astype(np.int32)
                 if prompt.size > cfg.prompt_budget:
                     reason = "budget"
+                else:
+                    self._extended = int(out.size)
             if reason is not None:
                 before = int(self._context.size)
                 keep = min(cfg.keep_last_observations, len(self._turns))

@@ -17,12 +17,15 @@ class CallRecord:
       prompt_ids: i32[P] the input ids sent.
       output_ids: i32[O] the generated ids.
       output_logprobs: f32[O] the engine's logprob of each generated id.
-      routed_experts: i32[P + O - 1, L, K] the route when token j of (prompt + output) was the
-        input (the last generated token has none), or None when routes were not requested.
+      routed_experts: i32[P + O - 1 - S, L, K]: row j is the route when token ``S + j`` of
+        (prompt + output) was the input (the last generated token has none), or None when routes
+        were not requested.
       finish_reason: the server's finish reason (``{"type": "stop" | "length", ...}``).
       weight_version: the policy version that generated the reply.
       rid: the request id.
       text: the decoded reply the env received.
+      routed_experts_start: S, the first position with a route row (the agent asks only for the
+        positions its segment has no route for yet).
     """
 
     prompt_ids: np.ndarray
@@ -33,6 +36,7 @@ class CallRecord:
     weight_version: str
     rid: str = ""
     text: str = ""
+    routed_experts_start: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", np.asarray(self.prompt_ids, np.int32).reshape(-1))

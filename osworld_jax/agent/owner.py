@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 class GenerateClient(Protocol):
     """What the agent needs of ``osworld_jax.rollout.SGLangClient``."""
 
-    async def generate(self, input_ids: list[int], sampling: Any, *, rid: str) -> Any:
+    async def generate(
+        self, input_ids: list[int], sampling: Any, *, rid: str, routed_experts_start_len: int = 0
+    ) -> Any:
         """Returns a ``Generation`` (output ids, logprobs, routed experts, finish reason, ...)."""
         ...
 
@@ -112,8 +114,14 @@ class OwnerAgent:
         room = self.config.compaction.max_context_tokens - int(prompt.size)
         sampling = self.sampling.replace(max_new_tokens=min(self.sampling.max_new_tokens, room))
         rid = f"{self._rid_prefix}-g{self.group_id}-o{self.owner_id}-c{call_index}"
+        start = 0
+        if self.config.incremental_routes and self.context.extended_prefix:
+            # The previous output's last token was never an input: its route comes with this call.
+            start = self.context.extended_prefix - 1
         try:
-            gen = await self.client.generate(prompt.tolist(), sampling, rid=rid)
+            gen = await self.client.generate(
+                prompt.tolist(), sampling, rid=rid, routed_experts_start_len=start
+            )
         except InfraError:
             self.context.abandon_prompt()
             raise
@@ -142,13 +150,14 @@ class OwnerAgent:
         if lps.size != out.size:
             raise fail(f"{lps.size} logprobs for {out.size} output tokens")
         routes = gen.routed_experts
+        start = int(gen.routed_experts_start_len)
         if routes is not None:
             routes = np.asarray(routes, np.int32)
-            rows = prompt.size + out.size - 1
+            rows = prompt.size + out.size - 1 - start
             if routes.ndim != 3 or routes.shape[0] != rows:
                 raise fail(
                     f"routed_experts shape {tuple(routes.shape)}, expected [{rows}, L, K] "
-                    "(prompt + output - 1 rows)"
+                    f"(prompt + output - 1 - start {start} rows)"
                 )
         return CallRecord(
             prompt_ids=prompt,
@@ -159,6 +168,7 @@ class OwnerAgent:
             weight_version=str(gen.weight_version),
             rid=rid,
             text=str(gen.text),
+            routed_experts_start=start,
         )
 
     async def on_episode_end(self, result: Any) -> None:

@@ -2,7 +2,8 @@
 
 The output formats are the OSWorld conventions that ``osworld_jax.env.actions.parse_action``
 accepts: pyautogui code in a ```python``` block, a computer_13 action as one JSON dict in a
-```json``` block, and the special actions ``WAIT``, ``DONE`` and ``FAIL`` alone in a code block.
+```json``` block, and the special actions ``WAIT``, ``DONE`` and ``FAIL`` alone on the reply's last
+line.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from osworld_jax.env.backend import Observation
 
 _SPECIAL_ACTIONS = """\
-Special actions (each alone in a code block, e.g. ```WAIT```):
+Special actions: instead of a code block, end your reply with the word alone on its last line:
 - WAIT: wait a moment for the screen to change.
 - DONE: the task is complete.
 - FAIL: the task cannot be completed."""
@@ -36,7 +37,8 @@ steps.
 
 {special}
 
-You may think briefly before the action, but end your reply with exactly one code block."""
+You may think briefly before the action; then give exactly one action: one code block, or one \
+special action word on the last line."""
 
 _COMPUTER_13 = """\
 You are an agent that operates a Linux desktop ({w}x{h} pixels) to complete a task.
@@ -53,7 +55,8 @@ Buttons are "left", "right" or "middle"; coordinates are absolute screen pixels.
 
 {special}
 
-You may think briefly before the action, but end your reply with exactly one code block."""
+You may think briefly before the action; then give exactly one action: one code block, or one \
+special action word on the last line."""
 
 
 def system_prompt(config: AgentConfig) -> str:

@@ -63,14 +63,15 @@ def _check_routes(call: CallRecord, owner_id: int, call_index: int) -> None:
     re_ = call.routed_experts
     if re_ is None:
         return
-    rows = call.length - 1
-    if re_.ndim != 3 or re_.shape[0] != rows:
+    start = call.routed_experts_start
+    rows = call.length - 1 - start
+    if re_.ndim != 3 or re_.shape[0] != rows or start < 0:
         raise SegmentIntegrityError(
             owner_id,
             call_index,
-            min(int(re_.shape[0]) if re_.ndim else 0, rows),
-            f"routed_experts has shape {tuple(re_.shape)}, expected [prompt + output - 1 = {rows}, "
-            "L, K]",
+            start,
+            f"routed_experts has shape {tuple(re_.shape)}, expected [prompt + output - 1 - start "
+            f"= {rows}, L, K] (start {start})",
         )
 
 
@@ -94,9 +95,10 @@ def _build_one(calls: Sequence[tuple[int, CallRecord]], history: History, owner_
         loss_mask[start:stop] = np.where(np.isin(call.output_ids, media), 0.0, 1.0)
         logprobs[start:stop] = call.output_logprobs
         if routes is not None and call.routed_experts is not None:
-            # Row j is the route when token j was the input; later calls re-route their whole
-            # prefix, so the last call that saw a token gives its route (one consistent forward).
-            routes[: stop - 1] = call.routed_experts
+            # Row j is the route when token start + j was the input. A later call that re-routed
+            # positions an earlier call covered overwrites them (the last call's prefill is one
+            # consistent forward over the whole prefix).
+            routes[call.routed_experts_start : stop - 1] = call.routed_experts
     return Segment(
         owner_id=owner_id,
         group_id=history.group_id,
@@ -115,7 +117,8 @@ def build_segments(history: History, *, owner_id: int | None = None) -> list[Seg
     Call ``c`` joins the current segment when ``prompt_c[: len(prompt_{c-1}) + len(output_{c-1})]
     == prompt_{c-1} + output_{c-1}`` and no compaction was declared before it; a declared
     compaction starts a new segment. Every call's ``routed_experts`` must have
-    ``len(prompt) + len(output) - 1`` rows.
+    ``len(prompt) + len(output) - 1 - routed_experts_start`` rows; they land at positions
+    ``[routed_experts_start, len(prompt) + len(output) - 1)`` of the segment.
 
     Args:
       history: the owner's recorded calls and compactions.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from osworld_jax.agent import AgentTokenizer, ChatTemplate
+from osworld_jax.rollout import Generation
 
 SPECIALS = [
     "<|endoftext|>",
@@ -65,26 +65,12 @@ def write_model_dir(path: Path, tok: tokenizers.Tokenizer, chat_template=None) -
     return path
 
 
-@dataclasses.dataclass(frozen=True)
-class FakeGeneration:
-    """The fields of ``osworld_jax.rollout.Generation`` the agent reads."""
-
-    output_ids: list[int]
-    output_logprobs: list[float]
-    routed_experts: np.ndarray | None
-    finish_reason: dict
-    prompt_tokens: int
-    completion_tokens: int
-    weight_version: str
-    rid: str
-    text: str
-
-
 class ScriptedClient:
-    """A fake SGLang client: replies with scripted texts, tokenised, ending in <|im_end|>.
+    """A fake SGLang client returning real ``Generation``s: scripted texts, tokenised, ending in
+    <|im_end|> (stop) or not (length). A reply that is an exception instance is raised.
 
     Records every request. Routed experts are synthetic but shaped like the server's reply:
-    [prompt + completion - 1, L, K], with row j = (j + c) % E for a per-call offset c.
+    [prompt + completion - 1 - start, L, K]; the route of position p is (p + c) % 8 for call c.
     """
 
     def __init__(self, tokenizer: AgentTokenizer, replies, *, stop=True, layers=2, top_k=2):
@@ -94,17 +80,22 @@ class ScriptedClient:
         self.layers = layers
         self.top_k = top_k
         self.requests: list[tuple[list[int], object, str]] = []
+        self.starts: list[int] = []
 
-    async def generate(self, input_ids, sampling, *, rid):
+    async def generate(self, input_ids, sampling, *, rid, routed_experts_start_len=0):
         i = len(self.requests)
         self.requests.append((list(input_ids), sampling, rid))
+        self.starts.append(routed_experts_start_len)
         text = self.replies[i % len(self.replies)]
+        if isinstance(text, BaseException):
+            raise text
         out = self.tokenizer.encode(text).tolist()
         if self.stop:
             out.append(self.tokenizer.token_id("<|im_end|>"))
+        s = routed_experts_start_len
         n = len(input_ids) + len(out) - 1
-        routes = (np.arange(n)[:, None, None] + i + np.zeros((1, self.layers, self.top_k))) % 8
-        return FakeGeneration(
+        routes = (np.arange(s, n)[:, None, None] + i + np.zeros((1, self.layers, self.top_k))) % 8
+        return Generation(
             output_ids=out,
             output_logprobs=[-0.5 - 0.01 * k for k in range(len(out))],
             routed_experts=routes.astype(np.int32),
@@ -116,4 +107,5 @@ class ScriptedClient:
             weight_version="v1",
             rid=rid,
             text=text,
+            routed_experts_start_len=s,
         )

@@ -141,6 +141,29 @@ def test_routed_expert_rows_land_at_their_positions():
     np.testing.assert_array_equal(seg.routed_experts[7], -1)
 
 
+def test_incremental_routes_fill_only_their_new_positions():
+    # call 0: P=3, O=2, start 0 -> rows for positions 0..3 (base 100 -> 100..103).
+    # call 1: P=7, O=1, start 4 (the previous output's last token, never an input before)
+    # -> 7 - 4 = 3 rows for positions 4..6 with values 300, 301, 302. Position 7: -1.
+    h = History(owner_id=0, group_id=0)
+    h.record_call(call([10, 11, 12], [20, 21], base=100))
+    c1 = call([10, 11, 12, 20, 21, 13, 14], [22], routes=False)
+    c1 = CallRecord(
+        prompt_ids=c1.prompt_ids,
+        output_ids=c1.output_ids,
+        output_logprobs=c1.output_logprobs,
+        routed_experts=(300 + np.arange(3)[:, None, None] + np.zeros((1, 1, 2))).astype(np.int32),
+        finish_reason=c1.finish_reason,
+        weight_version="v1",
+        routed_experts_start=4,
+    )
+    h.record_call(c1)
+    (seg,) = build_segments(h)
+    np.testing.assert_array_equal(
+        seg.routed_experts[:, 0, 0], [100, 101, 102, 103, 300, 301, 302, -1]
+    )
+
+
 def test_routes_of_an_earlier_call_fill_what_a_later_call_did_not_return():
     # call 1 returned no routes: call 0's 4 rows (base 100) stay at positions 0..3, the rest -1.
     h = History(owner_id=0, group_id=0)
