@@ -44,6 +44,7 @@ from osworld_jax.env.backend import (
     SandboxError,
     SandboxEvalError,
     SandboxStepError,
+    SandboxTimeout,
 )
 from osworld_jax.env.local.desktop import LocalDesktop, build_jail_argv, prepare_shared_dir
 
@@ -300,6 +301,16 @@ class LocalBackend(SandboxBackend):
             err = self._probe_bwrap()
             if err:
                 problems.append(err)
+        if self.config.root is not None:
+            root = Path(self.config.root)
+            probe_at = root if root.exists() else root.parent
+            if probe_at.exists():
+                blocked = _untraversable_ancestor(probe_at, self._host_uid)
+                if blocked is not None:
+                    problems.append(
+                        f"root {root}: {blocked} is not searchable by the jail's host uid "
+                        f"{self._host_uid}"
+                    )
         if problems:
             raise PreflightError(
                 "local sandbox backend cannot run here: "
@@ -340,6 +351,12 @@ class LocalBackend(SandboxBackend):
             self._root = Path(tempfile.mkdtemp(prefix="osworld_jax-local-"))
         self._root.mkdir(parents=True, exist_ok=True)
         self._root.chmod(0o711)
+        blocked = _untraversable_ancestor(self._root, self._host_uid)
+        if blocked is not None:
+            raise SandboxCreateError(
+                f"LocalBackendConfig.root {self._root}: {blocked} is not traversable by the jail's "
+                f"host uid {self._host_uid}; choose a root under a world-searchable directory"
+            )
         if self._shared is None:
             shared = self._root / "_shared"
             prepare_shared_dir(shared, self._host_uid)
@@ -414,11 +431,9 @@ class LocalBackend(SandboxBackend):
             await run_setup(task.config, desktop.client, ctx=self._setup_ctx(task, desktop))
         except BaseException as e:
             await self._discard(desktop)
-            if isinstance(e, SandboxError | asyncio.CancelledError):
+            if isinstance(e, SandboxCreateError | SandboxTimeout) or not isinstance(e, Exception):
                 raise
-            if isinstance(e, Exception):
-                raise SandboxCreateError(f"task {task.id}: setup failed: {e!r}") from e
-            raise
+            raise SandboxCreateError(f"task {task.id}: setup failed: {e}") from e
         return self._adopt(desktop, task)
 
     def _adopt(self, desktop: LocalDesktop, task: Task) -> LocalSandbox:
@@ -463,9 +478,13 @@ class LocalBackend(SandboxBackend):
                     only_types=self.config.fork_rerun_step_types,
                     ctx=self._setup_ctx(task, desktop),
                 )
-            except BaseException:
+            except BaseException as e:
                 await self._discard(desktop)
-                raise
+                if isinstance(e, SandboxCreateError | SandboxTimeout) or not isinstance(
+                    e, Exception
+                ):
+                    raise
+                raise SandboxCreateError(f"fork of {sandbox.id}: setup failed: {e}") from e
             return self._adopt(desktop, task)
 
         try:
@@ -498,6 +517,17 @@ class LocalBackend(SandboxBackend):
         if self._own_root and self._root is not None:
             await asyncio.to_thread(shutil.rmtree, self._root, True)
             self._root = None
+
+
+def _untraversable_ancestor(path: Path, uid: int | None) -> Path | None:
+    """The first ancestor of ``path`` that ``uid`` (an unprivileged "other") cannot search."""
+    if uid is None:
+        return None
+    for p in [path.resolve(), *path.resolve().parents]:
+        st = p.stat()
+        if st.st_uid != uid and not st.st_mode & 0o001:
+            return p
+    return None
 
 
 async def _copy_tree(src: Path, dst: Path) -> None:

@@ -13,7 +13,8 @@ The jail (``bwrap --unshare-all --die-with-parent --new-session``):
   ``/etc/hosts``, ``/etc/hostname`` replaced by the sandbox's own); a fresh ``/proc`` of the pid
   namespace, a minimal ``/dev`` and a private ``/dev/shm``. Writable, and only these:
   ``/home/user`` <- ``<sandbox>/home``, ``/tmp`` <- ``<sandbox>/tmp``, ``/run/osworld`` <-
-  ``<sandbox>/run``, ``/var/log/osworld`` <- ``<sandbox>/log``, and a tmpfs ``XDG_RUNTIME_DIR``.
+  ``<sandbox>/run``, ``/var/log/osworld`` <- ``<sandbox>/log``, and private tmpfs at
+  ``XDG_RUNTIME_DIR``, ``/dev/shm`` and ``/var/tmp``; the jail's root itself is read-only.
   Nothing else of the host (``/root``, ``/work``, the repository, other sandboxes) is mounted.
 - environment: cleared; ``PATH`` puts ``/opt/osworld/bin`` (a ``python`` -> ``python3`` link)
   first, ``PYTHONPATH`` the project's ``pyautogui`` shim (``/opt/osworld/lib``).
@@ -100,7 +101,7 @@ def build_jail_argv(
         argv += ["--ro-bind", str(shared_dir / "etc" / name), f"/etc/{name}"]
     for path in ("/var/cache/fontconfig", "/var/lib/dbus", *extra_ro_binds):
         argv += ["--ro-bind-try", path, path]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/dev/shm", "--dir", "/var/tmp"]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/dev/shm", "--tmpfs", "/var/tmp"]
     argv += ["--bind", str(sandbox_dir / "home"), JAIL_HOME]
     argv += ["--bind", str(sandbox_dir / "tmp"), "/tmp"]
     argv += ["--bind", str(sandbox_dir / "run"), "/run/osworld"]
@@ -109,7 +110,8 @@ def build_jail_argv(
     argv += ["--ro-bind", str(shared_dir / "lib"), "/opt/osworld/lib"]
     argv += ["--symlink", "/usr/bin/python3", "/opt/osworld/bin/python"]
     runtime = f"/run/user/{JAIL_UID}"
-    argv += ["--perms", "0700", "--dir", runtime]
+    argv += ["--perms", "0700", "--tmpfs", runtime]
+    argv += ["--remount-ro", "/"]  # the jail's own root tmpfs: nothing but the binds is writable
     env = {
         "HOME": JAIL_HOME,
         "USER": "user",
@@ -292,10 +294,10 @@ class LocalDesktop:
         with contextlib.suppress(Exception):
             await self.client.aclose()
         if self._proc is not None and self._proc.returncode is None:
+            # The outer bwrap leads its own process group (start_new_session). Signal the group
+            # only: Process.kill() would poll (and reap) the child behind asyncio's watcher.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._proc.pid, signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError):
-                self._proc.kill()
             await self._proc.wait()
         if self.pid_ns is not None:
             end = time.monotonic() + kill_timeout_s

@@ -1,0 +1,227 @@
+"""The bubblewrap jail: actions cannot write or read the host, reach a network, or outlive close."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from osworld_jax.env.local import LocalBackend, LocalDesktop
+from osworld_jax.env.local.desktop import pid_namespace_members
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def desktop(runner, backend: LocalBackend):
+    d = runner.run(backend.start_desktop())
+    yield d
+    runner.run(d.close())
+
+
+def sh(runner, d: LocalDesktop, script: str) -> dict:
+    return runner.run(d.client.execute(["bash", "-c", script]))
+
+
+def test_writes_outside_the_sandbox_fail_and_host_is_unchanged(runner, desktop, tmp_path):
+    canary = Path("/tmp") / f"osworld-canary-{uuid.uuid4().hex}"
+    canary.write_text("original")
+    repo_probe = REPO / f"jail-probe-{uuid.uuid4().hex}"
+    try:
+        targets = [
+            str(canary),  # resolves to the sandbox's own /tmp: the host file must not change
+            str(repo_probe),
+            "/etc/passwd",
+            "/usr/bin/jail-probe",
+            "/root/jail-probe",
+            "/jail-probe",
+            str(tmp_path / "jail-probe"),
+        ]
+        for target in targets:
+            res = sh(runner, desktop, f"echo pwned > {target} && echo WROTE")
+            if target == str(canary):
+                # The write lands in the jail's private /tmp, never in the host's.
+                assert res["returncode"] == 0
+            else:
+                assert res["returncode"] != 0, (target, res)
+                assert "WROTE" not in res["output"]
+        assert canary.read_text() == "original"
+        assert not repo_probe.exists()
+        assert not Path("/usr/bin/jail-probe").exists()
+        assert not (tmp_path / "jail-probe").exists()
+        # The jail's /tmp copy is in the sandbox directory, the host's /tmp is untouched.
+        assert (desktop.dir / "tmp" / canary.name).read_text() == "pwned\n"
+        # python code run as an action can't either (the way model actions run).
+        res = runner.run(
+            desktop.client.execute(["python3", "-c", f"open({str(repo_probe)!r}, 'w').write('x')"])
+        )
+        assert res["returncode"] != 0 and not repo_probe.exists()
+    finally:
+        canary.unlink()
+
+
+def test_reads_outside_the_sandbox_fail(runner, desktop):
+    secret_dir = Path("/root")
+    assert secret_dir.exists()
+    probes = {
+        "cat /etc/shadow": "root-only file",
+        "ls /root": "root's home",
+        f"ls {REPO}": "the repository",
+        f"cat {REPO / 'pyproject.toml'}": "a repository file",
+        "ls /work": "the work tree",
+        f"ls {desktop.dir.parent}": "the other sandboxes",
+    }
+    for cmd, what in probes.items():
+        res = sh(runner, desktop, cmd)
+        assert res["returncode"] != 0, (what, res)
+        assert res["output"] == "", (what, res)
+    # A private pid namespace: the host's processes are invisible.
+    res = sh(runner, desktop, "ls /proc | grep -c '^[0-9]'")
+    assert 0 < int(res["output"]) < 30
+    res = sh(runner, desktop, f"test -e /proc/{os.getpid()}/cmdline && echo VISIBLE || true")
+    assert "VISIBLE" not in res["output"]
+    # The jail runs as an unprivileged user.
+    assert sh(runner, desktop, "id -u")["output"].strip() == "1000"
+
+
+def test_no_network(runner, desktop):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    port = server.getsockname()[1]
+    accepted: list = []
+
+    def accept() -> None:
+        server.settimeout(3.0)
+        try:
+            accepted.append(server.accept())
+        except OSError:
+            pass
+
+    t = threading.Thread(target=accept)
+    t.start()
+    code = textwrap.dedent(
+        f"""
+        import socket
+        s = socket.socket()
+        s.settimeout(2)
+        s.connect(("127.0.0.1", {port}))
+        print("CONNECTED")
+        """
+    )
+    res = runner.run(desktop.client.execute(["python3", "-c", code]))
+    t.join()
+    server.close()
+    assert res["returncode"] != 0 and "CONNECTED" not in res["output"]
+    assert "ConnectionRefused" in res["error"]
+    assert accepted == []
+    # The namespace has no device but loopback, hence no route anywhere.
+    devices = sh(runner, desktop, "tail -n +3 /proc/net/dev | cut -d: -f1")["output"].split()
+    assert devices == ["lo"]
+    assert sh(runner, desktop, "cat /proc/net/route | wc -l")["output"].strip() == "1"
+
+
+def test_close_kills_the_whole_process_tree(runner, backend: LocalBackend):
+    d = runner.run(backend.start_desktop())
+    assert d.id in backend.inventory()
+    # Start a detached background program from inside, as an action could.
+    runner.run(d.client.execute(["bash", "-c", "setsid sleep 600 >/dev/null 2>&1 &"]))
+
+    def names(pids: list[int]) -> set[str]:
+        out = set()
+        for p in pids:
+            try:
+                out.add(Path(f"/proc/{p}/comm").read_text().strip())
+            except OSError:
+                pass
+        return out
+
+    deadline = time.monotonic() + 5
+    while "sleep" not in names(d.host_pids()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    pids = d.host_pids()
+    assert {"bwrap", "Xvfb", "openbox", "sleep"} <= names(pids)
+    ns = d.pid_ns
+    assert ns is not None
+    runner.run(d.close())
+    assert pid_namespace_members(ns) == []
+    for p in pids:
+        stat = Path(f"/proc/{p}/stat")
+        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in "ZX"
+    assert d.id not in backend.inventory()
+    assert not d.dir.exists()
+    runner.run(d.close())  # idempotent
+
+
+def test_jail_dies_with_its_host_process():
+    """A crashed trainer leaves no desktop behind (``--die-with-parent``)."""
+    script = textwrap.dedent(
+        """
+        import asyncio, sys, time
+        from osworld_jax.env.local import LocalBackend
+        async def main():
+            b = LocalBackend()
+            d = await b.start_desktop()
+            print(d.pid_ns, flush=True)
+            await asyncio.sleep(600)
+        asyncio.run(main())
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    try:
+        assert proc.stdout is not None
+        ns = proc.stdout.readline().strip()
+        assert ns.startswith("pid:["), ns
+        assert pid_namespace_members(ns)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while pid_namespace_members(ns) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pid_namespace_members(ns) == []
+    # The crashed process could not remove its directory; that is all it leaves.
+
+
+def test_root_must_be_searchable_by_the_jail(tmp_path):
+    from osworld_jax.env.backend import PreflightError
+    from osworld_jax.env.local import LocalBackendConfig
+
+    if os.geteuid() != 0:
+        pytest.skip("the jail only drops to another uid when the host runs as root")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o700)
+    with pytest.raises(PreflightError, match="not searchable"):
+        LocalBackend(LocalBackendConfig(root=str(locked / "sandboxes"))).preflight()
+
+
+def test_preflight_names_what_is_missing(monkeypatch):
+    from osworld_jax.env.backend import PreflightError
+    from osworld_jax.env.local import backend as local_backend
+
+    monkeypatch.setitem(local_backend.REQUIRED_BINARIES, "no-such-binary-xyz", "pkg-xyz")
+    with pytest.raises(PreflightError, match="no-such-binary-xyz \\(apt pkg-xyz\\)"):
+        LocalBackend().preflight()
+
+
+def test_screen_is_a_1920x1080_png(runner, desktop):
+    import io
+
+    from PIL import Image
+
+    png = runner.run(desktop.client.screenshot())
+    assert Image.open(io.BytesIO(png)).size == (1920, 1080)
+    assert runner.run(desktop.client.screen_size()) == (1920, 1080)
+    assert asyncio.iscoroutinefunction(desktop.close)
