@@ -13,6 +13,7 @@ from osworld_jax.agent import (
     AgentConfig,
     GroupPolicyConfig,
     OwnerAgent,
+    build_segments,
     owner_advantages,
     pack_batch,
     select_groups,
@@ -138,3 +139,53 @@ def test_a_group_through_agent_env_becomes_rows(agent_tokenizer):
             np.concatenate([calls[1].prompt_ids, calls[1].output_ids]),
         )
     assert (meta.num_owners, meta.num_groups) == (4, 1)
+
+
+def test_real_client_wire_path_gives_exact_rows(agent_tokenizer):
+    # The rollout room's fake SGLang server answers with pure functions of the absolute position
+    # (token (31p + 7) % 1000, logprob -0.001p - 0.01, route (5p + 3l + k) % 64 for input
+    # position p), so the owner's single segment must carry exactly those values: output tokens
+    # and logprobs at their positions, routes at every position but the last (-1), whatever
+    # routed_experts_start_len the agent asked for and although call 1 was aborted after 2 tokens
+    # and resubmitted (the client stitches the parts).
+    from osworld_jax.rollout import RolloutConfig, SGLangClient
+    from tests.rollout.fake_server import FakeServer, logprob_at, routes_for, token_at
+    from tests.rollout.fake_server import K as FK
+    from tests.rollout.fake_server import L as FL
+
+    async def main():
+        server = await FakeServer(script=["ok", "abort:2", "ok"]).start()
+        cfg = RolloutConfig(
+            urls=(server.url,),
+            return_routed_experts=True,
+            num_layers=FL,
+            num_experts_per_tok=FK,
+            backoff_initial_s=0.01,
+            health_check_interval_s=0.2,
+        )
+        client = SGLangClient([server.url], cfg)
+        agent = make(agent_tokenizer, client, owner_id=1, group_id=0)
+        agent.sampling = SamplingParams(max_new_tokens=5)
+        try:
+            for i in range(3):
+                await agent.act(dataclasses.replace(OBS, a11y_tree=f"<editor step='{i}'/>"))
+        finally:
+            await client.aclose()
+            await server.stop()
+        return agent, server
+
+    agent, server = asyncio.run(main())
+    calls = agent.history.calls
+    assert len(server.requests) == 4  # 3 calls + 1 resubmission
+    sent = [r.get("routed_experts_start_len", 0) for r in server.requests]
+    # Call 1's first part starts after call 0's context; its resubmission starts at the end of
+    # the stitched prompt (the client's business); call 2 after call 1's context.
+    assert sent[0] == 0 and sent[1] == calls[0].length - 1 and sent[-1] == calls[1].length - 1
+    (seg,) = build_segments(agent.history)
+    n = seg.length
+    np.testing.assert_array_equal(seg.routed_experts[: n - 1], routes_for(range(n - 1)))
+    np.testing.assert_array_equal(seg.routed_experts[n - 1], -1)
+    gen = np.flatnonzero(seg.loss_mask)
+    assert gen.size == 15
+    np.testing.assert_array_equal(seg.tokens[gen], [token_at(int(p)) for p in gen])
+    np.testing.assert_allclose(seg.behavior_logprobs[gen], [logprob_at(int(p)) for p in gen])
