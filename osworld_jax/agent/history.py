@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,7 +118,3 @@ class History:
                 f"after {self.num_calls} calls"
             )
         self.events.append(compaction)
-
-    def replace(self, **changes: Any) -> History:
-        """A shallow copy with ``changes`` applied (tests build variants this way)."""
-        return dataclasses.replace(self, **changes)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -17,15 +17,22 @@ from osworld_jax.errors import InfraError
 
 if TYPE_CHECKING:
     from osworld_jax.agent.template import AgentTokenizer
+    from osworld_jax.env.agent_env import OwnerResult
     from osworld_jax.env.backend import Observation
+    from osworld_jax.rollout import Generation, SamplingParams
 
 
 class GenerateClient(Protocol):
     """What the agent needs of ``osworld_jax.rollout.SGLangClient``."""
 
     async def generate(
-        self, input_ids: list[int], sampling: Any, *, rid: str, routed_experts_start_len: int = 0
-    ) -> Any:
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        rid: str,
+        routed_experts_start_len: int = 0,
+    ) -> Generation:
         """Returns a ``Generation`` (output ids, logprobs, routed experts, finish reason, ...)."""
         ...
 
@@ -82,7 +89,7 @@ class OwnerAgent:
         *,
         owner_id: int,
         group_id: int,
-        sampling: Any,
+        sampling: SamplingParams,
         rid_prefix: str | None = None,
     ) -> None:
         self.client = client
@@ -93,7 +100,7 @@ class OwnerAgent:
             owner_id=owner_id, group_id=group_id, media_token_ids=self.context.media_token_ids()
         )
         self._rid_prefix = rid_prefix or uuid.uuid4().hex[:12]
-        self.result: Any = None
+        self.result: OwnerResult | None = None
 
     @property
     def owner_id(self) -> int:
@@ -135,7 +142,7 @@ class OwnerAgent:
         self.context.record_reply(record.output_ids, record.text)
         return record.text
 
-    def _record(self, prompt: np.ndarray, gen: Any, rid: str, call_index: int) -> CallRecord:
+    def _record(self, prompt: np.ndarray, gen: Generation, rid: str, call_index: int) -> CallRecord:
         """Checks the reply's shapes and turns it into a ``CallRecord``."""
 
         def fail(msg: str) -> AgentCallError:
@@ -171,7 +178,7 @@ class OwnerAgent:
             routed_experts_start=start,
         )
 
-    async def on_episode_end(self, result: Any) -> None:
+    async def on_episode_end(self, result: OwnerResult) -> None:
         """Keeps the env's ``OwnerResult`` (reward, failed, error) for ``to_rollout``."""
         self.result = result
 
@@ -179,7 +186,7 @@ class OwnerAgent:
         """The owner's training segments (raises ``SegmentIntegrityError`` on a prefix break)."""
         return build_segments(self.history)
 
-    def to_rollout(self, result: Any | None = None) -> OwnerRollout:
+    def to_rollout(self, result: OwnerResult | None = None) -> OwnerRollout:
         """The owner's ``OwnerRollout`` from its history and the env's ``OwnerResult``.
 
         A failed owner keeps no segments (it becomes one masked placeholder row).
@@ -187,12 +194,22 @@ class OwnerAgent:
         result = self.result if result is None else result
         if result is None:
             raise ValueError(f"owner {self.owner_id}: the episode has no result yet")
-        failed = bool(result.failed)
+        if result.failed:
+            return OwnerRollout(
+                owner_id=self.owner_id,
+                group_id=self.group_id,
+                segments=(),
+                reward=None,
+                failed=True,
+                error=result.error,
+            )
+        if result.reward is None:
+            raise ValueError(f"owner {self.owner_id}: a healthy episode without a reward")
         return OwnerRollout(
             owner_id=self.owner_id,
             group_id=self.group_id,
-            segments=() if failed else tuple(self.segments()),
-            reward=None if failed else float(result.reward),
-            failed=failed,
+            segments=tuple(self.segments()),
+            reward=float(result.reward),
+            failed=False,
             error=result.error,
         )
