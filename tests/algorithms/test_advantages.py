@@ -131,8 +131,11 @@ def batches(draw):
     return rewards, groups, valid, counts, perm
 
 
+_jit_adv = jax.jit(compute_advantages, static_argnums=(0, 3))
+
+
 def _adv(name, r, g, v, c):
-    return np.asarray(compute_advantages(name, r, g, NG, valid=v, token_counts=c))
+    return np.asarray(_jit_adv(name, r, g, NG, valid=v, token_counts=c))
 
 
 @SETTINGS
@@ -168,9 +171,8 @@ def test_grpo_invariant_to_constant_shift(b, c0):
 def test_jit_equals_eager(b):
     r, g, v, c = (jnp.asarray(x) for x in b[:4])
     for e in Estimator:
-        f = jax.jit(compute_advantages, static_argnums=(0, 3))
         chex.assert_trees_all_close(
-            f(e.value, r, g, NG, valid=v, token_counts=c),
+            _jit_adv(e.value, r, g, NG, valid=v, token_counts=c),
             compute_advantages(e.value, r, g, NG, valid=v, token_counts=c),
             atol=1e-6,
         )

@@ -16,6 +16,9 @@ from osworld_jax.algorithms.gates import no_gate
 from osworld_jax.errors import ConfigError
 
 SETTINGS = settings(max_examples=40, deadline=None)
+jit_flash = jax.jit(flash_reinforce_gate, static_argnames=("threshold", "level"))
+jit_ratio = jax.jit(ratio_band_gate, static_argnames=("threshold", "level"))
+jit_kl = jax.jit(binary_kl)
 _CTX = decimal.Context(prec=40)
 _EPS = 1e-6
 
@@ -98,7 +101,7 @@ def test_binary_kl_far_apart_matches_float64():
 def test_binary_kl_matches_exact_decimal(b, t, log10_d, sign):
     if sign is not None:  # a near-identical pair, |d| in [1e-6, 1e-3]
         t = float(np.float32(b + sign * 10**log10_d))
-    got = float(binary_kl(jnp.float32(b), jnp.float32(t)))
+    got = float(jit_kl(jnp.float32(b), jnp.float32(t)))
     want = kl_exact(np.float32(b), np.float32(t))
     assert got >= 0.0
     assert got == pytest.approx(want, rel=1e-5, abs=1e-30)
@@ -160,9 +163,11 @@ def test_rejected_extreme_ratio_is_never_exponentiated():
     # exp(0 - (-200)) would overflow float32; the rejected row's weights are exactly 0.
     beh = jnp.full((1, 4), -200.0)
     train = jnp.zeros((1, 4))
-    keep, w = flash_reinforce_gate(beh, train, jnp.ones((1, 4)))
+    keep, w = jit_flash(beh, train, jnp.ones((1, 4)))
     assert not bool(keep[0]) and np.all(np.asarray(w) == 0.0)
-    grad = jax.grad(lambda t: jnp.sum(flash_reinforce_gate(beh, t, jnp.ones((1, 4)))[1]))(train)
+    grad = jax.jit(jax.grad(lambda t: jnp.sum(flash_reinforce_gate(beh, t, jnp.ones((1, 4)))[1])))(
+        train
+    )
     chex.assert_tree_all_finite(grad)
 
 
@@ -224,7 +229,7 @@ def test_masked_tokens_never_change_the_gate(inputs, level):
     beh, train, mask, junk = inputs
     masked = mask == 0
     beh2, train2 = np.where(masked, junk, beh), np.where(masked, junk[::-1], train)
-    for gate in (flash_reinforce_gate, ratio_band_gate):
+    for gate in (jit_flash, jit_ratio):
         k1, w1 = gate(beh, train, mask, threshold=0.01, level=level)
         k2, w2 = gate(beh2, train2, mask, threshold=0.01, level=level)
         np.testing.assert_array_equal(np.asarray(k1), np.asarray(k2))
@@ -237,9 +242,9 @@ def test_masked_tokens_never_change_the_gate(inputs, level):
 def test_gate_jit_equals_eager(inputs):
     beh, train, mask, _ = inputs
     for level in ("sequence", "token"):
-        f = jax.jit(flash_reinforce_gate, static_argnames=("threshold", "level"))
         chex.assert_trees_all_close(
-            f(beh, train, mask, level=level), flash_reinforce_gate(beh, train, mask, level=level)
+            jit_flash(beh, train, mask, level=level),
+            flash_reinforce_gate(beh, train, mask, level=level),
         )
 
 

@@ -14,6 +14,20 @@ from osworld_jax.algorithms import LossAggMode, flash_reinforce_gate, policy_los
 from osworld_jax.errors import ConfigError
 
 SETTINGS = settings(max_examples=25, deadline=None)
+STATIC = (
+    "gate",
+    "gate_threshold",
+    "gate_level",
+    "agg_mode",
+    "ratio_clip",
+    "num_groups",
+    "num_owners",
+    "norm_length",
+)
+# the production path is jitted; one compile per configuration is also far faster than eager
+jit_loss = jax.jit(policy_loss, static_argnames=STATIC)
+# ((loss, metrics), d loss / d logprobs) in one compile
+loss_and_grad = jax.jit(jax.value_and_grad(policy_loss, has_aux=True), static_argnames=STATIC)
 
 # pi = 0.5 on every token. Behaviour per row: 0.5 (KL 0, coef 1); 0.48 (KL 0.48 ln .96 +
 # .52 ln 1.04 = 0.000800 <= 0.01: kept, coef 0.5/0.48 = 1.0416667); 0.25 (KL 0.25 ln .5 +
@@ -28,7 +42,7 @@ KL2 = 0.25 * math.log(0.5) + 0.75 * math.log(1.5)
 
 
 def _loss(lp, **kw):
-    return policy_loss(lp, BEH, ADV, MASK, agg_mode="seq-mean-token-mean", **kw)
+    return loss_and_grad(lp, BEH, ADV, MASK, agg_mode="seq-mean-token-mean", **kw)
 
 
 def test_hand_loss_gradient_and_metrics():
@@ -36,9 +50,8 @@ def test_hand_loss_gradient_and_metrics():
     # loss = 1/3 [ (-1 + 2)/2 + (-C1 * 0.5)/1 + 0 ] = (0.5 - 0.5208333)/3 = -0.0069444
     # d loss / d lp = -(coef * A) / (B * T_r): row 0 -> -[1, -2]/6, row 1 -> [-C1 * .5 / 3, 0],
     # row 2 (rejected) -> 0.
-    loss, metrics = _loss(LP)
+    (loss, metrics), grad = _loss(LP)
     assert float(loss) == pytest.approx((0.5 - C1 * 0.5) / 3, rel=1e-5)
-    grad = jax.grad(lambda lp: _loss(lp)[0])(LP)
     expected = np.array([[-1 / 6, 2 / 6], [-C1 * 0.5 / 3, 0.0], [0.0, 0.0]], np.float32)
     chex.assert_trees_all_close(grad, expected, rtol=1e-5)
     assert float(metrics["gate_rejected_fraction"]) == pytest.approx(1 / 3)
@@ -53,11 +66,8 @@ def test_hand_loss_gradient_and_metrics():
 def test_hand_token_mean_and_gate_none():
     # gate none: coef = exp(pi - mu) = [1, C1, 2]; token-mean over 5 tokens:
     # loss = -(1 - 2 + C1 * 0.5 + 2 * 2 + 2 * 2) / 5; grad = -(coef * A) / 5
-    loss, m = policy_loss(LP, BEH, ADV, MASK, gate="none", agg_mode="token-mean")
+    (loss, m), grad = loss_and_grad(LP, BEH, ADV, MASK, gate="none", agg_mode="token-mean")
     assert float(loss) == pytest.approx(-(7 + C1 * 0.5) / 5, rel=1e-5)
-    grad = jax.grad(
-        lambda lp: policy_loss(lp, BEH, ADV, MASK, gate="none", agg_mode="token-mean")[0]
-    )(LP)
     coef = np.array([[1, 1], [C1, 0], [2, 2]])
     chex.assert_trees_all_close(grad, (-coef * np.asarray(ADV) / 5).astype(np.float32), rtol=1e-5)
     assert float(m["gate_rejected_fraction"]) == 0.0
@@ -71,21 +81,20 @@ def test_old_logprobs_ratio_and_clipping():
     mask = jnp.ones((1, 2))
 
     def f(lp, clip):
-        return policy_loss(
+        return loss_and_grad(
             lp, beh, adv, mask, old_logprobs=old, agg_mode="token-mean", ratio_clip=clip
         )
 
-    loss, m = f(lp, None)
+    (loss, m), grad = f(lp, None)
     assert float(loss) == pytest.approx(0.0, abs=1e-6)  # -(1.2 - 1.2) / 2
     assert float(m["ratio_mean"]) == pytest.approx(1.2, rel=1e-6)
     # d/dlp (-ratio A / 2) = -ratio A / 2 = [-0.6, 0.6]
-    chex.assert_trees_all_close(jax.grad(lambda x: f(x, None)[0])(lp), jnp.array([[-0.6, 0.6]]))
+    chex.assert_trees_all_close(grad, jnp.array([[-0.6, 0.6]]))
     # clip (0.8, 1.1): A = +1 takes min(1.2, 1.1) = 1.1 (clipped, no gradient);
     # A = -1 takes min(-1.2, -1.1) = -1.2 (unclipped). loss = -(1.1 - 1.2) / 2 = 0.05
-    loss, m = f(lp, (0.8, 1.1))
+    (loss, m), grad = f(lp, (0.8, 1.1))
     assert float(loss) == pytest.approx(0.05, rel=1e-5)
     assert float(m["clip_fraction"]) == 0.5
-    grad = jax.grad(lambda x: f(x, (0.8, 1.1))[0])(lp)
     chex.assert_trees_all_close(grad, jnp.array([[0.0, 0.6]]), rtol=1e-6)
 
 
@@ -95,10 +104,8 @@ def test_rejected_extreme_and_nonfinite_rows_stay_finite():
     lp = jnp.array([[0.0, 0.0], [-1.0, -1.0], [-1.0, -1.0]])
     beh = jnp.array([[-200.0, -200.0], [jnp.nan, -1.0], [-1.0, -1.0]])
     adv = jnp.array([[1.0, 1.0], [1.0, 1.0], [1.0, 2.0]])
-    f = lambda x: policy_loss(x, beh, adv, jnp.ones((3, 2)), agg_mode="token-mean")
-    loss, m = f(lp)
+    (loss, m), grad = loss_and_grad(lp, beh, adv, jnp.ones((3, 2)), agg_mode="token-mean")
     assert float(loss) == pytest.approx(-0.5)
-    grad = jax.grad(lambda x: f(x)[0])(lp)
     chex.assert_tree_all_finite((loss, m, grad))
     chex.assert_trees_all_close(grad, jnp.array([[0.0, 0.0], [0.0, 0.0], [-1 / 6, -2 / 6]]))
     assert float(m["gate_rejected_fraction"]) == pytest.approx(2 / 3)
@@ -107,10 +114,10 @@ def test_rejected_extreme_and_nonfinite_rows_stay_finite():
 
 def test_token_level_gate_and_ratio_gate():
     # token level: only the two 0.25 tokens (KL 0.1308 each) are rejected: 2 of 5 loss tokens.
-    _, m = _loss(LP, gate_level="token")
+    (_, m), _ = _loss(LP, gate_level="token")
     assert float(m["gate_rejected_fraction"]) == pytest.approx(2 / 5)
     # ratio gate, threshold 0.05: |log(.5/.48)| = 0.0408 kept, |log 2| = 0.693 rejected.
-    loss, m = _loss(LP, gate="ratio", gate_threshold=0.05)
+    (loss, m), _ = _loss(LP, gate="ratio", gate_threshold=0.05)
     assert float(loss) == pytest.approx((0.5 - C1 * 0.5) / 3, rel=1e-5)
     assert float(m["gate_rejected_fraction"]) == pytest.approx(1 / 3)
 
@@ -123,11 +130,12 @@ def test_bad_configuration_raises():
     with pytest.raises(ConfigError, match="gate level"):
         _loss(LP, gate_level="row")
     with pytest.raises(ConfigError, match="loss aggregation mode"):
-        policy_loss(LP, BEH, ADV, MASK, agg_mode="mean")
+        jit_loss(LP, BEH, ADV, MASK, agg_mode="mean")
 
 
 # --- the gradient rule on random inputs ------------------------------------------------------
 R, T, NO, NG, NORM = 6, 5, 4, 3, 9
+jit_gate = jax.jit(flash_reinforce_gate, static_argnames=("threshold", "level"))
 
 
 def denominators(mask, mode, owners, groups):
@@ -176,8 +184,8 @@ def test_gradient_is_minus_coef_times_advantage_over_denominator(inputs, mode, t
         num_groups=NG,
         norm_length=NORM,
     )
-    grad = jax.grad(lambda x: policy_loss(x, beh, adv, mask, **kw)[0])(jnp.asarray(lp))
-    keep, _ = flash_reinforce_gate(beh, lp, mask, level=level)
+    _, grad = loss_and_grad(jnp.asarray(lp), beh, adv, mask, **kw)
+    keep, _ = jit_gate(beh, lp, mask, level=level)
     keep = np.asarray(keep) if token_level else np.asarray(keep)[:, None]
     coef = keep * mask * np.exp(lp.astype(np.float64) - beh)
     den = denominators(mask, mode, owners, groups)
