@@ -97,7 +97,7 @@ def trim_lines(text: str, max_chars: int) -> str:
         kept.append(line)
         used += len(line) + 1
     if not kept:
-        kept = [lines[0][:max_chars]] if lines else []
+        return lines[0][:max_chars] + f"\n[... truncated mid-line, {len(lines) - 1} more lines]"
     return "\n".join(kept) + f"\n[... {len(lines) - len(kept)} more lines truncated]"
 
 

@@ -280,3 +280,14 @@ def test_system_prompt_states_the_action_space_the_parser_accepts(space):
         assert parse_action(reply, space).kind == ActionKind.COMPUTER_13
     for word in ("WAIT", "DONE", "FAIL"):
         assert parse_action(f"The page is loading.\n{word}", space).kind == ActionKind(word)
+
+
+def test_trim_lines_keeps_whole_lines_and_says_what_was_cut():
+    from osworld_jax.agent.prompts import trim_lines
+
+    # "aaaa\nbbbb\ncccc" (14 chars) within 10, each line counted with its newline: "aaaa" -> 5,
+    # "bbbb" -> 10 <= 10 kept, "cccc" -> 15 > 10 cut: 2 lines kept, 1 cut.
+    assert trim_lines("aaaa\nbbbb\ncccc", 10) == "aaaa\nbbbb\n[... 1 more lines truncated]"
+    assert trim_lines("aaaa\nbbbb", 100) == "aaaa\nbbbb"
+    assert trim_lines("x" * 30 + "\ny", 8) == "x" * 8 + "\n[... truncated mid-line, 1 more lines]"
+    assert trim_lines("anything", 0) == ""
