@@ -5,6 +5,7 @@ Each step type maps to an async handler in ``SETUP_STEPS``. Semantics follow OSW
 never the network), ``launch`` starts a program without waiting, ``execute``/``command`` run one
 and wait (``until`` retries until the output matches), ``open`` opens a file with its default
 application, ``sleep`` waits, ``activate_window``/``close_window`` act on windows by title/class.
+Upstream's placeholders (``{CLIENT_PASSWORD}``, ``{SCREEN_WIDTH_HALF}``, ...) are filled in first.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,8 @@ class SetupContext:
       work_dir: where ``execute`` steps with ``stdout``/``stderr`` file names save the command's
         output (upstream's per-task cache dir; the ``cache_file`` getter reads it back); None
         means such steps fail.
+      client_password: the value of the ``{CLIENT_PASSWORD}`` placeholder (upstream's default
+        VM password is ``"password"``).
     """
 
     cache_dir: str | os.PathLike[str] | None = None
@@ -41,6 +45,7 @@ class SetupContext:
     base_dir: str | os.PathLike[str] | None = None
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
     work_dir: str | os.PathLike[str] | None = None
+    client_password: str = "password"
 
 
 StepHandler = Callable[[VMProtocol, Mapping[str, Any], SetupContext], Awaitable[None]]
@@ -156,6 +161,52 @@ async def _upload_file(vm: VMProtocol, params: Mapping[str, Any], ctx: SetupCont
     await vm.upload(_require(params, "path", "upload_file"), Path(local).read_bytes())
 
 
+_PLACEHOLDER = re.compile(
+    r"\{(CLIENT_PASSWORD|SCREEN_WIDTH|SCREEN_HEIGHT|SCREEN_WIDTH_HALF|SCREEN_HEIGHT_HALF)\}"
+)
+
+
+def _has_placeholder(value: Any) -> bool:
+    if isinstance(value, str):
+        return _PLACEHOLDER.search(value) is not None
+    if isinstance(value, Mapping):
+        return any(_has_placeholder(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_has_placeholder(v) for v in value)
+    return False
+
+
+def _substitute(value: Any, table: Mapping[str, str]) -> Any:
+    if isinstance(value, str):
+        return _PLACEHOLDER.sub(lambda m: table[m.group(1)], value)
+    if isinstance(value, Mapping):
+        return {k: _substitute(v, table) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_substitute(v, table) for v in value]
+    return value
+
+
+async def fill_placeholders(
+    params: Mapping[str, Any], vm: VMProtocol, client_password: str = "password"
+) -> Mapping[str, Any]:
+    """Fills upstream's placeholders in step or getter parameters.
+
+    ``{CLIENT_PASSWORD}``, ``{SCREEN_WIDTH}``, ``{SCREEN_HEIGHT}`` and their ``_HALF`` variants;
+    the screen size comes from the desktop.
+    """
+    if not _has_placeholder(params):
+        return params
+    w, h = await vm.screen_size()
+    table = {
+        "CLIENT_PASSWORD": client_password,
+        "SCREEN_WIDTH": str(w),
+        "SCREEN_HEIGHT": str(h),
+        "SCREEN_WIDTH_HALF": str(w // 2),
+        "SCREEN_HEIGHT_HALF": str(h // 2),
+    }
+    return dict(_substitute(params, table))
+
+
 async def run_setup(
     steps: Iterable[Any],
     vm: VMProtocol,
@@ -184,4 +235,5 @@ async def run_setup(
             continue
         if step.type not in SETUP_STEPS:
             raise SetupStepError(f"setup step {i} type {step.type!r} is not supported")
-        await SETUP_STEPS.get(step.type)(vm, step.parameters, ctx)
+        params = await fill_placeholders(step.parameters, vm, ctx.client_password)
+        await SETUP_STEPS.get(step.type)(vm, params, ctx)

@@ -17,6 +17,7 @@ import collections
 import dataclasses
 import json
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -321,6 +322,7 @@ LIVE_WEB = "needs proxy/live web"
 GDRIVE = "needs Google Drive"
 LOGIN = "needs an online login"
 APP = "app not installed"
+ROOT = "needs root (sudo)"
 BACKEND = "backend cannot express it"
 
 
@@ -404,6 +406,26 @@ def _files_needed(task: Task) -> list[str]:
     return [u for u in urls if isinstance(u, str)]
 
 
+# Commands that reach the network (package managers, downloads): not runnable offline.
+_NETWORK_CMD = re.compile(
+    r"\b(apt(-get)?\s+(-\S+\s+)*(install|update)|pip3?\s+install|wget|curl|git\s+clone)\b"
+    r"|https?://"
+)
+_SUDO = re.compile(r"(^|[\s;&|])sudo\s")
+
+
+def _command_texts(task: Task) -> list[str]:
+    """Every command a setup/postconfig step or a command getter runs, as one string each."""
+    cmds: list[Any] = []
+    for s in (*task.config, *task.evaluator.postconfig):
+        if s.type in ("launch", "execute", "command"):
+            cmds.append(s.parameters.get("command"))
+    for g in (*task.evaluator.result, *task.evaluator.expected):
+        if g is not None and g.type in ("vm_command_line", "vm_command_error"):
+            cmds.append(g.params.get("command"))
+    return [c if isinstance(c, str) else " ".join(map(str, c or [])) for c in cmds]
+
+
 def _apps_needed(task: Task) -> list[str]:
     apps: list[str] = []
     for s in (*task.config, *task.evaluator.postconfig):
@@ -431,7 +453,8 @@ def capabilities(
 ) -> Runnable | NotRunnable:
     """Whether ``backend_name`` can run ``task`` here, and if not every reason why.
 
-    Checks: proxy/live-web and account steps; setup steps, getters and metrics this package does
+    Checks: proxy/live-web and account steps; commands that use the network (package installs,
+    downloads) and, for host backends, ``sudo``; setup steps, getters and metrics this package does
     not implement; remote files (``download`` steps, ``cloud_file`` getters) absent from the local
     file cache (see ``osworld_jax.env.cache``); for host backends (``local``) the programs that
     launch/execute steps run and the office suite that ``open`` needs (``shutil.which``); and
@@ -467,6 +490,12 @@ def capabilities(
         check = option_checker(METRICS.get(name)) if name in METRICS else None
         if check is not None:
             reasons.extend(Reason(METRIC, d) for d in check(opts))
+    for text in _command_texts(task):
+        m = _NETWORK_CMD.search(text)
+        if m:
+            reasons.append(Reason(LIVE_WEB, f"command uses the network ({m.group(0).strip()})"))
+        if backend_name in _HOST_APP_BACKENDS and _SUDO.search(text):
+            reasons.append(Reason(ROOT, text[:80]))
     base_dir = task.path.parent if task.path is not None else None
     for url in _files_needed(task):
         if cache.resolve(url, cache_dir, task.id, base_dir) is None:

@@ -271,3 +271,25 @@ def test_unsupported_metric_or_crash_is_eval_error():
     )  # no "expected" key -> KeyError
     with pytest.raises(SandboxEvalError, match="KeyError"):
         run(evaluate_task(t2, MemoryDesktop(), DONE))
+
+
+def test_placeholders_filled_in_steps_and_getters():
+    vm = MemoryDesktop(screen=(1000, 600))
+    step = SetupStep(
+        type="execute",
+        parameters={
+            "command": "echo {SCREEN_WIDTH_HALF}x{SCREEN_HEIGHT_HALF} {CLIENT_PASSWORD} "
+            "> /home/user/p",
+            "shell": True,
+        },
+    )
+    run(run_setup([step], vm, ctx=SetupContext(client_password="pw")))
+    assert vm.files["/home/user/p"] == b"500x300 pw\n"
+    t = task(
+        {
+            "func": "exact_match",
+            "result": {"type": "vm_command_line", "command": ["echo", "{SCREEN_WIDTH}"]},
+            "expected": {"type": "rule", "rules": {"expected": "1000\n"}},
+        }
+    )
+    assert run(evaluate_task(t, vm, DONE)) == 1.0

@@ -238,3 +238,26 @@ def test_task_path_and_domain(tmp_path):
     p.write_text(json.dumps(_base()))
     t = load_task(p)
     assert t.path == Path(p) and t.domain == "dom"
+
+
+def test_capabilities_network_commands_and_sudo(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    t = load_task(
+        _base(
+            config=[
+                {
+                    "type": "command",
+                    "parameters": {
+                        "command": "echo {CLIENT_PASSWORD} | sudo -S apt-get install -y jq",
+                        "shell": True,
+                    },
+                }
+            ]
+        )
+    )
+    kinds = {r.kind for r in capabilities(t, "local").reasons}
+    assert kinds == {T.LIVE_WEB, T.ROOT}
+    # sudo is a host (jail) limit only; a real OSWorld VM has it
+    assert T.ROOT not in {r.kind for r in capabilities(t, "memory").reasons}
+    ok = load_task(_base(config=[{"type": "execute", "parameters": {"command": ["ls", "-l"]}}]))
+    assert capabilities(ok, "local")

@@ -24,7 +24,7 @@ from osworld_jax.env.actions import Action, ActionKind
 from osworld_jax.env.backend import SandboxError, SandboxEvalError
 from osworld_jax.env.evaluators.registry import GETTERS, METRICS, EvalContext
 from osworld_jax.env.protocol import VMProtocol, is_transient
-from osworld_jax.env.setup import SetupContext, run_setup
+from osworld_jax.env.setup import SetupContext, fill_placeholders, run_setup
 
 if TYPE_CHECKING:
     from osworld_jax.env.tasks import GetterSpec, Task
@@ -82,7 +82,8 @@ async def _get(
         return False, None
     if spec.type not in GETTERS:
         raise SandboxEvalError(f"{which} getter {spec.type!r} is not supported")
-    return True, await GETTERS.get(spec.type)(vm, spec.params, ctx)
+    params = await fill_placeholders(spec.params, vm)
+    return True, await GETTERS.get(spec.type)(vm, params, ctx)
 
 
 async def evaluate_task(
