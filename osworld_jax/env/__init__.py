@@ -43,8 +43,14 @@ if TYPE_CHECKING:
         capabilities,
         load_task,
         load_tasks,
+        runnable_tasks,
     )
-    from osworld_jax.env.testing import FaultInjectingBackend, MemoryBackend, word_task
+    from osworld_jax.env.testing import (
+        FaultInjectingBackend,
+        MemoryBackend,
+        word_task,
+        write_word_tasks,
+    )
 
 # Public names, imported on first use (keeps ``python -m osworld_jax.env.tasks`` clean).
 _EXPORTS = {
@@ -86,8 +92,10 @@ _EXPORTS = {
     "load_tasks": "osworld_jax.env.tasks",
     "parse_action": "osworld_jax.env.actions",
     "run_setup": "osworld_jax.env.setup",
+    "runnable_tasks": "osworld_jax.env.tasks",
     "to_pyautogui": "osworld_jax.env.actions",
     "word_task": "osworld_jax.env.testing",
+    "write_word_tasks": "osworld_jax.env.testing",
 }
 
 # Backends living in optional sub-packages: name -> module that registers it on import.
@@ -157,5 +165,7 @@ __all__ = [
     "parse_action",
     "run_setup",
     "to_pyautogui",
+    "runnable_tasks",
     "word_task",
+    "write_word_tasks",
 ]

@@ -516,6 +516,16 @@ def capabilities(
     return NotRunnable(tuple(reasons)) if reasons else Runnable()
 
 
+def runnable_tasks(
+    root: str | os.PathLike[str],
+    backend_name: str,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> list[Task]:
+    """The tasks under ``root`` that ``backend_name`` can run here (``capabilities``)."""
+    return [t for t in load_tasks(root) if capabilities(t, backend_name, cache_dir=cache_dir)]
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -571,15 +581,27 @@ def report(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: ``python -m osworld_jax.env.tasks report DIR [--backend B] [--cache-dir C]``."""
+    """CLI: ``python -m osworld_jax.env.tasks {report,runnable} DIR [--backend B] [--cache-dir C]``.
+
+    ``report`` prints the per-domain table; ``runnable`` prints ``domain/id`` of each task the
+    backend can run here, one per line.
+    """
     parser = argparse.ArgumentParser(prog="python -m osworld_jax.env.tasks")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    rep = sub.add_parser("report", help="per-domain runnable counts and reasons")
-    rep.add_argument("dir", help="a directory of task JSON files (<domain>/<id>.json)")
-    rep.add_argument("--backend", default="local", help="backend name (default: local)")
-    rep.add_argument("--cache-dir", default=None, help="local file cache directory")
+    for name, text in (
+        ("report", "per-domain runnable counts and reasons"),
+        ("runnable", "list the tasks the backend can run here"),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("dir", help="a directory of task JSON files (<domain>/<id>.json)")
+        p.add_argument("--backend", default="local", help="backend name (default: local)")
+        p.add_argument("--cache-dir", default=None, help="local file cache directory")
     args = parser.parse_args(argv)
     try:
+        if args.cmd == "runnable":
+            for t in runnable_tasks(args.dir, args.backend, cache_dir=args.cache_dir):
+                print(f"{t.domain}/{t.id}")
+            return 0
         print(report(args.dir, args.backend, cache_dir=args.cache_dir))
     except TaskFormatError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -27,10 +27,13 @@ import dataclasses
 import hashlib
 import io
 import itertools
+import json
+import os
 import posixpath
 import random
 import shlex
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from osworld_jax.env.actions import Action, ActionKind, to_pyautogui
@@ -639,28 +642,46 @@ class MemoryBackend(SandboxBackend):
 # ------------------------------------------------------------------------------- tasks
 
 
+def word_task_dict(word: str, *, task_id: str | None = None) -> dict[str, Any]:
+    """The OSWorld JSON object of ``word_task(word)`` (see there)."""
+    path = f"{HOME}/answer.txt"
+    return {
+        "id": task_id or f"memory-word-{word}",
+        "snapshot": "memory",
+        "instruction": f"Type the word {word} into the open editor.",
+        "source": "osworld_jax.env.testing.word_task",
+        "config": [{"type": "launch", "parameters": {"command": ["memory-editor", path]}}],
+        "evaluator": {
+            "func": "exact_match",
+            "result": {"type": "vm_command_line", "command": ["cat", path]},
+            "expected": {"type": "rule", "rules": {"expected": word}},
+        },
+        "related_apps": ["memory-editor"],
+        "proxy": False,
+        "fixed_ip": False,
+        "possibility_of_env_change": "low",
+    }
+
+
+def write_word_tasks(root: str | os.PathLike[str], words: Sequence[str]) -> Path:
+    """Writes ``word_task`` JSON files to ``root/memory_word/<id>.json`` (a task directory for
+    the data pipeline); returns ``root``.
+    """  # noqa: D205
+    out = Path(root) / "memory_word"
+    out.mkdir(parents=True, exist_ok=True)
+    for w in words:
+        d = word_task_dict(w)
+        (out / f"{d['id']}.json").write_text(json.dumps(d, indent=2) + "\n")
+    return Path(root)
+
+
 def word_task(word: str, *, task_id: str | None = None) -> Task:
     """The learnable family: "type WORD"; reward 1 iff the editor's text equals ``word``.
 
     Solved by ``pyautogui.typewrite(WORD)`` (or computer_13 ``TYPING``) in one turn; scored by
     ``vm_command_line`` (``cat`` of the auto-saved file) + ``exact_match``.
     """
-    path = f"{HOME}/answer.txt"
-    return load_task(
-        {
-            "id": task_id or f"memory-word-{word}",
-            "snapshot": "memory",
-            "instruction": f"Type the word {word} into the open editor.",
-            "source": "osworld_jax.env.testing.word_task",
-            "config": [{"type": "launch", "parameters": {"command": ["memory-editor", path]}}],
-            "evaluator": {
-                "func": "exact_match",
-                "result": {"type": "vm_command_line", "command": ["cat", path]},
-                "expected": {"type": "rule", "rules": {"expected": word}},
-            },
-            "related_apps": ["memory-editor"],
-        }
-    )
+    return load_task(word_task_dict(word, task_id=task_id))
 
 
 # ------------------------------------------------------------------------------- faults

@@ -261,3 +261,18 @@ def test_capabilities_network_commands_and_sudo(monkeypatch):
     assert T.ROOT not in {r.kind for r in capabilities(t, "memory").reasons}
     ok = load_task(_base(config=[{"type": "execute", "parameters": {"command": ["ls", "-l"]}}]))
     assert capabilities(ok, "local")
+
+
+def test_runnable_cli_lists_tasks(tmp_path, capsys):
+    from osworld_jax.env.testing import write_word_tasks
+
+    write_word_tasks(tmp_path, ["alpha", "beta"])
+    assert T.main(["runnable", str(tmp_path), "--backend", "memory"]) == 0
+    out = capsys.readouterr().out.split()
+    assert out == ["memory_word/memory-word-alpha", "memory_word/memory-word-beta"]
+    assert T.main(["runnable", str(tmp_path), "--backend", "local"]) == 0
+    assert capsys.readouterr().out == ""  # memory-editor is not a host app
+    assert [t.id for t in T.runnable_tasks(tmp_path, "memory")] == [
+        "memory-word-alpha",
+        "memory-word-beta",
+    ]
