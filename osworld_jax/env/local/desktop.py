@@ -45,6 +45,17 @@ JAIL_HOME = "/home/user"
 SOCKET_NAME = "vm.sock"
 _HERE = Path(__file__).resolve().parent
 _SANDBOX_SUBDIRS = ("home", "tmp", "run", "log")
+# The XDG user directories an Ubuntu desktop (OSWorld's VM) has in every home; tasks assume them.
+HOME_DIRS = (
+    "Desktop",
+    "Documents",
+    "Downloads",
+    "Music",
+    "Pictures",
+    "Public",
+    "Templates",
+    "Videos",
+)
 
 
 def prepare_shared_dir(shared: Path, host_uid: int | None) -> None:
@@ -203,9 +214,12 @@ class LocalDesktop:
         sandbox_dir.mkdir(mode=0o711)
         for sub in _SANDBOX_SUBDIRS:
             (sandbox_dir / sub).mkdir(exist_ok=True)
+        home = sandbox_dir / "home"
+        for name in HOME_DIRS:
+            (home / name).mkdir()
         if host_uid is not None:
-            for sub in _SANDBOX_SUBDIRS:
-                os.chown(sandbox_dir / sub, host_uid, host_uid)
+            for p in (*(sandbox_dir / s for s in _SANDBOX_SUBDIRS), *(home / n for n in HOME_DIRS)):
+                os.chown(p, host_uid, host_uid)
 
     async def start(
         self, argv: list[str], *, host_uid: int | None, start_timeout_s: float, rpc_timeout_s: float
