@@ -597,6 +597,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--backend", default="local", help="backend name (default: local)")
         p.add_argument("--cache-dir", default=None, help="local file cache directory")
     args = parser.parse_args(argv)
+    if not Path(args.dir).is_dir():
+        print(f"error: {args.dir} is not a directory of task files", file=sys.stderr)
+        return 2
     try:
         if args.cmd == "runnable":
             for t in runnable_tasks(args.dir, args.backend, cache_dir=args.cache_dir):

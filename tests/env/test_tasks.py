@@ -276,3 +276,25 @@ def test_runnable_cli_lists_tasks(tmp_path, capsys):
         "memory-word-alpha",
         "memory-word-beta",
     ]
+
+
+def test_module_cli_runs_clean(osworld_examples):
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "osworld_jax.env.tasks", "report", str(osworld_examples)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "tasks=369" in r.stdout
+    assert "RuntimeWarning" not in r.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "osworld_jax.env.tasks", "report", "/nonexistent-dir"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "not a directory" in bad.stderr
