@@ -678,7 +678,8 @@ def write_word_tasks(root: str | os.PathLike[str], words: Sequence[str]) -> Path
 def word_task(word: str, *, task_id: str | None = None) -> Task:
     """The learnable family: "type WORD"; reward 1 iff the editor's text equals ``word``.
 
-    Solved by ``pyautogui.typewrite(WORD)`` (or computer_13 ``TYPING``) in one turn; scored by
+    Solved in one turn by ``pyautogui.typewrite('WORD')`` — or, on this desktop, the bare
+    ``typewrite('WORD')``/``write('WORD')``, or computer_13 ``TYPING`` — and scored by
     ``vm_command_line`` (``cat`` of the auto-saved file) + ``exact_match``.
     """
     return load_task(word_task_dict(word, task_id=task_id))

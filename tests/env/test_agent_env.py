@@ -293,3 +293,16 @@ def test_step_error_fails_only_that_owner():
     assert [r.failed for r in res] == [False, True] and res[0].reward == 1.0
     assert "display died" in res[1].error
     assert be.inventory() == []
+
+
+def test_word_task_bare_call_is_enough():
+    # the shortest learnable answer: a bare call (parsed as code; the memory desktop types it)
+    env = env_for(MemoryBackend(), max_turns=1)
+    res = run(
+        env.run_group(
+            word_task("ab"),
+            [0, 1],
+            lambda i: Scripted(["typewrite('ab')" if i == 0 else "typewrite('ba')"]),
+        )
+    )
+    assert [r.reward for r in res] == [1.0, 0.0]
