@@ -206,8 +206,27 @@ def test_compare_table_unsupported_rules_are_reported(tmp_path):
 def test_registered_metrics():
     # every registered metric has a test above (infeasible: test_evaluate.py)
     assert set(METRICS.names()) == {
-        "check_csv", "check_direct_json_object", "check_include_exclude", "check_json",
+        "check_csv", "check_direct_json_object", "check_image_file_size",
+        "check_json_keybindings", "check_include_exclude", "check_json",
         "check_json_settings", "check_line_number", "check_list", "compare_csv", "compare_table",
         "compare_text_file", "diff_text_file", "exact_match", "file_contains", "fuzzy_match",
         "infeasible", "is_in_list", "literal_match", "match_in_list", "run_sqlite3",
     }  # fmt: skip
+
+
+def test_check_json_keybindings_and_image_file_size(tmp_path):
+    binding = {"key": "ctrl+j", "command": "workbench.action.focusActiveEditorGroup"}
+    plain = write(tmp_path, "k.json", json.dumps([binding]))
+    commented = write(
+        tmp_path, "c.json", "// Place your key bindings here\n" + json.dumps([binding])
+    )
+    f = m("check_json_keybindings")
+    assert f(plain, {"expected": binding}) == 1.0
+    assert f(commented, {"expected": binding}) == 1.0
+    assert f(plain, {"expected": {**binding, "key": "ctrl+k"}}) == 0.0
+    assert f(write(tmp_path, "o.json", "{}"), {"expected": binding}) == 0.0  # not a list
+    p = tmp_path / "img.bin"
+    p.write_bytes(b"x" * 100)
+    assert m("check_image_file_size")(str(p), {"max_size": 101}) == 1.0
+    assert m("check_image_file_size")(str(p), {"max_size": 100}) == 0.0
+    assert m("check_image_file_size")(None, {"max_size": 100}) == 0.0

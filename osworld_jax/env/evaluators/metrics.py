@@ -314,6 +314,32 @@ def compare_csv(result: str | None, expected: str, **options: Any) -> float:
     return float(_lines(result, options) == _lines(expected, options))
 
 
+@METRICS.register("check_json_keybindings")
+def check_json_keybindings(result: str | None, expected: Mapping[str, Any]) -> float:
+    """1 iff the keybindings file (a JSON list, optionally after one comment line) contains
+    ``expected["expected"]`` as an entry.
+    """  # noqa: D205
+    if not result or not Path(result).is_file():
+        return 0.0
+    text = _read(result)
+    for candidate in (text, text.split("\n", 1)[1] if "\n" in text else ""):
+        try:
+            data = json.loads(candidate)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(data, list):
+            return float(expected["expected"] in data)
+    return 0.0
+
+
+@METRICS.register("check_image_file_size")
+def check_image_file_size(result: str | None, rules: Mapping[str, Any]) -> float:
+    """1 iff the file exists and is smaller than ``rules["max_size"]`` bytes."""
+    if result is None or not Path(result).is_file():
+        return 0.0
+    return float(Path(result).stat().st_size < rules["max_size"])
+
+
 @METRICS.register("infeasible")
 def infeasible(*args: Any, **kwargs: Any) -> float:
     """Scored from the agent's last action by ``evaluate_task`` (1 iff FAIL), never called."""
