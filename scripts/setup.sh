@@ -13,11 +13,15 @@ for a in "$@"; do
 done
 
 # --- system packages (Debian) -------------------------------------------------------------
-# The local desktop sandbox needs these (see osworld_jax/env/local/README or docs/).
+# Exactly what the jailed `local` desktop sandbox needs (osworld_jax/env/local; its preflight()
+# checks them): bubblewrap (the jail), xvfb + openbox (display, window manager), dbus (session bus,
+# dbus-run-session), at-spi2-core (a11y bus), xdotool (the pyautogui shim's input), wmctrl
+# (window activate/close/open-wait), python3-xlib + python3-pyatspi (the in-jail server, run by
+# the system python3: screenshots, a11y tree), mousepad (the text editor of the bundled tasks).
+# No office suite: no bundled task needs one (real OSWorld office tasks report "app not installed").
 APT_PACKAGES=(
-  xvfb xdotool x11-utils xauth openbox dbus dbus-x11 at-spi2-core python3-pyatspi
-  bubblewrap scrot imagemagick mousepad libreoffice-calc libreoffice-writer
-  python3-xlib psmisc procps
+  bubblewrap xvfb openbox dbus at-spi2-core xdotool wmctrl
+  python3 python3-xlib python3-pyatspi mousepad
 )
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
