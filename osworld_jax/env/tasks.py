@@ -286,8 +286,16 @@ def load_task(path_or_dict: str | os.PathLike[str] | Mapping[str, Any]) -> Task:
 
 
 def iter_task_files(root: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yields the task JSON files under ``root`` (``root/<domain>/<id>.json``), sorted."""
-    yield from sorted(p for p in Path(root).rglob("*.json") if p.is_file())
+    """Yields the task JSON files under ``root`` (``root/<domain>/<id>.json``), sorted.
+
+    Files under an ``assets`` directory are task inputs, not tasks, and are skipped.
+    """
+    base = Path(root)
+    yield from sorted(
+        p
+        for p in base.rglob("*.json")
+        if p.is_file() and "assets" not in p.relative_to(base).parts[:-1]
+    )
 
 
 def load_tasks(root: str | os.PathLike[str]) -> list[Task]:

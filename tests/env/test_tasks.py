@@ -298,3 +298,10 @@ def test_module_cli_runs_clean(osworld_examples):
         timeout=120,
     )
     assert bad.returncode == 2 and "not a directory" in bad.stderr
+
+
+def test_assets_are_not_tasks(tmp_path):
+    (tmp_path / "dom" / "assets" / "t1").mkdir(parents=True)
+    (tmp_path / "dom" / "assets" / "t1" / "settings.json").write_text("{}")
+    (tmp_path / "dom" / "t1.json").write_text(json.dumps(_base()))
+    assert [p.name for p in T.iter_task_files(tmp_path)] == ["t1.json"]
