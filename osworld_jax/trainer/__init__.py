@@ -1,1 +1,26 @@
-"""osworld_jax.trainer room (see docs/INTERFACES.md)."""
+"""osworld_jax.trainer: the functional trainer (see docs/INTERFACES.md).
+
+Train state, the jitted sharded train step, optax, memory-safe logprobs, orbax checkpoints.
+"""
+
+from osworld_jax.trainer.checkpoint import Checkpointer
+from osworld_jax.trainer.config import CheckpointConfig, OptimizerConfig, TrainerConfig
+from osworld_jax.trainer.logprobs import token_logprobs
+from osworld_jax.trainer.optimizer import make_optimizer, make_schedule
+from osworld_jax.trainer.state import NonFiniteError, TrainerError, TrainState
+from osworld_jax.trainer.trainer import Trainer, token_loss_weights
+
+__all__ = [
+    "CheckpointConfig",
+    "Checkpointer",
+    "NonFiniteError",
+    "OptimizerConfig",
+    "TrainState",
+    "Trainer",
+    "TrainerConfig",
+    "TrainerError",
+    "make_optimizer",
+    "make_schedule",
+    "token_logprobs",
+    "token_loss_weights",
+]

@@ -1,0 +1,150 @@
+"""Trainer configs: the optimizer, checkpointing and the train step (frozen, documented)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from osworld_jax.errors import ConfigError
+
+SCHEDULES = ("constant", "cosine")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """AdamW with linear warmup, then a constant or cosine learning rate.
+
+    Attributes:
+      learning_rate: peak learning rate (the OSWorld recipes use 5e-6).
+      warmup_steps: linear warmup from 0 to ``learning_rate`` over this many optimizer steps.
+      schedule: after warmup, ``"constant"`` or ``"cosine"`` (decay to
+        ``learning_rate * min_lr_ratio`` at ``decay_steps``).
+      decay_steps: total optimizer steps of the cosine schedule (warmup included); ignored by
+        ``"constant"``.
+      min_lr_ratio: final learning rate of the cosine schedule as a fraction of the peak.
+      b1: Adam first-moment decay.
+      b2: Adam second-moment decay.
+      eps: Adam epsilon.
+      weight_decay: decoupled weight decay (AdamW), applied to matrices only (ndim >= 2); norms,
+        biases and other vectors are not decayed.
+      max_grad_norm: global-norm gradient clipping threshold (``None`` disables clipping).
+      freeze_router: keep the MoE router weights fixed (no update, no optimizer state, excluded
+        from the clipping norm).
+    """
+
+    learning_rate: float = 5e-6
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    decay_steps: int = 0
+    min_lr_ratio: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    max_grad_norm: float | None = 1.0
+    freeze_router: bool = False
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(
+                f"OptimizerConfig.schedule: unknown schedule {self.schedule!r}; "
+                f"choose one of {list(SCHEDULES)}"
+            )
+        if self.learning_rate < 0:
+            raise ConfigError(f"OptimizerConfig.learning_rate: {self.learning_rate} < 0")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"OptimizerConfig.warmup_steps: {self.warmup_steps} < 0")
+        if self.schedule == "cosine" and self.decay_steps <= self.warmup_steps:
+            raise ConfigError(
+                f"OptimizerConfig.decay_steps: {self.decay_steps} must exceed warmup_steps "
+                f"({self.warmup_steps}) for the cosine schedule"
+            )
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"OptimizerConfig.min_lr_ratio: {self.min_lr_ratio} not in [0, 1]")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ConfigError(f"OptimizerConfig.max_grad_norm: {self.max_grad_norm} <= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Orbax checkpointing of the train state and the data-iterator state.
+
+    Attributes:
+      directory: where checkpoints live (one sub-directory per step); ``None`` disables saving.
+      save_every: save when ``step % save_every == 0`` (a forced save ignores it).
+      keep: keep the newest ``keep`` checkpoints, delete older ones.
+      async_save: write in a background thread (the trainer waits before exit / restore).
+    """
+
+    directory: str | None = None
+    save_every: int = 1
+    keep: int = 3
+    async_save: bool = True
+
+    def __post_init__(self) -> None:
+        if self.save_every < 1:
+            raise ConfigError(f"CheckpointConfig.save_every: {self.save_every} < 1")
+        if self.keep < 1:
+            raise ConfigError(f"CheckpointConfig.keep: {self.keep} < 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """The train step: loss choice, micro-batching, memory-safe logprobs, R3, sharding.
+
+    Attributes:
+      optimizer: the optimizer and its learning-rate schedule.
+      checkpoint: checkpointing (directory, cadence, retention).
+      gate: off-policy gate of ``policy_loss`` (a name of ``osworld_jax.algorithms.GATES``).
+      gate_threshold: the gate's threshold (binary KL, or the log-ratio band half-width).
+      gate_level: ``"sequence"`` or ``"token"``.
+      agg_mode: loss aggregation (a name of ``osworld_jax.algorithms.LOSS_AGG_MODES``).
+      ratio_clip: PPO ratio clipping ``(low, high)``, or ``None`` (one update per batch needs
+        none: the ratio is 1).
+      num_micro_batches: gradient-accumulation micro-batches per optimizer step; the batch rows
+        must divide by ``num_micro_batches * data-parallel size``. Loss denominators are always
+        computed over the whole optimizer batch.
+      logprob_chunk: sequence positions per chunk of the token-logprob head; at most
+        ``[rows, logprob_chunk, vocab]`` float32 logits exist at a time (forward and backward).
+      router_replay: R3: pass ``batch.routed_experts`` to the policy as ``replay_experts``.
+      seed: seed of the train-state RNG (the step key is ``fold_in(rng, step)``).
+      check_finite: raise ``NonFiniteError`` naming the step when the loss or gradient norm is
+        NaN/Inf (the update is then skipped in-graph, so the returned state is the previous one).
+      batch_axes: mesh axes the batch rows are sharded over (those absent from the mesh are
+        dropped).
+    """
+
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    gate: str = "binary_kl"
+    gate_threshold: float = 0.01
+    gate_level: str = "sequence"
+    agg_mode: str = "prompt-mean-token-mean"
+    ratio_clip: tuple[float, float] | None = None
+    num_micro_batches: int = 1
+    logprob_chunk: int = 1024
+    router_replay: bool = True
+    seed: int = 0
+    check_finite: bool = True
+    batch_axes: tuple[str, ...] = ("data", "fsdp", "expert")
+
+    def __post_init__(self) -> None:
+        from osworld_jax.algorithms import GATES, LOSS_AGG_MODES
+        from osworld_jax.algorithms.registries import GateLevel
+
+        GATES.validate(self.gate, "TrainerConfig.gate")
+        LOSS_AGG_MODES.validate(self.agg_mode, "TrainerConfig.agg_mode")
+        if self.gate_level not in {v.value for v in GateLevel}:
+            raise ConfigError(
+                f"TrainerConfig.gate_level: unknown gate level {self.gate_level!r}; "
+                f"choose one of {[v.value for v in GateLevel]}"
+            )
+        if self.num_micro_batches < 1:
+            raise ConfigError(f"TrainerConfig.num_micro_batches: {self.num_micro_batches} < 1")
+        if self.logprob_chunk < 1:
+            raise ConfigError(f"TrainerConfig.logprob_chunk: {self.logprob_chunk} < 1")
+        if self.ratio_clip is not None and not (
+            len(self.ratio_clip) == 2 and 0.0 <= self.ratio_clip[0] and self.ratio_clip[1] >= 0.0
+        ):
+            raise ConfigError(
+                f"TrainerConfig.ratio_clip: expected (low, high) >= 0, got {self.ratio_clip!r}"
+            )

@@ -1,0 +1,132 @@
+"""Memory-safe token logprobs: the log-softmax of the taken token, chunked over the sequence.
+
+A 151,936-word vocabulary at 49k-token contexts makes float32 ``[R, T, V]`` logits (and their
+gradient) far too large to hold. Here the logits exist one sequence chunk at a time,
+``[R, C, V]``, in the forward pass *and* in the backward pass: a ``jax.custom_vjp`` keeps only
+the per-position log-normaliser ``lse`` (``[R, T]`` floats) as residual and recomputes each chunk's
+logits when differentiating.
+
+Math (per position, logits ``z = h W``, target ``y``):
+  ``logp_y = z_y - lse(z)``;  ``d logp_y / d z = onehot(y) - softmax(z)``;
+  ``dh = g (onehot(y) - p) W^T``;  ``dW = sum_positions h^T g (onehot(y) - p)``.
+Logits and the softmax are float32 whatever the parameter dtype: bf16 log-softmax over 150k
+entries loses the small probabilities the policy gradient and the off-policy gate depend on.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+def _chunk_logits(h: Float[Array, "R C H"], w: Float[Array, "H V"]) -> Float[Array, "R C V"]:
+    return jnp.einsum("rch,hv->rcv", h, w, preferred_element_type=jnp.float32)
+
+
+def _to_chunks(x: Array, chunk: int) -> Array:
+    """``[R, T, ...] -> [T // chunk, R, chunk, ...]`` (T divides by chunk)."""
+    r, t = x.shape[:2]
+    x = x.reshape(r, t // chunk, chunk, *x.shape[2:])
+    return jnp.moveaxis(x, 1, 0)
+
+
+def _from_chunks(x: Array) -> Array:
+    """``[N, R, C, ...] -> [R, N * C, ...]``."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+
+
+def _forward(hidden, w, targets, chunk):
+    def body(_, xs):
+        h, y = xs  # [R, C, H], [R, C]
+        z = _chunk_logits(h, w)  # [R, C, V] f32
+        lse = jax.nn.logsumexp(z, axis=-1)  # [R, C]
+        z_y = jnp.take_along_axis(z, y[..., None], axis=-1)[..., 0]  # [R, C]
+        p = jnp.exp(z - lse[..., None])
+        entropy = lse - jnp.sum(p * z, axis=-1)  # H(p) = lse - E_p[z]
+        return None, (z_y - lse, entropy, lse)
+
+    _, (lp, ent, lse) = jax.lax.scan(
+        body, None, (_to_chunks(hidden, chunk), _to_chunks(targets, chunk))
+    )
+    return _from_chunks(lp), _from_chunks(ent), _from_chunks(lse)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _chunked_logprobs(hidden, w, targets, chunk):
+    lp, ent, _ = _forward(hidden, w, targets, chunk)
+    return lp, ent
+
+
+def _chunked_logprobs_fwd(hidden, w, targets, chunk):
+    lp, ent, lse = _forward(hidden, w, targets, chunk)
+    return (lp, ent), (hidden, w, targets, lse)
+
+
+def _chunked_logprobs_bwd(chunk, residuals, cotangents):
+    hidden, w, targets, lse = residuals
+    g_lp, _ = cotangents  # the entropy output is a metric: its cotangent is ignored (see below)
+    vocab = w.shape[-1]
+
+    def body(dw, xs):
+        h, y, lse_c, g = xs  # [R, C, H], [R, C], [R, C], [R, C]
+        z = _chunk_logits(h, w)  # [R, C, V] f32, recomputed
+        p = jnp.exp(z - lse_c[..., None])
+        onehot = jax.lax.broadcasted_iota(jnp.int32, z.shape, 2) == y[..., None]
+        dz = g[..., None] * (onehot.astype(jnp.float32) - p)  # [R, C, V]
+        dh = jnp.einsum("rcv,hv->rch", dz, w, preferred_element_type=jnp.float32)
+        dw = dw + jnp.einsum("rch,rcv->hv", h, dz, preferred_element_type=jnp.float32)
+        return dw, dh.astype(hidden.dtype)
+
+    xs = tuple(_to_chunks(x, chunk) for x in (hidden, targets, lse, g_lp.astype(jnp.float32)))
+    dw0 = jnp.zeros((w.shape[0], vocab), jnp.float32)
+    dw, dh = jax.lax.scan(body, dw0, xs)
+    return _from_chunks(dh), dw.astype(w.dtype), None
+
+
+_chunked_logprobs.defvjp(_chunked_logprobs_fwd, _chunked_logprobs_bwd)
+
+
+def token_logprobs(
+    hidden: Float[Array, "R T H"],
+    unembed: Float[Array, "H V"],
+    tokens: Int[Array, "R T"],
+    *,
+    chunk: int = 1024,
+) -> tuple[Float[Array, "R T"], Float[Array, "R T"]]:
+    """Logprob of each token under the logits of the previous position, and the entropy there.
+
+    ``out[r, t] = log softmax(hidden[r, t-1] @ unembed)[tokens[r, t]]`` for ``t >= 1`` and
+    ``out[r, 0] = 0`` (position 0 has no prediction and is never trainable), i.e. aligned to
+    ``tokens`` as the ``Batch`` contract requires. ``entropy[r, t]`` is the entropy of that same
+    predictive distribution, ``H = lse(z) - sum softmax(z) z`` (0 at ``t = 0``).
+
+    The sequence is processed ``chunk`` positions at a time (forward and backward, via a
+    ``custom_vjp``), so peak extra memory is one float32 ``[R, chunk, V]`` block; the sequence is
+    padded up to a multiple of ``chunk``. Gradients flow to ``hidden`` and ``unembed`` through the
+    logprobs only: the entropy is a stop-gradient metric.
+
+    Args:
+      hidden: [R, T, H] final normed hidden states (any float dtype).
+      unembed: [H, V] output projection (lm head, or the embedding transposed when tied).
+      tokens: i32[R, T] token ids.
+      chunk: sequence positions per chunk.
+
+    Returns:
+      ``(logprobs, entropy)``, both f32[R, T].
+    """
+    r, t, _ = hidden.shape
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((r, 1), tokens.dtype)], axis=1)
+    chunk = min(chunk, t)
+    pad = -t % chunk
+    if pad:
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    lp, ent = _chunked_logprobs(hidden, unembed, targets.astype(jnp.int32), chunk)
+    zero = jnp.zeros((r, 1), jnp.float32)
+    lp = jnp.concatenate([zero, lp[:, : t - 1]], axis=1)
+    ent = jnp.concatenate([zero, jax.lax.stop_gradient(ent[:, : t - 1])], axis=1)
+    return lp, ent

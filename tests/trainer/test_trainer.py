@@ -1,0 +1,177 @@
+"""Train-step invariants on the tiny real Policy (CPU, 8 fake devices from tests/conftest.py)."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from osworld_jax.algorithms import policy_loss
+from osworld_jax.model import RouterReplayError, make_mesh
+from osworld_jax.trainer import NonFiniteError, OptimizerConfig, Trainer, TrainerError
+from tests.trainer._tiny import META, make_batch, make_policy, naive_logprobs, trainer_config
+
+# Float32 end-to-end through two layers + Adam: differences are reassociation only.
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def _reference_loss(policy, batch, agg_mode):
+    """The batch loss from full-vocabulary logits and one direct policy_loss call."""
+    lp, _, _ = naive_logprobs(policy, batch)
+    mask = jnp.asarray(batch.loss_mask * batch.row_weight[:, None])
+    loss, _ = policy_loss(
+        lp,
+        batch.behavior_logprobs,
+        batch.advantages,
+        mask,
+        agg_mode=agg_mode,
+        group_ids=batch.group_ids,
+        num_groups=META.num_groups,
+        owner_ids=batch.owner_ids,
+        num_owners=META.num_owners,
+        norm_length=META.norm_length,
+    )
+    return loss
+
+
+def test_micro_batched_gradient_equals_full_batch_reference():
+    # End to end through the model and the chunked logprob head. Owners 0 and 3 have rows in
+    # both micro-batches (rows i, i+2, ...): only global denominators make the two halves add up
+    # to the full-batch loss and gradient (all modes: test_accumulation.py).
+    agg_mode = "prompt-mean-token-mean"
+    policy = make_policy()
+    batch = make_batch(policy)
+    base = Trainer(trainer_config(), policy)
+    params = base.init_state().params
+    ref = lambda p: _reference_loss(base.policy(p), batch, agg_mode)
+
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(ref))(params)
+    trainer = Trainer(trainer_config(agg_mode=agg_mode, num_micro_batches=2), policy)
+    loss, grads = trainer.gradients(params, batch, META)
+    chex.assert_trees_all_close(loss, ref_loss, **TOL)
+    chex.assert_trees_all_close(grads, ref_grads, **TOL)
+
+
+def test_accumulated_update_and_metrics_equal_one_big_batch():
+    policy = make_policy()
+    batch = make_batch(policy)
+    results = []
+    for m in (1, 4):
+        trainer = Trainer(trainer_config(num_micro_batches=m), policy)
+        state, metrics = trainer.train_step(trainer.init_state(), batch, META)
+        results.append((state.params, state.opt_state, metrics))
+    (p1, o1, m1), (p4, o4, m4) = results
+    chex.assert_trees_all_close(p1, p4, **TOL)
+    chex.assert_trees_all_close(o1, o4, **TOL)
+    assert m1.keys() == m4.keys()
+    for k in m1:
+        np.testing.assert_allclose(m1[k], m4[k], err_msg=k, **TOL)
+
+
+def test_metrics_match_direct_computation():
+    policy = make_policy()
+    batch = make_batch(policy)
+    lp, ent, _ = naive_logprobs(policy, batch)
+    mask = batch.loss_mask * batch.row_weight[:, None]
+    trainer = Trainer(trainer_config(), policy)
+    _, metrics = trainer.train_step(trainer.init_state(), batch, META)
+    # entropy and |train - behaviour| are loss-token means; binary_kl from policy_loss's gate.
+    np.testing.assert_allclose(metrics["entropy"], np.sum(ent * mask) / mask.sum(), rtol=1e-5)
+    diff = np.abs(np.asarray(lp) - batch.behavior_logprobs)
+    np.testing.assert_allclose(
+        metrics["logprob_abs_diff"], np.sum(diff * mask) / mask.sum(), rtol=1e-4
+    )
+    np.testing.assert_allclose(
+        metrics["loss"], _reference_loss(policy, batch, "prompt-mean-token-mean"), **TOL
+    )
+    assert metrics["lr"] == pytest.approx(1e-3) and metrics["step"] == 0
+    assert metrics["loss_tokens"] == mask.sum() and 0.0 <= metrics["gate_rejected_fraction"] <= 1
+    assert metrics["binary_kl_mean"] > 0.0 and np.isfinite(metrics["grad_norm"])
+
+
+def test_no_recompile_across_steps_of_one_bucket():
+    policy = make_policy()
+
+    class Counting(Trainer):
+        @chex.assert_max_traces(n=1)
+        def _train_step_impl(self, meta, state, batch, old_logprobs):
+            return super()._train_step_impl(meta, state, batch, old_logprobs)
+
+    trainer = Counting(trainer_config(), policy)
+    state = trainer.init_state()
+    steps = []
+    for seed in range(3):  # new data, same shapes and meta: one trace
+        state, metrics = trainer.train_step(state, make_batch(policy, seed=seed), META)
+        steps.append(metrics["step"])
+    assert steps == [0, 1, 2] and int(state.step) == 3 and int(state.weight_version) == 3
+
+
+def test_non_finite_loss_names_the_step_and_skips_the_update():
+    policy = make_policy()
+    batch = make_batch(policy)
+    trainer = Trainer(trainer_config(), policy)
+    state, _ = trainer.train_step(trainer.init_state(), batch, META)
+    before = jax.tree.map(np.asarray, state.params)
+    bad = batch._replace(advantages=np.where(batch.loss_mask > 0, np.nan, 0.0).astype(np.float32))
+    with pytest.raises(NonFiniteError, match=r"train step 1: non-finite") as err:
+        trainer.train_step(state, bad, META)
+    assert err.value.step == 1
+    assert int(err.value.state.step) == 1  # not advanced
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, err.value.state.params), before)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_policy_gradient_sign(sign):
+    # One trainable token with advantage +1 (-1): one small step raises (lowers) its logprob.
+    policy = make_policy()
+    batch = make_batch(policy)
+    r, t = 2, int(np.argmax(batch.loss_mask[2]))
+    mask = np.zeros_like(batch.loss_mask)
+    mask[r, t] = 1.0
+    batch = batch._replace(loss_mask=mask, advantages=sign * mask)
+    cfg = trainer_config(optimizer=OptimizerConfig(learning_rate=1e-4, weight_decay=0.0))
+    trainer = Trainer(cfg, policy)
+    state = trainer.init_state()
+    before = np.asarray(trainer.logprobs(state.params, batch))[r, t]
+    state, _ = trainer.train_step(state, batch, META)
+    after = np.asarray(trainer.logprobs(state.params, batch))[r, t]
+    assert sign * (after - before) > 1e-5, (before, after)
+
+
+def test_frozen_router_is_not_updated():
+    policy = make_policy()
+    batch = make_batch(policy)
+    cfg = trainer_config(optimizer=OptimizerConfig(learning_rate=1e-3, freeze_router=True))
+    trainer = Trainer(cfg, policy)
+    state = trainer.init_state()
+    router = np.asarray(state.params["moe"]["router"])
+    gate = np.asarray(state.params["moe"]["gate"])
+    state, _ = trainer.train_step(state, batch, META)
+    np.testing.assert_array_equal(np.asarray(state.params["moe"]["router"]), router)
+    assert not np.allclose(np.asarray(state.params["moe"]["gate"]), gate)
+
+
+def test_router_replay_uses_batch_routes():
+    policy = make_policy()
+    batch = make_batch(policy)
+    params = Trainer(trainer_config(), policy).init_state().params
+    live = Trainer(trainer_config(router_replay=False), policy).logprobs(params, batch)
+    replay = Trainer(trainer_config(router_replay=True), policy)
+    # The engine's own routes reproduce live routing exactly.
+    chex.assert_trees_all_close(replay.logprobs(params, batch), live, **TOL)
+    # Other (valid) routes change the logprobs of tokens after the first MoE input.
+    flipped = np.where(batch.routed_experts >= 0, 3 - batch.routed_experts, -1).astype(np.int32)
+    moved = replay.logprobs(params, batch._replace(routed_experts=flipped))
+    assert np.max(np.abs(np.asarray(moved) - np.asarray(live)) * batch.loss_mask) > 1e-3
+    bad = batch.routed_experts.copy()
+    bad[0, 0, 0, :] = [0, 0]  # duplicate expert ids
+    with pytest.raises(RouterReplayError):
+        replay.logprobs(params, batch._replace(routed_experts=bad))
+
+
+def test_rows_must_divide_by_micro_batches_times_data_parallel():
+    policy = make_policy()
+    mesh = make_mesh(data=2, fsdp=2)
+    trainer = Trainer(trainer_config(num_micro_batches=4), policy, mesh=mesh)
+    with pytest.raises(TrainerError, match=r"8 rows do not divide by num_micro_batches \(4\)"):
+        trainer.train_step(trainer.init_state(), make_batch(policy), META)
