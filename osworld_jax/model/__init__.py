@@ -24,6 +24,7 @@ from osworld_jax.model.sharding import (
     param_shardings,
     policy_shardings,
 )
+from osworld_jax.model.tiny import make_tiny_checkpoint
 
 __all__ = [
     "EXPERT_BACKENDS",
@@ -42,6 +43,7 @@ __all__ = [
     "init_kv_cache",
     "load_hf_checkpoint",
     "make_mesh",
+    "make_tiny_checkpoint",
     "param_shardings",
     "policy_shardings",
     "save_hf_checkpoint",

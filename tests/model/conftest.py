@@ -2,8 +2,41 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
+
+from osworld_jax.model import ModelRuntimeConfig, Qwen3MoeConfig
+
+# A tiny random config for tests that need no HF reference (layer 0 dense, layers 1-2 MoE).
+TINY_CFG = Qwen3MoeConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    mlp_only_layers=(0,),
+    initializer_range=0.2,
+)
+TINY_RT = ModelRuntimeConfig(dtype="float32", expert_backend="dense")
+
+
+@functools.cache
+def tiny_policy():
+    """A random float32 `Policy` of TINY_CFG (cached: tests must not mutate it)."""
+    from flax import nnx
+
+    from osworld_jax.model import Policy
+
+    return Policy(TINY_CFG, TINY_RT, rngs=nnx.Rngs(0))
+
 
 HF_TINY = dict(
     vocab_size=96,
@@ -63,3 +96,23 @@ def hf_tiny(tmp_path_factory):
     """(torch model, checkpoint dir) of the default tiny HF model."""
     path = tmp_path_factory.mktemp("hf_tiny")
     return build_hf_model(path), path
+
+
+def jforward(policy_or_params, *args, config=None, runtime=None, **kwargs):
+    """Jitted `forward` of a Policy (or of a params tree with config/runtime given)."""
+    from osworld_jax.model import forward
+
+    if config is None:
+        config, runtime = policy_or_params.config, policy_or_params.runtime
+        policy_or_params = policy_or_params.params()
+    return _jitted(forward)(policy_or_params, config, runtime, *args, **kwargs)
+
+
+def _jitted(fn, _cache={}):  # noqa: B006 - module-level memo of the jitted function
+    import jax
+
+    if fn not in _cache:
+        _cache[fn] = jax.jit(
+            fn, static_argnames=("config", "runtime", "return_logits"), static_argnums=(1, 2)
+        )
+    return _cache[fn]

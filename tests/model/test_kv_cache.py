@@ -1,0 +1,116 @@
+"""KV-cache decoding equals one full forward; packed segments never attend across."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from osworld_jax.model import (
+    forward,
+    init_kv_cache,
+)
+from tests.model.conftest import TINY_CFG, TINY_RT, jforward, tiny_policy
+
+CFG, RT = TINY_CFG, TINY_RT
+_policy = tiny_policy
+
+
+def test_prefill_then_decode_equals_full_forward():
+    policy = _policy()
+    params = policy.params()
+    rng = np.random.RandomState(0)
+    total, max_len, b = 14, 32, 2
+    ids = rng.randint(0, 64, (b, total)).astype(np.int32)
+    full = np.asarray(jforward(policy, jnp.asarray(ids)).logits)  # [B, total, V]
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def decode(params, tok, pos, cache):
+        out = forward(params, CFG, RT, tok, positions=pos, kv_cache=cache)
+        return out.logits, out.kv_cache
+
+    # Row 0 prefills 6 tokens, row 1 prefills 4 (+2 padding tokens at positions past its length).
+    cache = init_kv_cache(CFG, b, max_len, jnp.float32)
+    chex.assert_shape(cache.k, (3, b, max_len, 2, 8))
+    lens = np.array([6, 4])
+    pre_ids = ids[:, :6].copy()
+    pre_pos = np.stack([np.arange(6), np.array([0, 1, 2, 3, 30, 31])]).astype(np.int32)
+    pre_ids[1, 4:] = 0
+    out = jforward(
+        params,
+        jnp.asarray(pre_ids),
+        positions=jnp.asarray(pre_pos),
+        kv_cache=cache,
+        config=CFG,
+        runtime=RT,
+    )
+    cache = out.kv_cache
+    pre_logits = np.asarray(out.logits)
+    np.testing.assert_allclose(pre_logits[0], full[0, :6], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(pre_logits[1, :4], full[1, :4], rtol=1e-5, atol=1e-5)
+    # Then one token per step per row; each row at its own position.
+    for _ in range(total - 6):
+        tok = ids[np.arange(b), lens][:, None]
+        logits, cache = decode(
+            params, jnp.asarray(tok), jnp.asarray(lens[:, None], jnp.int32), cache
+        )
+        logits = np.asarray(logits)
+        for r in range(b):
+            np.testing.assert_allclose(logits[r, 0], full[r, lens[r]], rtol=1e-5, atol=1e-5)
+        lens = lens + 1
+        if lens.max() >= total:
+            break
+
+
+def test_stale_cache_slots_are_never_seen():
+    """Garbage beyond a row's position (e.g. from a previous request) does not change logits."""
+    policy = _policy()
+    ids = jnp.asarray(np.random.RandomState(1).randint(0, 64, (1, 8)), jnp.int32)
+    pos = jnp.arange(8)[None]
+    clean = init_kv_cache(CFG, 1, 16, jnp.float32)
+    dirty = jax.tree.map(lambda a: a + 100.0, clean)
+    a = jforward(policy, ids, positions=pos, kv_cache=clean).logits
+    b = jforward(policy, ids, positions=pos, kv_cache=dirty).logits
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_packed_segments_do_not_attend_across():
+    policy = _policy()
+    rng = np.random.RandomState(2)
+    s1, s2 = rng.randint(1, 64, 5), rng.randint(1, 64, 7)
+    pad = lambda a: np.concatenate([a, np.zeros(15 - len(a), a.dtype)])  # noqa: E731
+    # Row 0 packs s1 | s2 | 3 padding tokens; rows 1 and 2 hold s1 and s2 alone (end padded).
+    ids = np.stack([np.concatenate([s1, s2, [0, 0, 0]]), pad(s1), pad(s2)]).astype(np.int32)
+    seg = np.stack([[1] * 5 + [2] * 7 + [0] * 3, [1] * 5 + [0] * 10, [3] * 7 + [0] * 8])
+    pos = np.stack([list(range(5)) + list(range(7)) + [7, 8, 9], range(15), range(15)])
+    call = lambda ids: jforward(  # noqa: E731
+        policy,
+        jnp.asarray(ids),
+        positions=jnp.asarray(pos, jnp.int32),
+        segment_ids=jnp.asarray(seg, jnp.int32),
+    )
+    out = call(ids)
+    np.testing.assert_allclose(out.logits[0, :5], out.logits[1, :5], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out.logits[0, 5:12], out.logits[2, :7], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out.routed_experts[0, 5:12], out.routed_experts[2, :7])
+    chex.assert_tree_all_finite(out.logits)
+    # Padding tokens (segment 0) change neither real tokens nor the router losses.
+    other = ids.copy()
+    other[seg == 0] = 17
+    out2 = call(other)
+    real = seg != 0
+    np.testing.assert_allclose(out2.logits[real], out.logits[real], rtol=1e-6, atol=1e-6)
+    for k in ("load_balancing_loss", "router_z_loss"):
+        np.testing.assert_allclose(out2.aux[k], out.aux[k], rtol=1e-6)
+
+
+def test_return_logits_false_gives_hidden_for_unembed():
+    policy = _policy()
+    ids = jnp.asarray(np.random.RandomState(3).randint(0, 64, (2, 6)), jnp.int32)
+    full = jforward(policy, ids)
+    slim = jforward(policy, ids, return_logits=False)
+    assert slim.logits is None
+    chex.assert_shape(policy.unembed(), (32, 64))
+    np.testing.assert_allclose(slim.hidden @ policy.unembed(), full.logits, rtol=1e-5, atol=1e-5)
