@@ -5,8 +5,11 @@ so a URL resolves to a file of a local cache directory, found under one of these
 wins):
 
 1. ``<cache_dir>/<sha256(url) hex>`` — exact, collision free;
-2. ``<cache_dir>/<task id>/<url basename>`` — the layout OSWorld's own ``cache/`` uses;
-3. ``<cache_dir>/<url basename>``.
+2. ``<cache_dir>/<repo path>`` — for a Hugging Face ``.../resolve/<rev>/<path>`` URL, the path
+   inside the repository, so a local copy of ``xlangai/ubuntu_osworld_file_cache`` works as the
+   cache directory as is (``<domain>/<task id>/<file>``);
+3. ``<cache_dir>/<task id>/<url basename>`` — the layout OSWorld's own ``cache/`` uses;
+4. ``<cache_dir>/<url basename>``.
 
 A URL that resolves to nothing is reported by ``capabilities`` (task not runnable here) and, if a
 setup step needs it anyway, raises ``SandboxCreateError`` naming the URL.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import urllib.parse
 from pathlib import Path
 
@@ -38,6 +42,10 @@ def url_basename(url: str) -> str:
 def cache_keys(url: str, task_id: str | None = None) -> list[str]:
     """The relative paths under which ``url`` may be cached, in look-up order."""
     keys = [hashlib.sha256(url.encode()).hexdigest()]
+    path = urllib.parse.urlsplit(url).path
+    m = re.search(r"/resolve/[^/]+/(.+)$", path)
+    if m and ".." not in m.group(1).split("/"):
+        keys.append(m.group(1))
     base = url_basename(url)
     if base:
         if task_id:

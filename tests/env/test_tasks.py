@@ -305,3 +305,18 @@ def test_assets_are_not_tasks(tmp_path):
     (tmp_path / "dom" / "assets" / "t1" / "settings.json").write_text("{}")
     (tmp_path / "dom" / "t1.json").write_text(json.dumps(_base()))
     assert [p.name for p in T.iter_task_files(tmp_path)] == ["t1.json"]
+
+
+def test_cache_layout_of_the_hf_file_cache_repo(tmp_path):
+    from osworld_jax.env import cache
+
+    url = (
+        "https://huggingface.co/datasets/xlangai/ubuntu_osworld_file_cache/resolve/main/"
+        "os/23393935/hk_group_photo.jpg"
+    )
+    assert cache.resolve(url, tmp_path) is None
+    (tmp_path / "os" / "23393935").mkdir(parents=True)
+    (tmp_path / "os" / "23393935" / "hk_group_photo.jpg").write_bytes(b"jpg")
+    assert cache.resolve(url, tmp_path) == tmp_path / "os" / "23393935" / "hk_group_photo.jpg"
+    # no escaping the cache directory through the URL
+    assert cache.cache_keys("https://h/resolve/main/../../etc/passwd")[1:] == ["passwd"]
