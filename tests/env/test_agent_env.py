@@ -306,3 +306,17 @@ def test_word_task_bare_call_is_enough():
         )
     )
     assert [r.reward for r in res] == [1.0, 0.0]
+
+
+def test_async_agent_factory_and_sync_episode_hook():
+    ended = []
+
+    class SyncHook(Scripted):
+        def on_episode_end(self, result):  # a plain function is accepted too
+            ended.append(result.owner_index)
+
+    async def make(i):
+        return SyncHook([TYPE.format("k")])
+
+    res = run(env_for(MemoryBackend(), max_turns=1).run_group(word_task("k"), [4, 2], make))
+    assert [r.reward for r in res] == [1.0, 1.0] and sorted(ended) == [2, 4]
