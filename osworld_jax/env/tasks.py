@@ -449,8 +449,9 @@ def _apps_needed(task: Task) -> list[str]:
     return list(dict.fromkeys(apps))
 
 
-def _app_available(app: str) -> bool:
-    return any(shutil.which(a) is not None for a in app.split("|"))
+def _app_available(app: str, has_app: Any = None) -> bool:
+    check = has_app if has_app is not None else (lambda a: shutil.which(a) is not None)
+    return any(check(a) for a in app.split("|"))
 
 
 def capabilities(
@@ -465,8 +466,10 @@ def capabilities(
     downloads) and, for host backends, ``sudo``; setup steps, getters and metrics this package does
     not implement; remote files (``download`` steps, ``cloud_file`` getters) absent from the local
     file cache (see ``osworld_jax.env.cache``); for host backends (``local``) the programs that
-    launch/execute steps run and the office suite that ``open`` needs (``shutil.which``); and
-    backend-specific limits (a backend class may define ``capability_reasons(task)``).
+    launch/execute steps run and the office suite that ``open`` needs (the backend class's
+    ``has_app(name) -> bool`` if it defines one, e.g. to search the jail's PATH, else
+    ``shutil.which``); and backend-specific limits (a backend class may define
+    ``capability_reasons(task) -> list[str]``).
 
     Args:
       task: the task.
@@ -508,18 +511,19 @@ def capabilities(
     for url in _files_needed(task):
         if cache.resolve(url, cache_dir, task.id, base_dir) is None:
             reasons.append(Reason(REMOTE_FILE, url))
-    if backend_name in _HOST_APP_BACKENDS:
-        for app in _apps_needed(task):
-            if not _app_available(app):
-                reasons.append(Reason(APP, app))
     from osworld_jax.env import load_backends
     from osworld_jax.env.backend import BACKENDS
 
     load_backends(backend_name)
-    if backend_name in BACKENDS:
-        hook = getattr(BACKENDS.get(backend_name), "capability_reasons", None)
-        if hook is not None:
-            reasons.extend(Reason(BACKEND, r) for r in hook(task))
+    backend_cls = BACKENDS.get(backend_name) if backend_name in BACKENDS else None
+    if backend_name in _HOST_APP_BACKENDS:
+        has_app = getattr(backend_cls, "has_app", None)
+        for app in _apps_needed(task):
+            if not _app_available(app, has_app):
+                reasons.append(Reason(APP, app))
+    hook = getattr(backend_cls, "capability_reasons", None)
+    if hook is not None:
+        reasons.extend(Reason(BACKEND, r) for r in hook(task))
     reasons = list(dict.fromkeys(reasons))
     return NotRunnable(tuple(reasons)) if reasons else Runnable()
 

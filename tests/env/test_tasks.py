@@ -320,3 +320,16 @@ def test_cache_layout_of_the_hf_file_cache_repo(tmp_path):
     assert cache.resolve(url, tmp_path) == tmp_path / "os" / "23393935" / "hk_group_photo.jpg"
     # no escaping the cache directory through the URL
     assert cache.cache_keys("https://h/resolve/main/../../etc/passwd")[1:] == ["passwd"]
+
+
+def test_capabilities_backend_has_app_hook(monkeypatch):
+    from osworld_jax.env.backend import BACKENDS
+
+    t = load_task(_base(config=[{"type": "launch", "parameters": {"command": ["python", "x"]}}]))
+    cls = BACKENDS.get("local")
+    monkeypatch.setattr(
+        cls, "has_app", classmethod(lambda c, name: name != "python"), raising=False
+    )
+    assert capabilities(t, "local").reasons == (T.Reason(T.APP, "python"),)
+    monkeypatch.setattr(cls, "has_app", classmethod(lambda c, name: True), raising=False)
+    assert capabilities(t, "local")
