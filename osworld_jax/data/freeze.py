@@ -51,7 +51,7 @@ def read_calibration(path: str | Path) -> list[dict]:
             }
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise FreezeError(f"{path}:{lineno}: expected {{task_id, reps, passes}}: {e}") from None
-        if not 0 <= row["passes"] <= row["reps"] or row["reps"] < 1:
+        if not 0 <= row["passes"] <= row["reps"]:
             raise FreezeError(
                 f"{path}:{lineno}: passes {row['passes']} not in [0, reps={row['reps']}]"
             )
@@ -65,15 +65,36 @@ def read_calibration(path: str | Path) -> list[dict]:
 
 
 def task_asset_files(task_path: Path) -> list[Path]:
-    """The asset files of a task: everything under a sibling directory named like the task.
+    """The local asset files of a task: what its JSON references by relative path.
 
-    ``examples/chrome/abc.json`` owns ``examples/chrome/abc/**`` (files the task's set-up copies
-    into the sandbox).
+    Bundled/offline tasks reference their files relative to the task JSON (e.g. a ``download``
+    step's ``"url": "assets/<id>/data.txt"``); every string value of the task that names an
+    existing file below the task's directory counts, plus everything under a sibling directory
+    named like the task (``<id>.json`` + ``<id>/``).
     """
-    asset_dir = task_path.with_suffix("")
-    if not asset_dir.is_dir():
-        return []
-    return sorted(p for p in asset_dir.rglob("*") if p.is_file())
+    base = task_path.parent.resolve()
+    found: set[Path] = set()
+
+    def walk(obj: Any) -> None:
+        if isinstance(obj, dict):
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, list):
+            for v in obj:
+                walk(v)
+        elif isinstance(obj, str) and obj and "://" not in obj and not obj.startswith("/"):
+            try:
+                p = (base / obj).resolve()
+            except (OSError, ValueError):
+                return
+            if p.is_file() and p.is_relative_to(base) and p != task_path.resolve():
+                found.add(p)
+
+    walk(json.loads(task_path.read_text()))
+    sibling = task_path.with_suffix("")
+    if sibling.is_dir():
+        found.update(p.resolve() for p in sibling.rglob("*") if p.is_file())
+    return sorted(found)
 
 
 def _hash_sources(paths: list[Path]) -> dict[str, str]:

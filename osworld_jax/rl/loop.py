@@ -70,7 +70,7 @@ def train(
                 with t.stage("batch"):
                     batch, meta = pack_batch(kept, adv, **run.pack_kwargs)
                 with t.stage("train"):
-                    agree = stages.route_agreement(run.trainer.policy(run.state), batch)
+                    agree = stages.route_agreement(run.trainer.policy(run.state.params), batch)
                     run.state, train_metrics = run.trainer.train_step(run.state, batch, meta)
                 with t.stage("refit"):
                     run.refit(step)

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import jax.numpy as jnp
 
@@ -33,42 +33,31 @@ CHECKPOINTS = "checkpoints"
 WEIGHTS = "weights"
 
 
-class RunResources(contextlib.ExitStack):
-    """Everything one run holds; see the module docstring.
+class RolloutResources(contextlib.ExitStack):
+    """What rolling out needs: model, preflight, servers, client, tokenizer, sandboxes.
 
     Attributes:
-      experiment: the run's config (the trainer's checkpoint directory resolved).
+      experiment: the run's config.
       run_dir: the run directory.
       model_path: the starting HF checkpoint.
-      metrics_dir: where metrics and per-owner records go.
       runner: the asyncio runner every async stage runs on (one event loop per run).
       client: the rollout client.
-      trainer: the trainer.
-      state: the current train state.
-      stream: the task stream.
-      start_step: the last completed step (0 for a fresh run).
-      pack_kwargs: the static arguments of ``pack_batch``.
+      tokenizer: the agent's tokenizer + chat template (from the model dir).
+      agent_env: the AgentEnv over the configured sandbox backend.
     """
 
     def __init__(self, experiment: ExperimentConfig, run_dir: Path) -> None:
         super().__init__()
-        self.run_dir = run_dir.resolve()
-        trainer_cfg = experiment.trainer
-        if trainer_cfg.checkpoint.directory is None:
-            ckpt = dataclasses.replace(
-                trainer_cfg.checkpoint, directory=str(self.run_dir / CHECKPOINTS)
-            )
-            trainer_cfg = dataclasses.replace(trainer_cfg, checkpoint=ckpt)
         if experiment.agent.action_space != experiment.env.action_space:
             raise ConfigError(
                 f"AgentConfig.action_space ({experiment.agent.action_space!r}) and "
                 f"AgentEnvConfig.action_space ({experiment.env.action_space!r}) differ: the "
                 "prompt would describe one action space and the parser expect another"
             )
-        self.experiment = experiment.replace(trainer=trainer_cfg)
-        self.metrics_dir = (self.run_dir / experiment.rl.metrics_dir).resolve()
+        self.experiment = experiment
+        self.run_dir = run_dir.resolve()
 
-    def __enter__(self) -> RunResources:
+    def __enter__(self) -> Self:
         super().__enter__()
         try:
             self._open()
@@ -78,7 +67,7 @@ class RunResources(contextlib.ExitStack):
         return self
 
     def _open(self) -> None:
-        exp, rl = self.experiment, self.experiment.rl
+        exp = self.experiment
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.model_path = stages.prepare_model(exp.model, self.run_dir)
         # Backends with their own config section get it; the others take no arguments.
@@ -94,6 +83,54 @@ class RunResources(contextlib.ExitStack):
         self.tokenizer = AgentTokenizer.from_model_dir(self.model_path)
         self.agent_env = AgentEnv(backend, exp.env)
 
+    def _servers(self) -> tuple[str, ...]:
+        exp = self.experiment
+        if not exp.server.embedded:
+            return exp.rollout.urls
+        from osworld_jax.rollout import launch_embedded  # type: ignore[attr-defined]
+
+        server = self.enter_context(
+            launch_embedded(
+                self.model_path,
+                host=exp.server.host,
+                port=exp.server.port,
+                max_running_requests=exp.server.max_running_requests,
+                enable_return_routed_experts=exp.rollout.return_routed_experts,
+                dtype=exp.server.dtype,
+                startup_timeout_s=exp.server.startup_timeout_s,
+                log_path=self.run_dir / "server.log",
+            )
+        )
+        return (server.url,)
+
+
+class RunResources(RolloutResources):
+    """Everything one training run holds; see the module docstring.
+
+    Attributes:
+      metrics_dir: where metrics and per-owner records go.
+      trainer: the trainer.
+      state: the current train state.
+      stream: the task stream.
+      start_step: the last completed step (0 for a fresh run).
+      pack_kwargs: the static arguments of ``pack_batch``.
+    """
+
+    def __init__(self, experiment: ExperimentConfig, run_dir: Path) -> None:
+        super().__init__(experiment, run_dir)
+        trainer_cfg = experiment.trainer
+        if trainer_cfg.checkpoint.directory is None:
+            ckpt = dataclasses.replace(
+                trainer_cfg.checkpoint, directory=str(self.run_dir / CHECKPOINTS)
+            )
+            self.experiment = experiment.replace(
+                trainer=dataclasses.replace(trainer_cfg, checkpoint=ckpt)
+            )
+        self.metrics_dir = (self.run_dir / experiment.rl.metrics_dir).resolve()
+
+    def _open(self) -> None:
+        super()._open()
+        exp, rl = self.experiment, self.experiment.rl
         model_config = Qwen3MoeConfig.from_json(self.model_path / "config.json")
         policy = load_hf_checkpoint(
             self.model_path, dtype=jnp.dtype(exp.runtime.dtype), runtime=exp.runtime
@@ -126,26 +163,6 @@ class RunResources(contextlib.ExitStack):
             self.refit(latest)  # the servers start from the base model; serve the restored one
         self.metrics_dir.mkdir(parents=True, exist_ok=True)
         self._records = self.enter_context(open(self.metrics_dir / ROLLOUTS_FILE, "a", buffering=1))
-
-    def _servers(self) -> tuple[str, ...]:
-        exp = self.experiment
-        if not exp.server.embedded:
-            return exp.rollout.urls
-        from osworld_jax.rollout import launch_embedded  # type: ignore[attr-defined]
-
-        server = self.enter_context(
-            launch_embedded(
-                self.model_path,
-                host=exp.server.host,
-                port=exp.server.port,
-                max_running_requests=exp.server.max_running_requests,
-                enable_return_routed_experts=exp.rollout.return_routed_experts,
-                dtype=exp.server.dtype,
-                startup_timeout_s=exp.server.startup_timeout_s,
-                log_path=self.run_dir / "server.log",
-            )
-        )
-        return (server.url,)
 
     async def rollout(self, tasks: list[TaskRef], step: int) -> stages.RawRollouts:
         """Rolls out the B x N owners of ``step`` (see `stages.rollout_step`)."""

@@ -23,6 +23,26 @@ def inputs(tmp_path):
         (tasks / f"{tid}.json").write_text(json.dumps({"id": tid, "instruction": tid}))
     (tasks / "b").mkdir()
     (tasks / "b" / "input.txt").write_text("asset of b")
+    # d references its asset by a path relative to its JSON (the bundled-task layout).
+    (tasks / "assets" / "d").mkdir(parents=True)
+    (tasks / "assets" / "d" / "data.txt").write_text("asset of d")
+    (tasks / "assets" / "a.txt").write_text("asset of a (not admitted)")
+    (tasks / "d.json").write_text(
+        json.dumps(
+            {
+                "id": "d",
+                "instruction": "d",
+                "config": [
+                    {
+                        "type": "download",
+                        "parameters": {
+                            "files": [{"url": "assets/d/data.txt", "path": "/home/user/data.txt"}]
+                        },
+                    }
+                ],
+            }
+        )
+    )
     calib = tmp_path / "calib.jsonl"
     # a: never solved, b: 2/4, c: always solved, d: 1/4  -> band (0 < k < 4) = {b, d}
     rows = [("a", 0), ("b", 2), ("c", 4), ("d", 1)]
@@ -44,6 +64,8 @@ def test_freeze_publishes_a_verified_snapshot(inputs):
         ("d", "rlvr-band:d:repeat:1"),
     ]
     assert (out / "tasks/examples/os/b/input.txt").read_text() == "asset of b"
+    assert (out / "tasks/examples/os/assets/d/data.txt").read_text() == "asset of d"
+    assert not (out / "tasks/examples/os/assets/a.txt").exists()
     assert not (out / "tasks/examples/os/a.json").exists()
     snap = json.loads((out / "SNAPSHOT.json").read_text())
     assert snap["counts"]["admitted"] == 2 and snap["counts"]["train_rows"] == 4
