@@ -419,6 +419,7 @@ _NETWORK_CMD = re.compile(
     r"\b(apt(-get)?\s+(-\S+\s+)*(install|update)|pip3?\s+install|wget|curl|git\s+clone)\b"
     r"|https?://"
 )
+_URL = re.compile(r"https?://\S+")
 _SUDO = re.compile(r"(^|[\s;&|])sudo\s")
 
 
@@ -482,6 +483,9 @@ def capabilities(
     reasons: list[Reason] = []
     if task.proxy:
         reasons.append(Reason(LIVE_WEB, "task sets proxy=true"))
+    url = _URL.search(task.instruction)
+    if url and not task.evaluator.is_infeasible:
+        reasons.append(Reason(LIVE_WEB, f"instruction names a web address ({url.group(0)[:60]})"))
     for s in (*task.config, *task.evaluator.postconfig):
         if s.type in _NETWORK_STEPS:
             reasons.append(Reason(_NETWORK_STEPS[s.type], f"setup step {s.type}"))
@@ -545,6 +549,7 @@ def runnable_tasks(
 class _DomainRow:
     total: int = 0
     runnable: int = 0
+    infeasible: int = 0
     kinds: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     details: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
 
@@ -556,8 +561,10 @@ def report(
     cache_dir: str | os.PathLike[str] | None = None,
     top: int = 3,
 ) -> str:
-    """A per-domain table: total tasks, runnable on ``backend_name`` here, the top reasons.
+    """A per-domain table: total, runnable on ``backend_name`` here, top reasons.
 
+    The ``infeas.`` column counts the runnable tasks that are ``infeasible`` (scored by answering
+    FAIL).
     Reason kinds are counted once per task; the detail column names the most common specific
     metric/app/step (remote file URLs are not listed one by one).
     """
@@ -569,6 +576,7 @@ def report(
         cap = capabilities(task, backend_name, cache_dir=cache_dir)
         if cap:
             row.runnable += 1
+            row.infeasible += task.evaluator.is_infeasible
             continue
         assert isinstance(cap, NotRunnable)
         row.kinds.update({r.kind for r in cap.reasons})
@@ -577,14 +585,18 @@ def report(
     for row in rows.values():
         total.total += row.total
         total.runnable += row.runnable
+        total.infeasible += row.infeasible
         total.kinds.update(row.kinds)
         total.details.update(row.details)
-    lines = [f"backend={backend_name}  tasks={total.total}  runnable={total.runnable}"]
-    head = f"{'domain':<20} {'total':>5} {'runnable':>8}  top reasons (tasks)"
+    lines = [
+        f"backend={backend_name}  tasks={total.total}  runnable={total.runnable} "
+        f"(of which infeasible={total.infeasible})"
+    ]
+    head = f"{'domain':<20} {'total':>5} {'runnable':>8} {'infeas.':>7}  top reasons (tasks)"
     lines += [head, "-" * len(head)]
     for name, row in [*sorted(rows.items()), ("ALL", total)]:
         reasons = "; ".join(f"{k} ({c})" for k, c in row.kinds.most_common(top))
-        lines.append(f"{name:<20} {row.total:>5} {row.runnable:>8}  {reasons}")
+        lines.append(f"{name:<20} {row.total:>5} {row.runnable:>8} {row.infeasible:>7}  {reasons}")
     lines.append("")
     lines.append("most common specific reasons:")
     for d, c in total.details.most_common(2 * top + 4):

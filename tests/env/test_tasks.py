@@ -333,3 +333,15 @@ def test_capabilities_backend_has_app_hook(monkeypatch):
     assert capabilities(t, "local").reasons == (T.Reason(T.APP, "python"),)
     monkeypatch.setattr(cls, "has_app", classmethod(lambda c, name: True), raising=False)
     assert capabilities(t, "local")
+
+
+def test_instruction_with_web_address_needs_live_web():
+    t = load_task(_base(instruction="Download the file from https://example.org/a.png please"))
+    assert capabilities(t, "memory").reasons == (
+        T.Reason(T.LIVE_WEB, "instruction names a web address (https://example.org/a.png)"),
+    )
+    # an infeasible task is scored by the FAIL answer alone
+    inf = load_task(
+        _base(instruction="Open https://x.org in Netscape 4", evaluator={"func": "infeasible"})
+    )
+    assert capabilities(inf, "memory")
