@@ -6,6 +6,7 @@ checkpoint builder, R3 validation, expert backends, sharding rules and the froze
 
 from osworld_jax.model.config import SUPPORTED_ROPE_TYPES, ModelRuntimeConfig, Qwen3MoeConfig
 from osworld_jax.model.errors import CheckpointError, ModelConfigError, RouterReplayError
+from osworld_jax.model.freeze import is_router_path, router_param_labels
 from osworld_jax.model.hf_io import load_hf_checkpoint, save_hf_checkpoint
 from osworld_jax.model.moe import EXPERT_BACKENDS
 from osworld_jax.model.policy import (
@@ -41,11 +42,13 @@ __all__ = [
     "ShardingRules",
     "forward",
     "init_kv_cache",
+    "is_router_path",
     "load_hf_checkpoint",
     "make_mesh",
     "make_tiny_checkpoint",
     "param_shardings",
     "policy_shardings",
+    "router_param_labels",
     "save_hf_checkpoint",
     "unembed_matrix",
     "validate_replay",

@@ -182,11 +182,8 @@ def load_hf_checkpoint(
     tensors = _Tensors(path)
     readers = _readers(config, tensors)
     specs = param_specs(config)
-    shardings = (
-        param_shardings(config, mesh, rules)
-        if mesh is not None
-        else dict.fromkeys(specs, SingleDeviceSharding(jax.devices()[0]))
-    )
+    nested = param_shardings(config, mesh, rules) if mesh is not None else None
+    single = SingleDeviceSharding(jax.devices()[0])
     abstract = nnx.eval_shape(lambda: Policy(config, runtime, rngs=nnx.Rngs(0)))
     for key, spec in specs.items():
         read = readers[key]
@@ -204,8 +201,9 @@ def load_hf_checkpoint(
                 raise CheckpointError(f"{path}: {key}: slice shape {out.shape} != {expect}")
             return np.asarray(out, dtype=dtype)
 
-        arr = jax.make_array_from_callback(spec.shape, shardings[key], callback)  # type: ignore[arg-type]
         group, name = key.split(".")
+        sharding = nested[group][name] if nested is not None else single
+        arr = jax.make_array_from_callback(spec.shape, sharding, callback)  # type: ignore[arg-type]
         getattr(getattr(abstract, group), name).set_value(arr)
     return abstract
 

@@ -99,13 +99,16 @@ def make_mesh(
 
 def param_shardings(
     config: Qwen3MoeConfig, mesh: Mesh, rules: ShardingRules | None = None
-) -> dict[str, NamedSharding]:
-    """``{"group.name": NamedSharding}`` for every parameter of ``config``."""
+) -> dict[str, dict[str, NamedSharding]]:
+    """NamedShardings shaped like `Policy.params()`: ``{group: {name: NamedSharding}}``."""
     rules = rules or ShardingRules()
-    return {
-        key: NamedSharding(mesh, rules.spec(spec.axes, spec.shape, mesh))
-        for key, spec in param_specs(config).items()
-    }
+    out: dict[str, dict[str, NamedSharding]] = {}
+    for key, spec in param_specs(config).items():
+        group, name = key.split(".")
+        out.setdefault(group, {})[name] = NamedSharding(
+            mesh, rules.spec(spec.axes, spec.shape, mesh)
+        )
+    return out
 
 
 def policy_shardings(policy, mesh: Mesh, rules: ShardingRules | None = None):
