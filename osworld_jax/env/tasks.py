@@ -483,9 +483,9 @@ def capabilities(
     reasons: list[Reason] = []
     if task.proxy:
         reasons.append(Reason(LIVE_WEB, "task sets proxy=true"))
-    url = _URL.search(task.instruction)
-    if url and not task.evaluator.is_infeasible:
-        reasons.append(Reason(LIVE_WEB, f"instruction names a web address ({url.group(0)[:60]})"))
+    web = _URL.search(task.instruction)
+    if web and not task.evaluator.is_infeasible:
+        reasons.append(Reason(LIVE_WEB, f"instruction names a web address ({web.group(0)[:60]})"))
     for s in (*task.config, *task.evaluator.postconfig):
         if s.type in _NETWORK_STEPS:
             reasons.append(Reason(_NETWORK_STEPS[s.type], f"setup step {s.type}"))
