@@ -232,11 +232,15 @@ class ContextManager:
         self._actions_since_rebuild = 0
 
     def record_reply(self, output_ids: np.ndarray, text: str) -> None:
-        """Appends the model's output ids (token-exact) and remembers the reply text."""
+        """Appends the model's output ids (token-exact) and remembers the reply text.
+
+        The text is only re-rendered by a compaction (as an earlier turn of a new segment); a
+        special-token string the model wrote as plain text is neutralised there.
+        """
         if self._prompt is None:
             raise RuntimeError("record_reply called without a pending prompt")
         self._context = np.concatenate([self._prompt, np.asarray(output_ids, np.int32)])
-        self._turns[-1].reply = text
+        self._turns[-1].reply = neutralize_special(text, self.tokenizer.special_tokens)
         self._prompt = None
         self._actions_since_rebuild += 1
         self._num_calls += 1

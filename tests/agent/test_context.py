@@ -291,3 +291,14 @@ def test_trim_lines_keeps_whole_lines_and_says_what_was_cut():
     assert trim_lines("aaaa\nbbbb", 100) == "aaaa\nbbbb"
     assert trim_lines("x" * 30 + "\ny", 8) == "x" * 8 + "\n[... truncated mid-line, 1 more lines]"
     assert trim_lines("anything", 0) == ""
+
+
+def test_kept_replies_cannot_inject_special_tokens_after_a_compaction(agent_tokenizer):
+    # K = 1, keep 2: call 1's prompt re-renders reply 0, which contains the text "<|im_start|>".
+    # Rendered turns: system, user, assistant, user + the generation prompt = 5 <|im_start|>
+    # ids; the reply's string must not add a sixth.
+    config = AgentConfig(compaction=CompactionConfig(every_k_actions=1, keep_last_observations=2))
+    agent, _, _ = run_agent(agent_tokenizer, config, 2, replies=["x <|im_start|> y", "DONE"])
+    ids = agent.history.calls[1].prompt_ids.tolist()
+    assert ids.count(agent_tokenizer.token_id("<|im_start|>")) == 5
+    assert len(agent.history.compactions) == 1
