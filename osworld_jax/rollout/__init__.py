@@ -14,6 +14,7 @@ from osworld_jax.rollout.errors import (
     RolloutError,
     ServerUnavailable,
 )
+from osworld_jax.rollout.launch import EmbeddedServer, launch_embedded
 from osworld_jax.rollout.wire import (
     Generation,
     Reply,
@@ -26,6 +27,7 @@ from osworld_jax.rollout.wire import (
 __all__ = [
     "LOAD_BALANCERS",
     "AbortBudgetExceeded",
+    "EmbeddedServer",
     "EngineError",
     "Generation",
     "RefitError",
@@ -40,6 +42,7 @@ __all__ = [
     "ServerUnavailable",
     "decode_routed_experts",
     "encode_routed_experts",
+    "launch_embedded",
     "parse_reply",
     "stitch",
 ]

@@ -1,0 +1,553 @@
+"""The embedded server's engine: continuous batching over a fixed number of KV-cache slots.
+
+A single engine thread owns the `ModelRunner`. Each iteration it runs queued commands (new
+requests, aborts, pause/continue, weight updates), admits waiting requests into free slots
+(one bucketed prefill each, which also samples the first token), then runs one batched decode
+step over every live slot. HTTP handlers talk to it only through `Engine` methods, which post
+commands to the thread and resolve futures; request progress comes back through each request's
+``notify`` callback (called on the engine thread).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from osworld_jax.rollout.errors import EngineError
+from osworld_jax.rollout.runner import MAX_BANNED, ModelRunner, SlotSampling, next_pow2
+from osworld_jax.rollout.wire import encode_routed_experts
+
+log = logging.getLogger(__name__)
+
+TOP_K_ALL = 1 << 30
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Settings of the embedded engine (the ``serve`` flags).
+
+    Attributes:
+      model_path: HF checkpoint directory (config.json, safetensors, tokenizer.json).
+      max_running_requests: KV-cache slots, i.e. requests decoded together (rounded up to a
+        power of two); more requests wait in a queue.
+      context_length: most tokens (prompt + output) per request; default
+        ``min(max_position_embeddings, 4096)``. Rounded up to a power of two for the cache.
+      max_total_tokens: KV-cache token budget; when set, the slot count is capped at
+        ``max_total_tokens // slot_len``.
+      dtype: "float32" or "bfloat16" (parameters, activations, KV cache).
+      expert_backend: `osworld_jax.model` expert backend ("dense", "ragged", "tokamax").
+      weight_version: the initial weight version reported in every reply.
+      enable_return_routed_experts: allow ``return_routed_experts`` (as SGLang's flag).
+      seed: seeds the server's randomness for requests without ``sampling_seed``.
+      min_bucket: smallest prefill / attention-length bucket (fewer compiles when larger).
+      min_decode_batch: smallest decode batch bucket (a decode step runs the first ``b``
+        slots, ``b`` a power of two >= this and covering every live slot).
+    """
+
+    model_path: str
+    max_running_requests: int = 16
+    context_length: int | None = None
+    max_total_tokens: int | None = None
+    dtype: str = "float32"
+    expert_backend: str = "ragged"
+    weight_version: str = "default"
+    enable_return_routed_experts: bool = False
+    seed: int = 0
+    min_bucket: int = 16
+    min_decode_batch: int = 1
+
+
+@dataclass(kw_only=True, eq=False)
+class GenRequest:
+    """One validated generation request and its progress (mutated only on the engine thread).
+
+    Attributes:
+      rid: request id.
+      input_ids: prompt token ids.
+      temperature, top_p, top_k, min_p: normalised sampling (greedy -> T=1, top_k=1).
+      max_new_tokens, min_new_tokens: output length bounds.
+      stop: stop strings; stop_token_ids: stop ids; ignore_eos: do not stop at EOS.
+      skip_special_tokens, no_stop_trim: text decoding options.
+      key: u32[2] the request's PRNG key.
+      return_logprob, logprob_start_len: logprob options (start -1 = output only).
+      return_routed_experts, routed_experts_start_len: route options.
+      notify: ``notify(request, done)`` called on the engine thread after progress.
+      output_ids, output_logprobs, routes, input_logprobs, finish: progress.
+    """
+
+    rid: str
+    input_ids: list[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    max_new_tokens: int
+    min_new_tokens: int
+    stop: list[str]
+    stop_token_ids: set[int]
+    ignore_eos: bool
+    skip_special_tokens: bool
+    no_stop_trim: bool
+    key: np.ndarray
+    return_logprob: bool
+    logprob_start_len: int
+    return_routed_experts: bool
+    routed_experts_start_len: int
+    notify: Callable[[GenRequest, bool], None] = lambda r, d: None
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    routes: list[np.ndarray] = field(default_factory=list)
+    num_route_rows: int = 0
+    input_logprobs: np.ndarray | None = None
+    finish: dict[str, Any] | None = None
+    slot: int | None = None
+    created: float = field(default_factory=time.monotonic)
+    stop_window: int = 0
+
+
+class Engine:
+    """Continuous-batching generation over `ModelRunner` (see module docstring).
+
+    Args:
+      config: `EngineConfig`.
+      tokenizer: a ``tokenizers.Tokenizer`` (default: ``model_path/tokenizer.json``).
+    """
+
+    def __init__(self, config: EngineConfig, tokenizer: Any = None) -> None:
+        from osworld_jax.model import Qwen3MoeConfig
+
+        self.config = config
+        path = Path(config.model_path)
+        model_cfg = Qwen3MoeConfig.from_json(path / "config.json")
+        context = config.context_length or min(model_cfg.max_position_embeddings, 4096)
+        slot_len = next_pow2(context, config.min_bucket)
+        slots = config.max_running_requests
+        if config.max_total_tokens is not None:
+            slots = max(1, min(slots, config.max_total_tokens // slot_len))
+        self.context_length = context
+        self.runner = ModelRunner(
+            path,
+            num_slots=slots,
+            slot_len=slot_len,
+            dtype=config.dtype,
+            expert_backend=config.expert_backend,
+            min_bucket=config.min_bucket,
+        )
+        self.model_config = self.runner.config
+        self.model_path = str(path)
+        self.weight_version = config.weight_version
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
+        self.eos_ids = _eos_ids(path, self.model_config)
+        self.vocab_size = self.model_config.vocab_size
+        self._rng = np.random.default_rng(config.seed)
+        n = self.runner.num_slots
+        self.slots: list[GenRequest | None] = [None] * n
+        self.waiting: collections.deque[GenRequest] = collections.deque()
+        self.paused = False
+        self._cmds: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.ready = threading.Event()
+        self.num_decode_steps = 0
+        self.num_generated_tokens = 0
+        # per-slot sampling state (host arrays, sliced to the decode bucket)
+        self._temp = np.ones(n, np.float32)
+        self._top_p = np.ones(n, np.float32)
+        self._top_k = np.full(n, TOP_K_ALL, np.int32)
+        self._min_p = np.zeros(n, np.float32)
+        self._keys = np.zeros((n, 2), np.uint32)
+
+    # ----------------------------------------------------------------- thread
+
+    def start(self) -> Engine:
+        """Starts the engine thread and warms it up (compiles the smallest buckets)."""
+        self._thread = threading.Thread(target=self._loop, name="osworld-jax-engine", daemon=True)
+        self._thread.start()
+        done = concurrent.futures.Future[GenRequest]()
+        warm = self.make_request(
+            rid=f"warmup-{uuid.uuid4().hex}",
+            input_ids=[int(self.eos_ids[0]) if self.eos_ids else 0],
+            sampling={"max_new_tokens": 2, "temperature": 0.0, "ignore_eos": True},
+        )
+
+        def notify(r: GenRequest, finished: bool) -> None:
+            if finished:
+                done.set_result(r)
+
+        warm.notify = notify
+        self.submit(warm)
+        done.result()
+        self.ready.set()
+        return self
+
+    def shutdown(self) -> None:
+        """Stops the engine thread (requests in flight finish with ``abort``)."""
+        if self._thread is None:
+            return
+
+        def stop() -> None:
+            self._abort_matching(lambda r: True, "server shutting down")
+            self._stop.set()
+
+        self._cmds.put(stop)
+        self._thread.join(timeout=30)
+        self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        """The engine thread is running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def _call(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Runs ``fn`` on the engine thread between steps; returns a future of its result."""
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn())
+            except BaseException as e:
+                fut.set_exception(e)
+
+        self._cmds.put(run)
+        return fut
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            busy = not self.paused and (self.waiting or any(self.slots))
+            try:
+                cmd = self._cmds.get(block=not busy, timeout=None if busy else 0.5)
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                cmd()
+                try:
+                    cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if self._stop.is_set() or self.paused:
+                continue
+            try:
+                self._admit()
+                if any(self.slots):
+                    self._decode_step()
+            except Exception as e:  # a failing step must not kill the server silently
+                log.exception("engine step failed")
+                self._abort_matching(lambda r: True, f"engine error: {type(e).__name__}: {e}")
+
+    # ----------------------------------------------------------------- requests
+
+    def make_request(
+        self, *, rid: str | None, input_ids: list[int], sampling: dict[str, Any], **opts: Any
+    ) -> GenRequest:
+        """Builds a `GenRequest` from already validated wire values (see ``server.validate``)."""
+        temperature = float(sampling.get("temperature", 1.0))
+        top_k = int(sampling.get("top_k", -1))
+        if temperature < 1e-6:  # SGLang: greedy == temperature 1 with top_k 1
+            temperature, top_k = 1.0, 1
+        if top_k == -1:
+            top_k = TOP_K_ALL
+        seed = sampling.get("sampling_seed")
+        if seed is None:
+            key = self._rng.integers(0, 2**32, size=2, dtype=np.uint32)
+        else:
+            seed = int(seed)
+            key = np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32)
+        stop = sampling.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else list(stop)
+        max_new = int(sampling.get("max_new_tokens", 128))
+        req = GenRequest(
+            rid=rid or uuid.uuid4().hex,
+            input_ids=[int(t) for t in input_ids],
+            temperature=temperature,
+            top_p=float(sampling.get("top_p", 1.0)),
+            top_k=top_k,
+            min_p=float(sampling.get("min_p", 0.0)),
+            max_new_tokens=min(max_new, self.context_length - len(input_ids)),
+            min_new_tokens=int(sampling.get("min_new_tokens", 0)),
+            stop=stop,
+            stop_token_ids={int(t) for t in sampling.get("stop_token_ids") or []},
+            ignore_eos=bool(sampling.get("ignore_eos", False)),
+            skip_special_tokens=bool(sampling.get("skip_special_tokens", True)),
+            no_stop_trim=bool(sampling.get("no_stop_trim", False)),
+            key=key,
+            return_logprob=bool(opts.get("return_logprob", False)),
+            logprob_start_len=int(opts.get("logprob_start_len", -1)),
+            return_routed_experts=bool(opts.get("return_routed_experts", False)),
+            routed_experts_start_len=int(opts.get("routed_experts_start_len", 0)),
+        )
+        if stop:
+            req.stop_window = 2 + max(len(self.tokenizer.encode(s).ids) for s in stop)
+        return req
+
+    def submit(self, req: GenRequest) -> None:
+        """Queues ``req``; progress arrives through ``req.notify``."""
+
+        def add() -> None:
+            if req.max_new_tokens <= 0:
+                self._finish(req, {"type": "length", "length": 0})
+            else:
+                self.waiting.append(req)
+
+        self._cmds.put(add)
+
+    def abort(self, rid: str | None, abort_all: bool = False) -> concurrent.futures.Future[int]:
+        """Aborts requests whose rid starts with ``rid`` (or all); returns how many."""
+        if abort_all:
+            return self._call(lambda: self._abort_matching(lambda r: True, "abort_all"))
+        prefix = rid or ""
+        return self._call(
+            lambda: self._abort_matching(
+                lambda r: r.rid.startswith(prefix), f"aborted by /abort_request {prefix!r}"
+            )
+        )
+
+    def pause(self, mode: str) -> concurrent.futures.Future[int]:
+        """Pauses generation; new requests queue until `resume`.
+
+        Modes: ``abort``: in-flight requests return aborted with their partial output;
+        ``retract``: they go back to the queue (resumed by re-prefilling prompt + output);
+        ``in_place``: decoding just stops.
+        """
+
+        def run() -> int:
+            self.paused = True
+            if mode == "abort":
+                return self._abort_matching(lambda r: True, "aborted by /pause_generation")
+            if mode == "retract":
+                running = [r for r in self.slots if r is not None]
+                for r in running:
+                    self._release(r)
+                self.waiting.extendleft(reversed(running))
+                return len(running)
+            return 0
+
+        return self._call(run)
+
+    def resume(self) -> concurrent.futures.Future[None]:
+        """Continues generation after a pause."""
+
+        def run() -> None:
+            self.paused = False
+
+        return self._call(run)
+
+    def is_idle(self) -> concurrent.futures.Future[bool]:
+        """True when nothing runs or waits (``/flush_cache`` may proceed)."""
+        return self._call(lambda: not self.waiting and not any(self.slots))
+
+    def update_weights(
+        self, model_path: str, weight_version: str | None, abort_all: bool
+    ) -> concurrent.futures.Future[tuple[bool, str, int]]:
+        """Loads ``model_path`` between steps; returns (success, message, running requests)."""
+
+        def run() -> tuple[bool, str, int]:
+            if abort_all:
+                self._abort_matching(lambda r: True, "aborted by /update_weights_from_disk")
+            running = sum(r is not None for r in self.slots)
+            try:
+                self.runner.load_weights(model_path)
+            except Exception as e:
+                return False, f"failed to load {model_path}: {type(e).__name__}: {e}", running
+            self.model_path = str(model_path)
+            if weight_version is not None:
+                self.weight_version = weight_version
+            return True, "Succeeded to update model weights.", running
+
+        return self._call(run)
+
+    # ----------------------------------------------------------------- scheduling
+
+    def _abort_matching(self, pred: Callable[[GenRequest], bool], message: str) -> int:
+        victims = [r for r in self.slots if r is not None and pred(r)]
+        victims += [r for r in self.waiting if pred(r)]
+        self.waiting = collections.deque(r for r in self.waiting if not pred(r))
+        for r in victims:
+            self._finish(r, {"type": "abort", "message": message})
+        return len(victims)
+
+    def _release(self, req: GenRequest) -> None:
+        if req.slot is not None:
+            self.slots[req.slot] = None
+            req.slot = None
+
+    def _finish(self, req: GenRequest, reason: dict[str, Any]) -> None:
+        self._release(req)
+        req.finish = reason
+        self._notify(req, True)
+
+    @staticmethod
+    def _notify(req: GenRequest, done: bool) -> None:
+        try:
+            req.notify(req, done)
+        except Exception:  # a broken listener must not stall the engine or its other requests
+            log.exception("notify of request %s failed", req.rid)
+
+    def _banned(self, req: GenRequest) -> np.ndarray:
+        row = np.full(MAX_BANNED, self.vocab_size, np.int32)
+        if len(req.output_ids) < req.min_new_tokens:
+            ids = sorted(req.stop_token_ids | (set() if req.ignore_eos else set(self.eos_ids)))
+            row[: len(ids)] = ids[:MAX_BANNED]
+        return row
+
+    def _sampling(self, idx: list[int] | slice, reqs: list[GenRequest | None]) -> SlotSampling:
+        banned = np.stack(
+            [
+                self._banned(r) if r is not None else np.full(MAX_BANNED, self.vocab_size)
+                for r in reqs
+            ]
+        )
+        step = np.array([len(r.output_ids) if r is not None else 0 for r in reqs], np.int32)
+        return SlotSampling(
+            temperature=self._temp[idx],
+            top_p=self._top_p[idx],
+            top_k=self._top_k[idx],
+            min_p=self._min_p[idx],
+            banned=banned,
+            keys=self._keys[idx],
+            step=step,
+        )
+
+    def _admit(self) -> None:
+        while self.waiting and None in self.slots:
+            req = self.waiting.popleft()
+            slot = self.slots.index(None)
+            self.slots[slot] = req
+            req.slot = slot
+            self._temp[slot], self._top_p[slot] = req.temperature, req.top_p
+            self._top_k[slot], self._min_p[slot] = req.top_k, req.min_p
+            self._keys[slot] = req.key
+            # A retracted request resumes from prompt + output (its last token not yet fed).
+            prompt = req.input_ids + req.output_ids
+            samp = self._sampling([slot], [req])
+            tok, lp, routes, hidden = self.runner.prefill(slot, prompt, samp)
+            if req.return_logprob and req.logprob_start_len >= 0 and req.input_logprobs is None:
+                req.input_logprobs = self.runner.prompt_logprobs(hidden, req.input_ids)
+            have = req.num_route_rows
+            req.routes.append(routes[have:])
+            req.num_route_rows = len(prompt)
+            self._append(req, tok, lp)
+
+    def _decode_step(self) -> None:
+        live = [i for i, r in enumerate(self.slots) if r is not None]
+        b = min(self.runner.num_slots, next_pow2(max(live) + 1, self.config.min_decode_batch))
+        reqs = self.slots[:b]
+        tokens = np.zeros(b, np.int32)
+        positions = np.zeros(b, np.int32)
+        active = np.zeros(b, np.int32)
+        for i in live:
+            r = reqs[i]
+            assert r is not None
+            tokens[i] = r.output_ids[-1]
+            positions[i] = len(r.input_ids) + len(r.output_ids) - 1
+            active[i] = 1
+        toks, lps, routes = self.runner.decode(
+            tokens, positions, active, self._sampling(slice(0, b), reqs)
+        )
+        self.num_decode_steps += 1
+        for i in live:
+            r = reqs[i]
+            assert r is not None
+            r.routes.append(routes[i : i + 1])
+            r.num_route_rows += 1
+            self._append(r, int(toks[i]), float(lps[i]))
+
+    def _append(self, req: GenRequest, tok: int, lp: float) -> None:
+        req.output_ids.append(tok)
+        req.output_logprobs.append(lp)
+        self.num_generated_tokens += 1
+        n = len(req.output_ids)
+        reason: dict[str, Any] | None = None
+        if tok in req.stop_token_ids or (not req.ignore_eos and tok in self.eos_ids):
+            reason = {"type": "stop", "matched": tok}
+        if reason is None and req.stop:
+            tail = self.tokenizer.decode(
+                req.output_ids[-req.stop_window :], skip_special_tokens=req.skip_special_tokens
+            )
+            for s in req.stop:
+                if s in tail:
+                    reason = {"type": "stop", "matched": s}
+                    break
+        if reason is None and n >= req.max_new_tokens:
+            reason = {"type": "length", "length": n}
+        if reason is not None:
+            self._finish(req, reason)
+        else:
+            self._notify(req, False)
+
+    # ----------------------------------------------------------------- replies
+
+    def text_of(self, req: GenRequest) -> str:
+        """Decoded output text with SGLang's stop trimming (unless ``no_stop_trim``)."""
+        ids = req.output_ids
+        matched = (req.finish or {}).get("matched")
+        if isinstance(matched, int) and not req.no_stop_trim and ids and ids[-1] == matched:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
+        if isinstance(matched, str) and not req.no_stop_trim:
+            pos = text.find(matched)
+            if pos >= 0:
+                text = text[:pos]
+        return text
+
+    def response(self, req: GenRequest) -> dict[str, Any]:
+        """The SGLang ``/generate`` reply object of ``req`` (cumulative so far)."""
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": req.finish,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": 0,
+            "weight_version": self.weight_version,
+            "e2e_latency": time.monotonic() - req.created,
+        }
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [
+                [lp, t, None] for lp, t in zip(req.output_logprobs, req.output_ids, strict=True)
+            ]
+            if req.logprob_start_len >= 0 and req.input_logprobs is not None:
+                start = req.logprob_start_len
+                meta["input_token_logprobs"] = [
+                    [None if np.isnan(lp) else float(lp), t, None]
+                    for lp, t in zip(req.input_logprobs[start:], req.input_ids[start:], strict=True)
+                ]
+        if req.return_routed_experts:
+            rows = len(req.input_ids) + len(req.output_ids) - 1
+            c = self.model_config
+            empty = np.zeros((0, c.num_hidden_layers, c.num_experts_per_tok), np.int32)
+            routes = np.concatenate([empty, *req.routes], axis=0)[: max(rows, 0)]
+            meta["routed_experts"] = encode_routed_experts(routes[req.routed_experts_start_len :])
+        return {"text": self.text_of(req), "output_ids": list(req.output_ids), "meta_info": meta}
+
+
+def _load_tokenizer(path: Path) -> Any:
+    from tokenizers import Tokenizer
+
+    file = path / "tokenizer.json"
+    if not file.exists():
+        raise EngineError(f"{path}: no tokenizer.json (the embedded server decodes with it)")
+    return Tokenizer.from_file(str(file))
+
+
+def _eos_ids(path: Path, config: Any) -> list[int]:
+    ids: set[int] = set()
+    for value in (config.eos_token_id,):
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+    gen = path / "generation_config.json"
+    if gen.exists():
+        value = json.loads(gen.read_text()).get("eos_token_id")
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+    return sorted(int(i) for i in ids)

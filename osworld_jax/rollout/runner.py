@@ -1,0 +1,291 @@
+"""The embedded server's model runner: the trainer's own `forward`, a slot KV cache, buckets.
+
+Shapes are bucketed so that serving never recompiles per request: a prefill runs one request
+padded to a power-of-two length ``S`` over its slot's first ``S`` cache rows; a decode step runs
+the first ``b`` slots (``b`` a power of two covering every live slot) over the first ``Lb`` cache
+rows (``Lb`` a power of two covering every live position). Each (S) and (b, Lb) compiles once.
+Parameters are a jit *argument*, so a refit swaps them without recompiling.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from osworld_jax.model import (
+    KVCache,
+    ModelRuntimeConfig,
+    Qwen3MoeConfig,
+    forward,
+    init_kv_cache,
+    load_hf_checkpoint,
+    unembed_matrix,
+)
+from osworld_jax.rollout.errors import EngineError
+from osworld_jax.rollout.sampling import sample, step_keys, token_logprobs
+
+log = logging.getLogger(__name__)
+
+#: Banned-token columns per slot (EOS + stop ids suppressed before ``min_new_tokens``).
+MAX_BANNED = 16
+
+
+def next_pow2(n: int, minimum: int = 1) -> int:
+    """Smallest power of two ``>= max(n, minimum)``."""
+    n = max(n, minimum, 1)
+    return 1 << (n - 1).bit_length()
+
+
+def _logits(params: Any, hidden: jax.Array, config: Qwen3MoeConfig) -> jax.Array:
+    # The same einsum as `forward`'s logits, so float32 results match the trainer exactly.
+    return jnp.einsum(
+        "...h,hv->...v",
+        hidden,
+        unembed_matrix(params, config),
+        preferred_element_type=jnp.float32,
+    )
+
+
+def _sample(params: Any, hidden: jax.Array, samp: dict[str, jax.Array], config: Qwen3MoeConfig):
+    return sample(
+        _logits(params, hidden, config),
+        samp["temperature"],
+        samp["top_p"],
+        samp["top_k"],
+        samp["min_p"],
+        samp["banned"],
+        step_keys(samp["keys"], samp["step"]),
+    )
+
+
+# Module-level jits with the (hashable, frozen) configs static: every runner of the same
+# architecture in a process shares the compiled buckets.
+@functools.partial(jax.jit, static_argnames=("config", "runtime"), donate_argnames=("cache",))
+def _prefill(params, cache, slot, tokens, length, samp, *, config, runtime):
+    s = tokens.shape[1]
+    sub = KVCache(
+        jax.lax.dynamic_slice_in_dim(cache.k, slot, 1, axis=1)[:, :, :s],
+        jax.lax.dynamic_slice_in_dim(cache.v, slot, 1, axis=1)[:, :, :s],
+    )  # [L, 1, S, KV, D]
+    positions = jnp.arange(s, dtype=jnp.int32)[None]  # [1, S]; padding sits past `length`
+    segment_ids = (positions < length).astype(jnp.int32)
+    out = forward(
+        params,
+        config,
+        runtime,
+        tokens,
+        positions=positions,
+        segment_ids=segment_ids,
+        kv_cache=sub,
+        return_logits=False,
+    )
+    last = jax.lax.dynamic_slice_in_dim(out.hidden[0], length - 1, 1, axis=0)  # [1, H]
+    tok, lp = _sample(params, last, samp, config)
+    new_k = jax.lax.dynamic_update_slice(cache.k, out.kv_cache.k, (0, slot, 0, 0, 0))
+    new_v = jax.lax.dynamic_update_slice(cache.v, out.kv_cache.v, (0, slot, 0, 0, 0))
+    return tok[0], lp[0], out.routed_experts[0], out.hidden[0], KVCache(new_k, new_v)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("config", "runtime", "attn_len"), donate_argnames=("cache",)
+)
+def _decode(params, cache, tokens, positions, active, samp, *, config, runtime, attn_len):
+    b = tokens.shape[0]
+    sub = KVCache(cache.k[:, :b, :attn_len], cache.v[:, :b, :attn_len])  # [L, b, Lb, KV, D]
+    out = forward(
+        params,
+        config,
+        runtime,
+        tokens[:, None],
+        positions=positions[:, None],
+        segment_ids=active[:, None],
+        kv_cache=sub,
+        return_logits=False,
+    )
+    tok, lp = _sample(params, out.hidden[:, 0], samp, config)
+    new_k = jax.lax.dynamic_update_slice(cache.k, out.kv_cache.k, (0, 0, 0, 0, 0))
+    new_v = jax.lax.dynamic_update_slice(cache.v, out.kv_cache.v, (0, 0, 0, 0, 0))
+    return tok, lp, out.routed_experts[:, 0], KVCache(new_k, new_v)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _prompt_logprobs(params, hidden, targets, *, config):
+    s = hidden.shape[0]
+    chunk = min(s, 256)
+    hs = hidden.reshape(s // chunk, chunk, -1)
+    ts = targets.reshape(s // chunk, chunk)
+    lps = jax.lax.map(lambda a: token_logprobs(_logits(params, a[0], config), a[1]), (hs, ts))
+    return lps.reshape(s)
+
+
+@dataclass(frozen=True)
+class SlotSampling:
+    """Per-slot sampling arrays of one step (host numpy, one row per slot).
+
+    Attributes:
+      temperature: f32[b]; top_p: f32[b]; top_k: i32[b]; min_p: f32[b];
+      banned: i32[b, MAX_BANNED] (vocab size = unused); keys: u32[b, 2] per-request base keys;
+      step: i32[b] tokens generated so far (folded into the key).
+    """
+
+    temperature: np.ndarray
+    top_p: np.ndarray
+    top_k: np.ndarray
+    min_p: np.ndarray
+    banned: np.ndarray
+    keys: np.ndarray
+    step: np.ndarray
+
+
+class ModelRunner:
+    """Owns the parameters and the KV cache; runs bucketed prefill and decode steps.
+
+    Args:
+      model_path: HF checkpoint directory (config.json + safetensors).
+      num_slots: concurrent requests (``--max-running-requests``); rounded up to a power of two.
+      slot_len: tokens per slot (the context length); rounded up to a power of two.
+      dtype: "float32" or "bfloat16" (parameters, activations and KV cache).
+      expert_backend: the model's expert backend ("dense", "ragged", "tokamax").
+      min_bucket: smallest prefill / attention-length bucket.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        num_slots: int,
+        slot_len: int,
+        dtype: str = "float32",
+        expert_backend: str = "ragged",
+        min_bucket: int = 16,
+    ) -> None:
+        self.runtime = ModelRuntimeConfig(expert_backend=expert_backend, dtype=dtype)
+        policy = load_hf_checkpoint(model_path, runtime=self.runtime)
+        self.config: Qwen3MoeConfig = policy.config
+        self.params = policy.params()
+        self.num_slots = next_pow2(num_slots)
+        self.slot_len = next_pow2(slot_len, min_bucket)
+        self.min_bucket = min_bucket
+        self.vocab_size = self.config.vocab_size
+        # Committed to the parameters' device, like every later (donated, returned) cache:
+        # an uncommitted first cache would compile each bucket twice.
+        device = jax.tree.leaves(self.params)[0].sharding
+        self.cache: KVCache = jax.device_put(
+            init_kv_cache(self.config, self.num_slots, self.slot_len, jnp.dtype(dtype)), device
+        )
+
+    # ----------------------------------------------------------------- weights
+
+    def load_weights(self, model_path: str | Path) -> None:
+        """Replaces the parameters with those of ``model_path`` (same architecture required)."""
+        policy = load_hf_checkpoint(model_path, runtime=self.runtime)
+        if policy.config != self.config:
+            raise EngineError(
+                f"{model_path}: config.json differs from the served model's; a refit must keep "
+                "the architecture"
+            )
+        new = policy.params()
+        for group, values in new.items():
+            for name, v in values.items():
+                old = self.params[group][name]
+                if v.shape != old.shape or v.dtype != old.dtype:
+                    raise EngineError(f"{model_path}: {group}.{name} {v.shape} != {old.shape}")
+        self.params = new
+
+    # ----------------------------------------------------------------- host API
+
+    @staticmethod
+    def _samp(s: SlotSampling) -> dict[str, np.ndarray]:
+        return {
+            "temperature": s.temperature.astype(np.float32),
+            "top_p": s.top_p.astype(np.float32),
+            "top_k": s.top_k.astype(np.int32),
+            "min_p": s.min_p.astype(np.float32),
+            "banned": s.banned.astype(np.int32),
+            "keys": s.keys.astype(np.uint32),
+            "step": s.step.astype(np.int32),
+        }
+
+    def prefill_bucket(self, length: int) -> int:
+        """The padded prefill length for a ``length``-token prompt."""
+        return next_pow2(length, self.min_bucket)
+
+    def prefill(
+        self, slot: int, prompt: list[int], samp: SlotSampling
+    ) -> tuple[int, float, np.ndarray, jax.Array]:
+        """Writes ``prompt`` into ``slot``'s cache and samples the first output token.
+
+        Returns:
+          (token, its logprob, routes i32[len(prompt), L, K] of the prompt tokens, the device
+          hidden states [S, H] for optional prompt logprobs).
+        """
+        p = len(prompt)
+        s = self.prefill_bucket(p)
+        if s > self.slot_len:
+            raise EngineError(f"prompt of {p} tokens exceeds the slot length {self.slot_len}")
+        tokens = np.zeros((1, s), np.int32)
+        tokens[0, :p] = prompt
+        tok, lp, routes, hidden, self.cache = _prefill(
+            self.params,
+            self.cache,
+            np.int32(slot),
+            tokens,
+            np.int32(p),
+            self._samp(samp),
+            config=self.config,
+            runtime=self.runtime,
+        )
+        tok, lp, routes = jax.device_get((tok, lp, routes))
+        return int(tok), float(lp), np.asarray(routes[:p]), hidden
+
+    def prompt_logprobs(self, hidden: jax.Array, prompt: list[int]) -> np.ndarray:
+        """Prompt logprobs at temperature 1 (SGLang's ``input_token_logprobs``).
+
+        Returns f32[len(prompt)]: entry t is ``log p(prompt[t] | prompt[:t])``; entry 0 has no
+        context and is NaN.
+        """
+        s = hidden.shape[0]
+        targets = np.zeros((s,), np.int32)
+        targets[: len(prompt) - 1] = prompt[1:]
+        lps = np.asarray(
+            jax.device_get(_prompt_logprobs(self.params, hidden, targets, config=self.config))
+        )
+        out = np.full((len(prompt),), np.nan, np.float32)
+        out[1:] = lps[: len(prompt) - 1]
+        return out
+
+    def decode(
+        self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray, samp: SlotSampling
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One decode step of the first ``len(tokens)`` slots (a power of two).
+
+        Args:
+          tokens: i32[b] the input token of each slot (its last sampled token).
+          positions: i32[b] that token's position (0 for free slots).
+          active: i32[b] 1 for live slots.
+          samp: per-slot sampling arrays.
+
+        Returns:
+          (next tokens i32[b], their logprobs f32[b], routes i32[b, L, K] of the input tokens).
+        """
+        attn_len = min(self.slot_len, next_pow2(int(positions.max()) + 1, self.min_bucket))
+        tok, lp, routes, self.cache = _decode(
+            self.params,
+            self.cache,
+            tokens.astype(np.int32),
+            positions.astype(np.int32),
+            active.astype(np.int32),
+            self._samp(samp),
+            config=self.config,
+            runtime=self.runtime,
+            attn_len=attn_len,
+        )
+        tok, lp, routes = jax.device_get((tok, lp, routes))
+        return np.asarray(tok), np.asarray(lp), np.asarray(routes)

@@ -1,0 +1,86 @@
+"""Token sampling for the embedded server: pure, jitted, batched over request slots.
+
+SGLang semantics (``sglang/srt/layers/sampler.py``, ``sampling_params.py``):
+- the returned logprob of a sampled token is ``log_softmax(logits / T)`` over the full
+  vocabulary, taken *before* top-k / top-p / min-p filtering (not renormalised);
+- ``temperature == 0`` is greedy and is normalised on the host to ``T = 1, top_k = 1``, so greedy
+  requests report temperature-1 logprobs;
+- filters act on the sorted, unrenormalised probabilities: keep rank ``< top_k``, keep a token if
+  the mass strictly before it is ``<= top_p``, keep ``p >= min_p * p_max``; the top token always
+  survives; then sample from the kept tokens in proportion to their probabilities.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, UInt32
+
+_NEG_INF = -jnp.inf
+
+
+def _filter_mask(
+    logprobs: Float[Array, "B V"],
+    top_p: Float[Array, " B"],
+    top_k: Int[Array, " B"],
+    min_p: Float[Array, " B"],
+) -> jax.Array:
+    """Bool[B, V]: tokens that survive top-k, top-p and min-p."""
+    b, v = logprobs.shape
+    order = jnp.argsort(-logprobs, axis=-1, stable=True)  # [B, V] token ids by rank
+    sorted_p = jnp.exp(jnp.take_along_axis(logprobs, order, axis=-1))  # [B, V]
+    before = jnp.cumsum(sorted_p, axis=-1) - sorted_p  # mass strictly before each rank
+    rank = jnp.arange(v)[None, :]
+    keep = (rank < top_k[:, None]) & (before <= top_p[:, None])
+    keep &= sorted_p >= min_p[:, None] * sorted_p[:, :1]
+    keep = keep.at[:, 0].set(True)
+    rows = jnp.arange(b)[:, None]
+    return jnp.zeros((b, v), bool).at[rows, order].set(keep)
+
+
+def sample(
+    logits: Float[Array, "B V"],
+    temperature: Float[Array, " B"],
+    top_p: Float[Array, " B"],
+    top_k: Int[Array, " B"],
+    min_p: Float[Array, " B"],
+    banned: Int[Array, "B M"],
+    keys: UInt32[Array, "B 2"],
+) -> tuple[Int[Array, " B"], Float[Array, " B"]]:
+    """Samples one token per row; returns (token ids i32[B], their logprobs f32[B]).
+
+    Args:
+      logits: f32[B, V] next-token logits.
+      temperature: f32[B] (> 0; greedy rows arrive as T = 1, top_k = 1).
+      top_p: f32[B] in (0, 1].
+      top_k: i32[B] (>= V keeps everything).
+      min_p: f32[B] in [0, 1].
+      banned: i32[B, M] token ids whose logits are -inf for this step (``min_new_tokens``
+        suppression of EOS / stop ids, like SGLang's penalizer: it changes the logprobs too);
+        entries ``>= V`` are ignored.
+      keys: u32[B, 2] per-row PRNG keys (already folded with the step).
+    """
+    b, v = logits.shape
+    rows = jnp.arange(b)[:, None]
+    logits = logits.astype(jnp.float32).at[rows, banned].set(_NEG_INF, mode="drop")
+    logprobs = jax.nn.log_softmax(logits / temperature[:, None], axis=-1)  # [B, V] float32
+    needs_filter = jnp.any(top_k < v) | jnp.any(top_p < 1.0) | jnp.any(min_p > 0.0)
+    keep = jax.lax.cond(
+        needs_filter,
+        lambda: _filter_mask(logprobs, top_p, top_k, min_p),
+        lambda: jnp.ones((b, v), bool),
+    )
+    masked = jnp.where(keep, logprobs, _NEG_INF)
+    tokens = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)  # [B]
+    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+
+
+def step_keys(base: UInt32[Array, "B 2"], step: Int[Array, " B"]) -> UInt32[Array, "B 2"]:
+    """Per-row keys for this step: ``fold_in(base_key_of_request, tokens_generated_so_far)``."""
+    return jax.vmap(jax.random.fold_in)(base, step)
+
+
+def token_logprobs(logits: Float[Array, "S V"], targets: Int[Array, " S"]) -> Float[Array, " S"]:
+    """``log_softmax(logits)[s, targets[s]]`` at temperature 1 (SGLang's prompt logprobs)."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]

@@ -1,0 +1,123 @@
+r"""``python -m osworld_jax.rollout.serve``: the embedded SGLang-compatible JAX server.
+
+Flags mirror ``python -m sglang.launch_server`` (those that apply to one JAX process)::
+
+  python -m osworld_jax.rollout.serve --model-path DIR --host 127.0.0.1 --port 30000 \\
+      --enable-return-routed-experts --max-running-requests 16 --weight-version step0
+
+The port opens at once; ``/health`` answers 503 until the model is loaded and a warm-up
+generation has run, then 200. SIGTERM / SIGINT stop it cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from collections.abc import Sequence
+from typing import Any
+
+from aiohttp import web
+
+from osworld_jax.rollout.engine import Engine, EngineConfig
+from osworld_jax.rollout.server import ENGINE_KEY, build_app
+
+log = logging.getLogger("osworld_jax.rollout.serve")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parses the launch flags."""
+    p = argparse.ArgumentParser(prog="python -m osworld_jax.rollout.serve", description=__doc__)
+    p.add_argument("--model-path", required=True, help="HF checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--enable-return-routed-experts", action="store_true")
+    p.add_argument("--max-running-requests", type=int, default=16)
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default="auto")
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument("--expert-backend", default=None, help="dense | ragged | tokamax")
+    p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--min-bucket", type=int, default=16)
+    p.add_argument("--min-decode-batch", type=int, default=1)
+    p.add_argument("--skip-server-warmup", action="store_true", help="accepted for parity")
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The `EngineConfig` of parsed flags (``--dtype auto``: bfloat16 on GPU, else float32)."""
+    import jax
+
+    on_gpu = jax.default_backend() == "gpu"
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+    backend = args.expert_backend or ("tokamax" if on_gpu else "ragged")
+    return EngineConfig(
+        model_path=args.model_path,
+        max_running_requests=args.max_running_requests,
+        context_length=args.context_length,
+        max_total_tokens=args.max_total_tokens,
+        dtype=dtype,
+        expert_backend=backend,
+        weight_version=args.weight_version,
+        enable_return_routed_experts=args.enable_return_routed_experts,
+        seed=args.random_seed,
+        min_bucket=args.min_bucket,
+        min_decode_batch=args.min_decode_batch,
+    )
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Serves until SIGTERM / SIGINT.
+
+    The port opens at once (``/health`` 503); the engine loads and warms up in a worker thread;
+    at a signal the server closes and the engine stops.
+    """
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    app = build_app(None, {k: v for k, v in vars(args).items()})
+    holder = app[ENGINE_KEY]
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    log.info("listening on http://%s:%d (loading %s)", args.host, args.port, args.model_path)
+    load_task = loop.run_in_executor(None, lambda: Engine(engine_config(args)).start())
+    stop_task: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([load_task, stop_task], return_when=asyncio.FIRST_COMPLETED)
+        if load_task.done():
+            try:
+                holder.engine = load_task.result()
+                log.info(
+                    "ready: weight_version=%s slots=%d",
+                    holder.engine.weight_version,
+                    holder.engine.runner.num_slots,
+                )
+            except Exception as e:
+                holder.error = f"engine failed to start: {type(e).__name__}: {e}"
+                log.exception("engine failed to start")
+                raise
+            await stop_task
+    finally:
+        log.info("shutting down")
+        stop_task.cancel()
+        await runner.cleanup()
+        if holder.engine is not None:
+            holder.engine.shutdown()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point."""
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

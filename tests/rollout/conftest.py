@@ -1,0 +1,106 @@
+"""Fixtures of the rollout tests: a tiny checkpoint, one shared in-process engine, HF helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+
+# One engine shape for every in-process test: every test reuses the same compiled buckets
+# (prefill 64, decode 8 slots x 64 or 128 positions).
+ENGINE_KW = dict(
+    max_running_requests=8,
+    context_length=128,
+    min_bucket=64,
+    min_decode_batch=8,
+    enable_return_routed_experts=True,
+    dtype="float32",
+)
+
+
+def make_ckpt(path, seed: int):
+    from osworld_jax.model.tiny import make_tiny_checkpoint
+
+    # initializer_range 0.1: peaked next-token distributions, so greedy outputs of two seeds
+    # differ and logprob comparisons are not between near-uniform values.
+    return make_tiny_checkpoint(path, seed=seed, initializer_range=0.1)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    return make_ckpt(tmp_path_factory.mktemp("tiny0"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_b(tmp_path_factory):
+    return make_ckpt(tmp_path_factory.mktemp("tiny1"), seed=1)
+
+
+def start_engine(path, weight_version: str = "v0"):
+    from osworld_jax.rollout.engine import Engine, EngineConfig
+
+    cfg = EngineConfig(model_path=str(path), weight_version=weight_version, **ENGINE_KW)
+    return Engine(cfg).start()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt):
+    eng = start_engine(tiny_ckpt)
+    yield eng
+    eng.shutdown()
+
+
+@contextlib.asynccontextmanager
+async def serving(engine) -> AsyncIterator[str]:
+    """Serves ``engine`` over HTTP on 127.0.0.1:<free port> for the duration of the block."""
+    from aiohttp import web
+
+    from osworld_jax.rollout.server import build_app
+
+    runner = web.AppRunner(build_app(engine, {"model_path": engine.model_path}))
+    await runner.setup()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    site = web.SockSite(runner, sock)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+
+
+def hf_model(path):
+    from transformers import Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM.from_pretrained(path, dtype="float32").eval()
+
+
+def hf_logits_and_routes(model, ids: list[int]):
+    """(logits f32[S, V], {layer: router logits f32[S, E]}) of the torch reference."""
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.as_tensor([ids]), output_router_logits=True)
+    cfg = model.config
+    moe_layers = [
+        i
+        for i in range(cfg.num_hidden_layers)
+        if i not in (cfg.mlp_only_layers or [])
+        and cfg.num_experts > 0
+        and (i + 1) % cfg.decoder_sparse_step == 0
+    ]
+    assert len(out.router_logits) == len(moe_layers)
+    routers = {
+        layer: r.float().numpy().reshape(len(ids), -1)
+        for layer, r in zip(moe_layers, out.router_logits, strict=True)
+    }
+    return out.logits[0].float().numpy(), routers
+
+
+def log_softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(axis=axis, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=axis, keepdims=True))
