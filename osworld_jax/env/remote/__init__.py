@@ -1,0 +1,32 @@
+"""The ``remote`` sandbox backend: OSWorld desktops in an OpenSandbox-style service (no jax).
+
+Importing this package registers ``"remote"`` in ``osworld_jax.env.BACKENDS``. The fake service
+for tests and load tests lives in ``osworld_jax.env.remote.fake_service`` (imported on demand).
+"""
+
+from osworld_jax.env.remote.api import (
+    RateLimiter,
+    RemoteCreateError,
+    RemoteServiceError,
+    RemoteStepError,
+    SandboxServiceClient,
+)
+from osworld_jax.env.remote.backend import RemoteBackend, RemoteMetrics, RemoteSandbox, SandboxLost
+from osworld_jax.env.remote.config import RemoteBackendConfig
+from osworld_jax.env.remote.tls import CABundleError, check_ca_bundle, pinned_ssl_context
+
+__all__ = [
+    "CABundleError",
+    "RateLimiter",
+    "RemoteBackend",
+    "RemoteBackendConfig",
+    "RemoteCreateError",
+    "RemoteMetrics",
+    "RemoteSandbox",
+    "RemoteServiceError",
+    "RemoteStepError",
+    "SandboxLost",
+    "SandboxServiceClient",
+    "check_ca_bundle",
+    "pinned_ssl_context",
+]

@@ -1,0 +1,425 @@
+"""HTTPS client of an OpenSandbox-style lifecycle API (pinned CA, secret token, backoff).
+
+Routes (relative to ``RemoteBackendConfig.base_url``; OpenSandbox's lifecycle API plus the
+snapshot and fork routes of AgentENV-style services):
+
+| call | route | reply |
+|---|---|---|
+| create | ``POST /sandboxes`` ``{image, timeout, resourceLimits, metadata}`` | ``{id, status}`` |
+| get | ``GET /sandboxes/{id}`` | ``{id, status: {state, reason, message}}`` |
+| list | ``GET /sandboxes?metadata=k%3Dv&page=p`` | ``{items, pagination}`` |
+| delete | ``DELETE /sandboxes/{id}`` | 204 |
+| endpoint | ``GET /sandboxes/{id}/endpoints/{port}`` | ``{endpoint, headers}`` |
+| fork | ``POST /sandboxes/{id}/fork`` ``{count}`` | ``{sandboxes: [{id, status}]}`` |
+| snapshot | ``POST /sandboxes/{id}/snapshots`` | ``{id, status}`` |
+| get snapshot | ``GET /snapshots/{id}`` | ``{id, status: {state}}`` |
+| delete snapshot | ``DELETE /snapshots/{id}`` | 204 |
+
+The create body may carry ``entrypoint`` and ``snapshotId``. A reply of 429, 502, 503 or 504,
+or a dropped connection, is retried with exponential backoff
+(full jitter) that honours ``Retry-After``; a 500 is retried only for idempotent requests (GET,
+DELETE), since a create that failed server-side may still have created something (those are
+found by their metadata tag and deleted at ``aclose``). A refused certificate is never retried.
+The token goes only to the lifecycle API, in ``RemoteBackendConfig.auth_header``; it is never
+logged and any echo of it in a reply is redacted from error messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import logging
+import random
+import ssl
+import time
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+
+from osworld_jax.env.backend import SandboxCreateError, SandboxError, SandboxStepError
+from osworld_jax.env.remote.config import RemoteBackendConfig
+
+__all__ = [
+    "RateLimiter",
+    "RemoteCreateError",
+    "RemoteServiceError",
+    "RemoteStepError",
+    "SandboxServiceClient",
+    "Secret",
+]
+
+_log = logging.getLogger("osworld_jax.env.remote")
+
+RETRY_STATUSES = frozenset({429, 502, 503, 504})
+IDEMPOTENT = frozenset({"GET", "DELETE", "HEAD"})
+
+
+class RemoteServiceError(SandboxError):
+    """The sandbox service failed a request.
+
+    Attributes:
+      status: the HTTP status, or None when no reply came (connection, TLS).
+      tls: True when the service's certificate was refused (never retried).
+    """
+
+    def __init__(self, message: str, *, status: int | None = None, tls: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.tls = tls
+
+
+class RemoteCreateError(RemoteServiceError, SandboxCreateError):
+    """Creating, booting, forking or snapshotting a remote sandbox failed."""
+
+
+class RemoteStepError(RemoteServiceError, SandboxStepError):
+    """A lifecycle request made while running an episode failed."""
+
+
+class Secret:
+    """Holds a secret string; its ``repr``/``str`` never show it."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        """The secret itself (only for the request header)."""
+        return self._value
+
+    def redact(self, text: str) -> str:
+        """``text`` with every occurrence of the secret replaced by ``***``."""
+        return text.replace(self._value, "***") if self._value else text
+
+    def __repr__(self) -> str:
+        return "Secret(***)"
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a Secret cannot be pickled")
+
+
+class RateLimiter:
+    """A token bucket: ``burst`` acquisitions at once, then ``rate`` per second (FIFO).
+
+    Attributes:
+      rate: tokens per second.
+      burst: bucket size.
+      waited_s: total time callers spent waiting (for metrics).
+    """
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate = float(rate)
+        self.burst = int(burst)
+        self.waited_s = 0.0
+        self._tokens = float(burst)
+        self._stamp = time.monotonic()
+        self._lock = asyncio.Lock()
+
+    async def acquire(self, n: int = 1) -> None:
+        """Takes ``n`` tokens, waiting for refills as needed."""
+        async with self._lock:
+            for _ in range(n):
+                while True:
+                    now = time.monotonic()
+                    self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
+                    self._stamp = now
+                    if self._tokens >= 1.0:
+                        self._tokens -= 1.0
+                        break
+                    wait = (1.0 - self._tokens) / self.rate
+                    self.waited_s += wait
+                    await asyncio.sleep(wait)
+
+
+def retry_after_s(value: str | None) -> float | None:
+    """Seconds from a ``Retry-After`` header (delta-seconds or HTTP date), None if absent/bad."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def _snippet(body: bytes, limit: int = 300) -> str:
+    text = body[:limit].decode("utf-8", "replace").strip().replace("\n", " ")
+    return text + ("..." if len(body) > limit else "")
+
+
+class SandboxServiceClient:
+    """Async lifecycle-API client (see the module docstring).
+
+    Attributes:
+      config: the backend config.
+      retries: retried requests per cause (``"429"``, ``"503"``, ``"connection"``, ...).
+    """
+
+    def __init__(
+        self,
+        config: RemoteBackendConfig,
+        token: Secret,
+        *,
+        ssl_context: ssl.SSLContext,
+        connector: aiohttp.BaseConnector,
+    ) -> None:
+        self.config = config
+        self.retries: dict[str, int] = {}
+        self._token = token
+        self._ssl = ssl_context
+        self._base = config.base_url.rstrip("/")
+        self._session = aiohttp.ClientSession(connector=connector, connector_owner=False)
+        self._rng = random.Random()
+
+    def __repr__(self) -> str:
+        return f"SandboxServiceClient(base_url={self._base!r}, token={self._token!r})"
+
+    def redact(self, text: str) -> str:
+        """``text`` with the token removed."""
+        return self._token.redact(text)
+
+    def _headers(self) -> dict[str, str]:
+        value = self._token.reveal()
+        if self.config.auth_header.lower() == "authorization":
+            value = f"Bearer {value}"
+        return {self.config.auth_header: value, "Accept": "application/json"}
+
+    def _backoff(self, attempt: int, hint: float | None) -> float:
+        cfg = self.config
+        if hint is not None:
+            return min(hint, cfg.backoff_max_s)
+        cap = min(cfg.backoff_max_s, cfg.backoff_initial_s * 2**attempt)
+        return cap * (0.5 + 0.5 * self._rng.random())
+
+    async def call(
+        self,
+        method: str,
+        path: str,
+        *,
+        error: type[RemoteServiceError],
+        body: Mapping[str, Any] | None = None,
+        ok: tuple[int, ...] = (200, 201, 202, 204),
+        retry_500: bool | None = None,
+    ) -> tuple[int, Any]:
+        """Sends one request with retries; returns (status, parsed JSON or None).
+
+        Args:
+          method: HTTP method.
+          path: route below ``base_url`` (starting with ``/``).
+          error: the error class raised on failure (create vs step context).
+          body: JSON body.
+          ok: statuses that count as success (their reply is returned, not raised).
+          retry_500: retry a 500 too (default: only for idempotent methods).
+
+        Raises:
+          error: a non-retryable status, retries exhausted, or a refused certificate. The message
+            names the request, never the token.
+        """
+        cfg = self.config
+        where = f"{method} {self._base}{path}"
+        retry_500 = method in IDEMPOTENT if retry_500 is None else retry_500
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=cfg.request_timeout_s, sock_read=cfg.request_timeout_s
+        )
+        attempt = 0
+        while True:
+            cause: str
+            hint: float | None = None
+            try:
+                async with self._session.request(
+                    method,
+                    self._base + path,
+                    json=body,
+                    headers=self._headers(),
+                    ssl=self._ssl,
+                    timeout=timeout,
+                ) as resp:
+                    raw = await resp.read()
+                    status = resp.status
+                    if status in ok:
+                        return status, _parse(raw, where, error, self._token)
+                    detail = self.redact(_snippet(raw))
+                    if status in RETRY_STATUSES or (status >= 500 and retry_500):
+                        cause = str(status)
+                        hint = retry_after_s(resp.headers.get("Retry-After"))
+                        if attempt >= cfg.max_retries:
+                            raise error(
+                                f"{where}: HTTP {status} after {attempt + 1} attempts: {detail}",
+                                status=status,
+                            )
+                    else:
+                        raise error(f"{where}: HTTP {status}: {detail}", status=status)
+            except aiohttp.ClientConnectorCertificateError as e:
+                raise error(
+                    f"{where}: the service's certificate is refused (not signed by the pinned "
+                    f"CA {cfg.ca_bundle}): {e.certificate_error}",
+                    tls=True,
+                ) from None
+            except aiohttp.ClientSSLError as e:
+                raise error(f"{where}: TLS failed: {self.redact(str(e))}", tls=True) from None
+            except (aiohttp.ClientConnectionError, aiohttp.ServerTimeoutError, TimeoutError) as e:
+                cause = "connection"
+                if attempt >= cfg.max_retries:
+                    raise error(
+                        f"{where}: no reply after {attempt + 1} attempts: "
+                        f"{type(e).__name__}: {self.redact(str(e))}"
+                    ) from None
+            self.retries[cause] = self.retries.get(cause, 0) + 1
+            delay = self._backoff(attempt, hint)
+            _log.info("remote: %s -> %s, retry %d in %.2f s", where, cause, attempt + 1, delay)
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    # -- typed helpers ------------------------------------------------------------------------
+
+    async def create(
+        self, *, metadata: Mapping[str, str], snapshot_id: str | None = None
+    ) -> dict[str, Any]:
+        """``POST /sandboxes``; returns the reply (``id``, ``status``)."""
+        cfg = self.config
+        body: dict[str, Any] = {
+            "image": {"uri": cfg.image},
+            "timeout": cfg.sandbox_ttl_s,
+            "resourceLimits": dict(cfg.resource_limits),
+            "metadata": dict(metadata),
+        }
+        if cfg.entrypoint:
+            body["entrypoint"] = list(cfg.entrypoint)
+        if snapshot_id is not None:
+            body["snapshotId"] = snapshot_id
+        _, reply = await self.call("POST", "/sandboxes", body=body, error=RemoteCreateError)
+        return _with_id(reply, "POST /sandboxes")
+
+    async def get(self, sandbox_id: str, *, error: type[RemoteServiceError]) -> dict | None:
+        """``GET /sandboxes/{id}``; None when the service answers 404 (the sandbox is gone)."""
+        status, reply = await self.call(
+            "GET", f"/sandboxes/{quote(sandbox_id)}", error=error, ok=(200, 404)
+        )
+        return None if status == 404 else _with_id(reply, "GET /sandboxes/{id}")
+
+    async def delete(self, sandbox_id: str) -> None:
+        """``DELETE /sandboxes/{id}`` (404 = already gone)."""
+        await self.call(
+            "DELETE",
+            f"/sandboxes/{quote(sandbox_id)}",
+            error=RemoteServiceError,
+            ok=(200, 202, 204, 404),
+        )
+
+    async def list_ids(self, metadata: Mapping[str, str], *, max_pages: int = 1000) -> list[str]:
+        """Ids of the sandboxes whose metadata matches (``GET /sandboxes?metadata=...``)."""
+        query = quote("&".join(f"{k}={v}" for k, v in metadata.items()), safe="")
+        ids: list[str] = []
+        for page in range(1, max_pages + 1):
+            _, reply = await self.call(
+                "GET",
+                f"/sandboxes?metadata={query}&page={page}&pageSize=100",
+                error=RemoteServiceError,
+            )
+            items = reply.get("items", []) if isinstance(reply, dict) else []
+            ids += [str(it["id"]) for it in items if isinstance(it, dict) and "id" in it]
+            pagination = reply.get("pagination", {}) if isinstance(reply, dict) else {}
+            if not pagination.get("hasNextPage"):
+                break
+        return ids
+
+    async def endpoint(self, sandbox_id: str, port: int) -> tuple[str, dict[str, str]]:
+        """``GET /sandboxes/{id}/endpoints/{port}`` -> (https URL, headers to send)."""
+        _, reply = await self.call(
+            "GET", f"/sandboxes/{quote(sandbox_id)}/endpoints/{port}", error=RemoteCreateError
+        )
+        if not isinstance(reply, dict) or not isinstance(reply.get("endpoint"), str):
+            raise RemoteCreateError(f"endpoint of {sandbox_id}: malformed reply {reply!r:.200}")
+        url = reply["endpoint"]
+        if url.startswith("http://"):
+            raise RemoteCreateError(
+                f"endpoint of {sandbox_id}: the service offers plain http ({url}); only https "
+                "with the pinned CA is allowed"
+            )
+        if not url.startswith("https://"):
+            url = "https://" + url
+        headers = reply.get("headers") or {}
+        return url.rstrip("/"), {str(k): str(v) for k, v in headers.items()}
+
+    async def fork(self, sandbox_id: str, count: int) -> tuple[int, list[str]]:
+        """``POST /sandboxes/{id}/fork {"count": n}`` -> (status, new ids).
+
+        A 404/405/501 reply is returned as (status, []) so the caller can tell "no fork here"
+        from a lost source sandbox.
+        """
+        status, reply = await self.call(
+            "POST",
+            f"/sandboxes/{quote(sandbox_id)}/fork",
+            body={"count": count},
+            error=RemoteCreateError,
+            ok=(200, 201, 202, 404, 405, 501),
+        )
+        if status in (404, 405, 501):
+            return status, []
+        items = reply.get("sandboxes", reply.get("items")) if isinstance(reply, dict) else reply
+        if not isinstance(items, list):
+            raise RemoteCreateError(f"fork of {sandbox_id}: malformed reply {reply!r:.200}")
+        return status, [_with_id(it, "fork")["id"] for it in items]
+
+    async def snapshot(self, sandbox_id: str) -> str:
+        """``POST /sandboxes/{id}/snapshots`` -> snapshot id."""
+        _, reply = await self.call(
+            "POST", f"/sandboxes/{quote(sandbox_id)}/snapshots", body={}, error=RemoteCreateError
+        )
+        return str(_with_id(reply, "POST /sandboxes/{id}/snapshots")["id"])
+
+    async def get_snapshot(self, snapshot_id: str) -> dict[str, Any]:
+        """``GET /snapshots/{id}``."""
+        _, reply = await self.call(
+            "GET", f"/snapshots/{quote(snapshot_id)}", error=RemoteCreateError
+        )
+        return _with_id(reply, "GET /snapshots/{id}")
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        """``DELETE /snapshots/{id}`` (404 = already gone)."""
+        await self.call(
+            "DELETE",
+            f"/snapshots/{quote(snapshot_id)}",
+            error=RemoteServiceError,
+            ok=(200, 202, 204, 404),
+        )
+
+    async def aclose(self) -> None:
+        """Closes the session (the shared connector stays with its owner)."""
+        await self._session.close()
+
+
+def _parse(raw: bytes, where: str, error: type[RemoteServiceError], token: Secret) -> Any:
+    if not raw.strip():
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise error(f"{where}: reply is not JSON: {token.redact(_snippet(raw))}") from None
+
+
+def _with_id(reply: Any, what: str) -> dict[str, Any]:
+    if not isinstance(reply, dict) or not isinstance(reply.get("id"), str | int):
+        raise RemoteCreateError(f"{what}: reply has no sandbox id: {reply!r:.200}")
+    return {**reply, "id": str(reply["id"])}
+
+
+def state_of(reply: Mapping[str, Any]) -> tuple[str, str]:
+    """(state, reason/message) of a sandbox or snapshot reply; state "" when absent."""
+    status = reply.get("status")
+    if isinstance(status, Mapping):
+        state = str(status.get("state", ""))
+        why = str(status.get("message") or status.get("reason") or "")
+        return state, why
+    return (str(status) if status is not None else "", "")
