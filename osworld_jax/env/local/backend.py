@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import shlex
 import shutil
@@ -53,6 +54,8 @@ if TYPE_CHECKING:
     from osworld_jax.env.tasks import Task
 
 __all__ = ["LocalBackend", "LocalBackendConfig", "LocalSandbox"]
+
+_log = logging.getLogger(__name__)
 
 PYAUTOGUI_PREFIX = "import pyautogui; import time; pyautogui.FAILSAFE = False; "
 
@@ -111,6 +114,10 @@ class LocalBackendConfig:
         then cannot read root-only host files); ignored when not root.
       extra_ro_binds: further host paths mounted read-only at the same place in each jail
         (e.g. an app installed under ``/opt``).
+      warm_pool: how many idle desktops (jail, Xvfb, window manager, server; empty home) to
+        keep started ahead of need. ``create`` and ``fork`` take one when available (a fork's
+        files are then copied into its home) and the pool refills in the background. Idle pool
+        desktops are not sandboxes: ``inventory`` does not list them; ``aclose`` stops them.
       fork_rerun_step_types: the setup step types a fork re-runs on its copied filesystem.
     """
 
@@ -130,6 +137,7 @@ class LocalBackendConfig:
     cache_dir: str | None = None
     host_uid: int = 65534
     extra_ro_binds: tuple[str, ...] = ()
+    warm_pool: int = 0
     fork_rerun_step_types: tuple[str, ...] = (
         "launch",
         "open",
@@ -147,6 +155,8 @@ class LocalBackendConfig:
         for name in ("start_timeout_s", "rpc_timeout_s", "step_timeout_s", "open_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"LocalBackendConfig.{name} must be > 0")
+        if self.warm_pool < 0:
+            raise ValueError(f"LocalBackendConfig.warm_pool must be >= 0, got {self.warm_pool}")
 
 
 class LocalSandbox(Sandbox):
@@ -253,6 +263,8 @@ class LocalBackend(SandboxBackend):
         self._shared: Path | None = None
         self._live: dict[str, LocalSandbox] = {}
         self._desktops: dict[str, LocalDesktop] = {}
+        self._pool: list[LocalDesktop] = []
+        self._pool_tasks: set[asyncio.Task[None]] = set()
 
     # -- capabilities and preflight ---------------------------------------------------------
 
@@ -363,7 +375,29 @@ class LocalBackend(SandboxBackend):
             self._shared = shared
         return self._root, self._shared
 
-    async def _start_desktop(self, populate: Path | None = None) -> LocalDesktop:
+    async def _start_desktop(
+        self, populate: Path | None = None, *, pooled: bool = False
+    ) -> LocalDesktop:
+        """A desktop for a sandbox: from the warm pool when one is idle, else started now.
+
+        ``populate``: a snapshot directory (home/, tmp/, work/) whose files the desktop gets.
+        ``pooled``: start one for the pool (not listed by ``inventory``).
+        """
+        if not pooled and self._pool:
+            desktop = self._pool.pop()
+            self._top_up_pool()
+            self._desktops[desktop.id] = desktop
+            try:
+                if populate is not None:
+                    for sub in ("home", "tmp", "work"):
+                        if (populate / sub).exists():
+                            await _copy_tree(populate / sub, desktop.dir / sub, contents=True)
+            except BaseException:
+                await self._discard(desktop)
+                raise
+            return desktop
+        if not pooled:
+            self._top_up_pool()
         root, shared = self._ensure_dirs()
         sid = f"local-{uuid.uuid4().hex[:12]}"
         sdir = root / sid
@@ -377,7 +411,8 @@ class LocalBackend(SandboxBackend):
                     os.chown(sdir / sub, self._host_uid, self._host_uid)
         (sdir / "work").mkdir(exist_ok=True)
         desktop = LocalDesktop(sid, sdir, on_close=self._forget)
-        self._desktops[sid] = desktop
+        if not pooled:
+            self._desktops[sid] = desktop
         cfg = self.config
         argv = build_jail_argv(
             sandbox_dir=sdir,
@@ -404,6 +439,33 @@ class LocalBackend(SandboxBackend):
 
     async def _discard(self, desktop: LocalDesktop) -> None:
         await asyncio.shield(desktop.close())
+
+    # -- warm pool --------------------------------------------------------------------------
+
+    def _top_up_pool(self) -> None:
+        """Starts background desktop launches until the pool (idle + starting) is full."""
+        while len(self._pool) + len(self._pool_tasks) < self.config.warm_pool:
+            task = asyncio.get_running_loop().create_task(self._fill_one())
+            self._pool_tasks.add(task)
+            task.add_done_callback(self._pool_tasks.discard)
+
+    async def _fill_one(self) -> None:
+        try:
+            desktop = await self._start_desktop(pooled=True)
+        except Exception as e:  # noqa: BLE001 - a failed warm start only means a cold start later
+            _log.warning("local backend: warm pool desktop failed to start: %s", e)
+            return
+        self._pool.append(desktop)
+
+    async def warm_up(self) -> None:
+        """Fills the warm pool (``LocalBackendConfig.warm_pool`` desktops) and waits for it."""
+        self._top_up_pool()
+        await self.wait_pool_full()
+
+    async def wait_pool_full(self) -> None:
+        """Waits until every pool launch in flight has finished."""
+        while self._pool_tasks:
+            await asyncio.gather(*list(self._pool_tasks), return_exceptions=True)
 
     async def start_desktop(self) -> LocalDesktop:
         """A bare jailed desktop with no task (tests, benchmarks); close it with ``close()``.
@@ -507,10 +569,14 @@ class LocalBackend(SandboxBackend):
         return sorted(self._desktops)
 
     async def aclose(self) -> None:
-        """Closes every live sandbox and removes the backend's temporary root."""
-        for desktop in list(self._desktops.values()):
+        """Closes every live sandbox and pool desktop and removes the temporary root."""
+        for task in list(self._pool_tasks):
+            task.cancel()
+        await asyncio.gather(*list(self._pool_tasks), return_exceptions=True)
+        for desktop in [*self._desktops.values(), *self._pool]:
             with contextlib.suppress(Exception):
                 await desktop.close()
+        self._pool.clear()
         if self._root is not None and self._shared is not None:
             await asyncio.to_thread(shutil.rmtree, self._shared, True)
             self._shared = None
@@ -530,13 +596,16 @@ def _untraversable_ancestor(path: Path, uid: int | None) -> Path | None:
     return None
 
 
-async def _copy_tree(src: Path, dst: Path) -> None:
-    """``cp -a`` (ownership, modes, timestamps, symlinks kept; reflinks where the FS has them)."""
+async def _copy_tree(src: Path, dst: Path, *, contents: bool = False) -> None:
+    """``cp -a`` (ownership, modes, timestamps, symlinks kept; reflinks where the FS has them).
+
+    ``contents``: copy what ``src`` holds into the existing directory ``dst``.
+    """
     proc = await asyncio.create_subprocess_exec(
         "cp",
         "-a",
         "--reflink=auto",
-        str(src),
+        f"{src}/." if contents else str(src),
         str(dst),
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,

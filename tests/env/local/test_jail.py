@@ -225,3 +225,24 @@ def test_screen_is_a_1920x1080_png(runner, desktop):
     assert Image.open(io.BytesIO(png)).size == (1920, 1080)
     assert runner.run(desktop.client.screen_size()) == (1920, 1080)
     assert asyncio.iscoroutinefunction(desktop.close)
+
+
+def test_pyautogui_shim_drives_the_pointer(runner, desktop):
+    code = textwrap.dedent(
+        """
+        import pyautogui
+        pyautogui.moveTo(400, 300)
+        pyautogui.moveTo(400, 300)  # already there: must not block
+        pyautogui.click(410, 320)
+        pyautogui.doubleClick()
+        pyautogui.dragTo(500, 510, duration=0.05)
+        pyautogui.scroll(-3)
+        pyautogui.hotkey('ctrl', 'shift')
+        print(tuple(pyautogui.position()), tuple(pyautogui.size()))
+        """
+    )
+    t0 = time.monotonic()
+    res = runner.run(desktop.client.execute(["python", "-c", code]))
+    assert time.monotonic() - t0 < 5.0
+    assert res["returncode"] == 0, res
+    assert res["output"].strip() == "(500, 510) (1920, 1080)"

@@ -126,6 +126,8 @@ class FailSafeException(Exception):
     """Raised for API compatibility; the sandbox never triggers the fail-safe."""
 
 
+# Never use ``mousemove --sync``: it blocks (about 15 s) when the pointer is already there. The
+# X server handles the requests of successive xdotool runs in order, so no sync is needed.
 def _xdo(*args: str) -> str:
     res = subprocess.run(["xdotool", *args], capture_output=True, text=True, check=False)
     if res.returncode != 0:
@@ -184,7 +186,7 @@ def _move(xy, duration=0.0) -> None:
     if xy is not None:
         if duration and duration >= MINIMUM_DURATION:
             time.sleep(duration)
-        _xdo("mousemove", "--sync", str(xy[0]), str(xy[1]))
+        _xdo("mousemove", str(xy[0]), str(xy[1]))
 
 
 def moveTo(x=None, y=None, duration=0.0, tween=None, logScreenshot=False, _pause=True):  # noqa: N802,N803
@@ -309,7 +311,7 @@ def dragTo(
         for i in range(1, steps + 1):
             px = cur.x + (target[0] - cur.x) * i // steps
             py = cur.y + (target[1] - cur.y) * i // steps
-            _xdo("mousemove", "--sync", str(px), str(py))
+            _xdo("mousemove", str(px), str(py))
             if duration:
                 time.sleep(float(duration) / steps)
     if mouseDownUp:
