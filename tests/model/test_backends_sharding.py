@@ -67,6 +67,7 @@ def test_dense_and_ragged_backends_agree_fwd_and_grad():
     assert float(jnp.linalg.norm(dense[1]["moe"]["gate"])) > 0
 
 
+@pytest.mark.slow
 def test_scan_layers_and_remat_agree_with_unrolled():
     params, batch = tiny_policy().params(), _batch(1)
     base = _loss_fn(TINY_RT)(params, *batch)
@@ -91,6 +92,7 @@ def test_tokamax_backend_is_registered_and_imported_lazily():
             )
 
 
+@pytest.mark.slow
 def test_sharded_8_devices_equals_one_device():
     assert len(jax.devices()) == 8
     mesh = make_mesh(fsdp=2, expert=2, tensor=2)

@@ -110,7 +110,7 @@ def test_return_logits_false_gives_hidden_for_unembed():
     policy = _policy()
     ids = jnp.asarray(np.random.RandomState(3).randint(0, 64, (2, 6)), jnp.int32)
     full = jforward(policy, ids)
-    slim = jforward(policy, ids, return_logits=False)
+    slim = policy(ids, return_logits=False)  # the eager Policy.__call__ path
     assert slim.logits is None
     chex.assert_shape(policy.unembed(), (32, 64))
     np.testing.assert_allclose(slim.hidden @ policy.unembed(), full.logits, rtol=1e-5, atol=1e-5)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from osworld_jax.model import load_hf_checkpoint
-from tests.model.conftest import build_hf_model, hf_forward, rel_err
+from tests.model.conftest import build_hf_model, hf_forward, jforward, rel_err
 
 
 def _ids(b=3, s=24, v=96, seed=0):
@@ -25,7 +25,7 @@ def test_logits_and_routes_match_hf(hf_tiny):
     policy = load_hf_checkpoint(path, dtype=jnp.float32)
     ids = _ids()
     ref_logits, ref_router, ref_aux = hf_forward(model, ids)
-    out = policy(jnp.asarray(ids))
+    out = jforward(policy, jnp.asarray(ids))
     chex.assert_shape(out.logits, (3, 24, 96))
     chex.assert_type(out.logits, jnp.float32)
     err = rel_err(out.logits, ref_logits)
@@ -57,10 +57,11 @@ def test_packed_positions_match_hf_position_ids(hf_tiny):
     ids = _ids(2, 16, seed=1)
     pos = np.broadcast_to(np.arange(7, 23), (2, 16)).astype(np.int32)
     ref, _, _ = hf_forward(model, ids, position_ids=torch.as_tensor(pos, dtype=torch.long))
-    out = policy(jnp.asarray(ids), positions=jnp.asarray(pos))
+    out = jforward(policy, jnp.asarray(ids), positions=jnp.asarray(pos))
     assert rel_err(out.logits, ref) < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "rope",
     [
@@ -91,7 +92,7 @@ def test_rope_scaling_and_tied_embeddings_match_hf(tmp_path, rope):
     assert policy.config.tie_word_embeddings
     ids = _ids(2, 40, seed=2)
     ref, _, _ = hf_forward(model, ids)
-    assert rel_err(policy(jnp.asarray(ids)).logits, ref) < 1e-4
+    assert rel_err(jforward(policy, jnp.asarray(ids)).logits, ref) < 1e-4
 
 
 def test_bfloat16_precision_policy(hf_tiny):
@@ -102,7 +103,7 @@ def test_bfloat16_precision_policy(hf_tiny):
     assert p16.runtime.dtype == "bfloat16"
     assert p16.params()["attn"]["q_proj"].dtype == jnp.bfloat16
     ids = jnp.asarray(_ids())
-    o16, o32 = p16(ids), p32(ids)
+    o16, o32 = jforward(p16, ids), jforward(p32, ids)
     chex.assert_type(o16.logits, jnp.float32)
     chex.assert_type(o16.hidden, jnp.bfloat16)
     assert rel_err(o16.logits, o32.logits) < 5e-2

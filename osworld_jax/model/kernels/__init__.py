@@ -1,0 +1,18 @@
+"""Hand-written accelerator kernels behind the model's backend switches.
+
+- `gmm`: grouped (per-expert) matmuls over a tile-aligned permutation of the routed rows, as
+  Pallas kernels (Triton lowering on GPU, interpret mode on CPU), with dx and dw kernels under
+  one ``custom_vjp``; `gmm_experts` is the ``"pallas_gmm"`` expert backend.
+"""
+
+from osworld_jax.model.kernels.gmm import (
+    GmmConfig,
+    TilePlan,
+    combine,
+    dispatch,
+    gmm,
+    gmm_experts,
+    tile_plan,
+)
+
+__all__ = ["GmmConfig", "TilePlan", "combine", "dispatch", "gmm", "gmm_experts", "tile_plan"]
