@@ -48,6 +48,7 @@ from osworld_jax.env.backend import (
     SandboxTimeout,
 )
 from osworld_jax.env.local.desktop import LocalDesktop, build_jail_argv, prepare_shared_dir
+from osworld_jax.env.vm_client import VMClient
 
 if TYPE_CHECKING:
     from osworld_jax.env.actions import Action
@@ -101,7 +102,8 @@ class LocalBackendConfig:
       window_manager: the window manager command run inside each desktop.
       start_timeout_s: deadline for a desktop to start (Xvfb, window manager, server).
       rpc_timeout_s: default deadline of one in-VM server request.
-      step_timeout_s: deadline of one action's execution.
+      step_timeout_s: deadline of one command in the desktop (an action's code, an ``execute``
+        step): past it the command is killed and reported as a result (returncode -9).
       open_timeout_s: how long ``open`` setup steps wait for the file's window.
       settle_s: pause after an action before observing (lets the screen repaint).
       wait_action_s: how long a WAIT action pauses.
@@ -127,7 +129,7 @@ class LocalBackendConfig:
     window_manager: str = "openbox --sm-disable"
     start_timeout_s: float = 30.0
     rpc_timeout_s: float = 120.0
-    step_timeout_s: float = 60.0
+    step_timeout_s: float = 120.0
     open_timeout_s: float = 30.0
     settle_s: float = 0.1
     wait_action_s: float = 1.0
@@ -176,7 +178,7 @@ class LocalSandbox(Sandbox):
         self._cfg = backend.config
 
     @property
-    def vm(self):  # noqa: ANN201 - VMClient
+    def vm(self) -> VMClient:
         """The desktop's in-VM protocol client."""
         return self.desktop.client
 
@@ -208,8 +210,10 @@ class LocalSandbox(Sandbox):
 
     async def run_code(self, code: str) -> dict[str, Any]:
         """Runs pyautogui/python code in the jail; returns the ``/execute`` reply."""
+        # The server stops the code at step_timeout_s (a result, returncode -9); the request
+        # deadline is later so that only an unresponsive sandbox raises SandboxTimeout.
         return await self.desktop.client.execute(
-            ["python3", "-c", PYAUTOGUI_PREFIX + code], timeout=self._cfg.step_timeout_s
+            ["python3", "-c", PYAUTOGUI_PREFIX + code], timeout=self._cfg.step_timeout_s + 15.0
         )
 
     async def step(self, action: Action) -> Observation:
@@ -423,6 +427,7 @@ class LocalBackend(SandboxBackend):
             window_manager=cfg.window_manager,
             open_timeout_s=cfg.open_timeout_s,
             start_timeout_s=cfg.start_timeout_s,
+            exec_timeout_s=cfg.step_timeout_s,
             extra_ro_binds=cfg.extra_ro_binds,
         )
         try:

@@ -95,6 +95,7 @@ def build_jail_argv(
     window_manager: str,
     open_timeout_s: float,
     start_timeout_s: float,
+    exec_timeout_s: float = 120.0,
     extra_ro_binds: tuple[str, ...] = (),
 ) -> list[str]:
     """The ``bwrap`` command line that starts one desktop (see the module docstring)."""
@@ -148,6 +149,7 @@ def build_jail_argv(
     argv += ["--width", str(width), "--height", str(height), "--wm", window_manager]
     argv += ["--openers", json.dumps([list(o) for o in openers])]
     argv += ["--open-timeout", f"{open_timeout_s:g}", "--start-timeout", f"{start_timeout_s:g}"]
+    argv += ["--exec-timeout", f"{exec_timeout_s:g}"]
     argv += ["--logdir", "/var/log/osworld"]
     return argv
 

@@ -16,9 +16,10 @@ Routes (request and reply shapes as upstream OSWorld's ``desktop_env/server/main
 ``GET /platform``.
 
 Differences from upstream, on purpose: a command that cannot be started (missing binary, no
-permission) is a deterministic result (HTTP 200, ``returncode`` 127/126), not a 500, so that 5xx
-keeps meaning "transient, retry"; the screenshot does not paint the cursor; the a11y tree of a
-huge spreadsheet table is limited to its first 200 x 60 cells that are showing.
+permission) or that runs past ``--exec-timeout`` is a deterministic result (HTTP 200,
+``returncode`` 127/126/-9), not a 500, so that 5xx keeps meaning "transient, retry"; the
+screenshot does not paint the cursor; the a11y tree of a huge spreadsheet table is limited to its
+first 200 x 60 cells that are showing.
 """
 
 from __future__ import annotations
@@ -168,11 +169,13 @@ def _expand(command):
     ]
 
 
-def run_command(command, shell: bool, timeout: float = EXEC_TIMEOUT_S) -> dict:
+def run_command(command, shell: bool, timeout: float | None = None) -> dict:
     """Runs a command to completion; a failure to start is a result, not an exception."""
     if isinstance(command, str) and not shell:
         command = shlex.split(command)
     command = _expand(command)
+    if timeout is None:
+        timeout = _STATE.get("exec_timeout", EXEC_TIMEOUT_S)
     try:
         result = subprocess.run(
             command,
@@ -736,6 +739,7 @@ def main(argv=None) -> int:
     p.add_argument("--openers", default="[]", help="JSON list of [suffix, command]")
     p.add_argument("--open-timeout", type=float, default=30.0)
     p.add_argument("--start-timeout", type=float, default=20.0)
+    p.add_argument("--exec-timeout", type=float, default=EXEC_TIMEOUT_S)
     p.add_argument("--logdir", default="/tmp")
     args = p.parse_args(argv)
 
@@ -744,6 +748,7 @@ def main(argv=None) -> int:
         logdir=args.logdir,
         openers=[(s.lower(), c) for s, c in json.loads(args.openers)],
         open_timeout=args.open_timeout,
+        exec_timeout=args.exec_timeout,
     )
     os.makedirs(args.logdir, exist_ok=True)
     os.environ["DISPLAY"] = args.display

@@ -145,3 +145,58 @@ def test_failed_setup_leaves_nothing(runner, backend: LocalBackend):
     with pytest.raises(SandboxCreateError):
         runner.run(backend.create(bad))
     assert backend.inventory() == before
+
+
+def test_warm_pool_serves_create_and_fork(runner):
+    from osworld_jax.env.local import LocalBackendConfig
+
+    b = LocalBackend(LocalBackendConfig(warm_pool=2))
+    pooled_ns: list = []
+    try:
+        runner.run(b.warm_up())
+        assert b.inventory() == []  # idle pool desktops are not sandboxes
+        pooled = list(b._pool)
+        assert len(pooled) == 2
+        pooled_ns = [d.pid_ns for d in pooled]
+        src = runner.run(b.create(load_task({**TASK, "id": "local-test-pool"})))
+        assert src.desktop in pooled  # taken from the pool
+        runner.run(src.vm.execute(["bash", "-c", "echo pooled > ~/marker.txt"]))
+        idle = list(b._pool)
+        assert idle
+        (fork,) = runner.run(b.fork(src, 1))
+        assert fork.desktop in idle
+        assert runner.run(fork.vm.file("~/marker.txt")) == b"pooled\n"
+        assert runner.run(fork.vm.file(NOTE)) == b"draft\n"
+        assert "note.txt" in windows(runner, fork)
+        assert sorted(b.inventory()) == sorted([src.id, fork.id])
+        runner.run(b.wait_pool_full())
+        assert len(b._pool) == 2  # refilled in the background
+        pooled_ns += [d.pid_ns for d in (*b._pool, *idle)]
+        runner.run(fork.close())
+        runner.run(src.close())
+        assert b.inventory() == []
+    finally:
+        runner.run(b.aclose())
+    assert b._pool == []
+    for ns in pooled_ns:
+        assert ns is not None and pid_namespace_members(ns) == []
+
+
+def test_an_action_that_hangs_is_stopped_as_data(runner):
+    """Model code that never returns is killed at step_timeout_s; the sandbox stays usable."""
+    import time
+
+    from osworld_jax.env.local import LocalBackendConfig
+
+    b = LocalBackend(LocalBackendConfig(step_timeout_s=1.0, observe_a11y=False))
+    try:
+        sb = runner.run(b.create(load_task({**TASK, "id": "local-test-hang", "config": []})))
+        res = runner.run(sb.run_code("time.sleep(30)"))
+        assert res["returncode"] == -9 and "timed out" in res["error"]
+        t0 = time.monotonic()
+        obs = runner.run(sb.step(parse_action("```python\ntime.sleep(30)\n```")))
+        assert time.monotonic() - t0 < 10 and obs.screenshot is not None
+        runner.run(sb.close())
+    finally:
+        runner.run(b.aclose())
+    assert b.inventory() == []
