@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import logging
 import signal
 from collections.abc import Sequence
@@ -48,12 +49,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The `EngineConfig` of parsed flags (``--dtype auto``: bfloat16 on GPU, else float32)."""
+    """The `EngineConfig` of parsed flags.
+
+    ``--dtype auto``: bfloat16 on GPU, else float32. The expert backend defaults to tokamax on
+    a GPU where it is installed, else ragged.
+    """
     import jax
 
     on_gpu = jax.default_backend() == "gpu"
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
-    backend = args.expert_backend or ("tokamax" if on_gpu else "ragged")
+    has_tokamax = importlib.util.find_spec("tokamax") is not None
+    backend = args.expert_backend or ("tokamax" if on_gpu and has_tokamax else "ragged")
     return EngineConfig(
         model_path=args.model_path,
         max_running_requests=args.max_running_requests,
