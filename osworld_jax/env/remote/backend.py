@@ -153,7 +153,7 @@ class RemoteSandbox(Sandbox):
         self._backend = backend
         self._session = session
         self._cfg = backend.config
-        self._closed = False
+        self._closing: asyncio.Future[None] | None = None
 
     def __repr__(self) -> str:
         return f"RemoteSandbox(id={self.id!r}, task={self.task.id!r})"
@@ -232,11 +232,12 @@ class RemoteSandbox(Sandbox):
             raise SandboxEvalError(f"sandbox {self.id}: evaluation failed: {e!r}") from e
 
     async def close(self) -> None:
-        """Deletes the sandbox in the service; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        await asyncio.shield(self._backend._release(self.id, self._session, self.work_dir))
+        """Deletes the sandbox in the service; idempotent (a second call waits for the first)."""
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(
+                self._backend._release(self.id, self._session, self.work_dir)
+            )
+        await asyncio.shield(self._closing)
 
 
 @BACKENDS.register("remote")
@@ -311,12 +312,16 @@ class RemoteBackend(SandboxBackend):
         await self._limiter.acquire(n)
         self.metrics.creation_wait_s += self._limiter.waited_s - before
 
-    async def _new_sandbox(self, snapshot_id: str | None = None) -> str:
-        """``POST /sandboxes``; the id is tracked (deleted on any later failure)."""
+    async def _new_sandbox(
+        self, snapshot_id: str | None = None, created: list[str] | None = None
+    ) -> str:
+        """``POST /sandboxes``; the id is tracked (and appended to ``created``) at once."""
         api = self._client()
         await self._acquire_creations(1)
         reply = await api.create(metadata=self._metadata(), snapshot_id=snapshot_id)
         self._live.add(reply["id"])
+        if created is not None:
+            created.append(reply["id"])
         if snapshot_id is None:
             self.metrics.creates += 1
         return reply["id"]
@@ -393,10 +398,15 @@ class RemoteBackend(SandboxBackend):
         self._live.discard(sandbox_id)
         self.metrics.deletes += 1
 
-    async def _discard(self, sandbox_id: str) -> None:
-        """Best-effort delete of a sandbox that never became a ``RemoteSandbox``."""
-        with contextlib.suppress(Exception):
-            await asyncio.shield(self._release(sandbox_id, None, None))
+    async def _discard(self, *sandbox_ids: str) -> None:
+        """Best-effort delete of sandboxes that were not handed out (also when cancelled)."""
+
+        async def one(sid: str) -> None:
+            with contextlib.suppress(Exception):
+                await self._release(sid, None, None)
+
+        if sandbox_ids:
+            await asyncio.shield(asyncio.gather(*(one(s) for s in sandbox_ids)))
 
     async def _check_alive(self, sandbox_id: str, context: str) -> None:
         """Raises ``SandboxLost`` when the service says the sandbox is gone or dead."""
@@ -460,8 +470,7 @@ class RemoteBackend(SandboxBackend):
         self._fork_supported = True
         self._live.update(ids)
         if len(ids) != n:
-            for sid in ids:
-                await self._discard(sid)
+            await self._discard(*ids)
             raise RemoteCreateError(f"fork of {source.id}: asked for {n}, service made {len(ids)}")
         forks = await self._connect_all(ids, source.task, deadline, rerun=False)
         self.metrics.forks_by_fork += n
@@ -491,16 +500,14 @@ class RemoteBackend(SandboxBackend):
             boot_deadline = loop.time() + self.config.boot_timeout_s
             try:
                 results = await asyncio.gather(
-                    *(self._new_sandbox(snapshot_id=snap) for _ in range(n)),
+                    *(self._new_sandbox(snapshot_id=snap, created=ids) for _ in range(n)),
                     return_exceptions=True,
                 )
-                ids = [r for r in results if isinstance(r, str)]
                 bad = [r for r in results if isinstance(r, BaseException)]
                 if bad:
                     raise bad[0]
             except BaseException:
-                for sid in ids:
-                    await self._discard(sid)
+                await self._discard(*ids)
                 raise
             forks = await self._connect_all(ids, source.task, boot_deadline, rerun=True)
         finally:
@@ -533,14 +540,17 @@ class RemoteBackend(SandboxBackend):
                     raise SandboxCreateError(f"fork {sid}: setup re-run failed: {e}") from e
             return sb
 
-        results = await asyncio.gather(*(one(s) for s in ids), return_exceptions=True)
+        try:
+            results = await asyncio.gather(*(one(s) for s in ids), return_exceptions=True)
+        except BaseException:  # cancelled: none of these is handed out
+            await self._discard(*ids)
+            raise
         good = [r for r in results if isinstance(r, RemoteSandbox)]
         bad = [r for r in results if isinstance(r, BaseException)]
         if bad:
             for sb in good:
                 await sb.close()
-            for sid in ids:
-                await self._discard(sid)
+            await self._discard(*ids)
             err = bad[0]
             if isinstance(err, SandboxError | asyncio.CancelledError) or not isinstance(
                 err, Exception
