@@ -209,6 +209,7 @@ class LocalDesktop:
         self.pid_ns: str | None = None
         self._proc: asyncio.subprocess.Process | None = None
         self._closed = False
+        self._close_task: asyncio.Task[None] | None = None
 
     @staticmethod
     def make_dirs(sandbox_dir: Path, host_uid: int | None) -> None:
@@ -296,10 +297,19 @@ class LocalDesktop:
         return pids
 
     async def close(self, *, remove_dir: bool = True, kill_timeout_s: float = 10.0) -> None:
-        """Kills the jail's whole process tree, waits for it, and removes the directory."""
-        if self._closed:
-            return
-        self._closed = True
+        """Kills the jail's whole process tree, waits for it, and removes the directory.
+
+        Idempotent, and every caller returns only once the desktop is gone: a second call waits
+        for the first one's work. Cancelling a caller does not interrupt the close itself.
+        """
+        if self._close_task is None:
+            self._closed = True
+            self._close_task = asyncio.get_running_loop().create_task(
+                self._close_once(remove_dir, kill_timeout_s)
+            )
+        await asyncio.shield(self._close_task)
+
+    async def _close_once(self, remove_dir: bool, kill_timeout_s: float) -> None:
         try:
             await self._terminate(remove_dir, kill_timeout_s)
         finally:

@@ -246,3 +246,21 @@ def test_pyautogui_shim_drives_the_pointer(runner, desktop):
     assert time.monotonic() - t0 < 5.0
     assert res["returncode"] == 0, res
     assert res["output"].strip() == "(500, 510) (1920, 1080)"
+
+
+def test_close_waits_for_a_close_in_progress(runner, backend: LocalBackend):
+    """A cancelled closer does not stop the close; a second closer returns only when done."""
+    d = runner.run(backend.start_desktop())
+    ns = d.pid_ns
+    assert ns is not None
+
+    async def main() -> None:
+        first = asyncio.ensure_future(d.close())
+        await asyncio.sleep(0)
+        first.cancel()
+        await d.close()
+        assert pid_namespace_members(ns) == []
+        assert d.id not in backend.inventory()
+        assert not d.dir.exists()
+
+    runner.run(main())
