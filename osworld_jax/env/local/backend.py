@@ -18,6 +18,14 @@ Fork (``fork(sandbox, n)``) copies the initialised sandbox's FILESYSTEM and rest
   open, activate/close window, sleep), so a fork equals the source right after its setup as long
   as setup did its work through files (which OSWorld setups do: download/upload files, then open
   them). A file an app rewrites at the instant of the snapshot may be copied half-written.
+
+Warm pool (``LocalBackendConfig.warm_pool``, default 0): idle desktops started ahead of need.
+``create`` and ``fork`` take one when available (a fork's snapshot is then copied into the live
+home and /tmp directories, which are bind mounts, before its launch/open steps run), so their cost
+is the task's own setup; the pool refills in the background. Idle pool desktops are not sandboxes
+(``inventory`` does not list them); ``aclose`` stops them.
+
+Cost per desktop and the create/fork/step times are measured by ``benchmarks/sandbox.py``.
 """
 
 from __future__ import annotations
