@@ -384,3 +384,34 @@ def test_refit_switches_to_the_new_weights(tiny_ckpt, tiny_ckpt_b):
     assert after.output_ids == hf_greedy(tiny_ckpt_b) and after.weight_version == "v1"
     assert before.output_ids != after.output_ids
     assert info["weight_version"] == "v1" and info["model_path"] == str(tiny_ckpt_b)
+
+
+def test_pause_retract_and_in_place_resume_exactly(engine):
+    """A retracted request is re-prefilled from prompt + output; greedy output, logprobs and
+    routes equal an uninterrupted run's. In-place pause keeps the slot (flush answers 400)."""
+    cfg = engine.model_config
+
+    async def main():
+        async with serving(engine) as url:
+            body = gen_body(PROMPTS[0], temperature=0.0, max_new_tokens=30)
+            _, ref = await post(url, "/generate", body)
+            for mode in ("retract", "in_place"):
+                rid = f"{mode}-1"
+                task = asyncio.create_task(post(url, "/generate", {**body, "rid": rid}))
+                while not any(
+                    r is not None and r.rid == rid and len(r.output_ids) >= 3 for r in engine.slots
+                ):
+                    await asyncio.sleep(0.005)
+                assert (await post(url, "/pause_generation", {"mode": mode}))[0] == 200
+                await asyncio.sleep(0.1)
+                assert not task.done()  # neither mode ends the request
+                assert (await post(url, "/flush_cache", {}))[0] == 400
+                await post(url, "/continue_generation", {})
+                status, r = await task
+                assert r["output_ids"] == ref["output_ids"], mode
+                lp = [x[0] for x in r["meta_info"]["output_token_logprobs"]]
+                lp_ref = [x[0] for x in ref["meta_info"]["output_token_logprobs"]]
+                np.testing.assert_allclose(lp, lp_ref, atol=1e-5)
+                np.testing.assert_array_equal(routes_of(r, cfg), routes_of(ref, cfg))
+
+    run(main())
