@@ -47,7 +47,7 @@ class Checkpointer:
         self.config = config
         self.directory = Path(config.directory).absolute()
         options = ocp.CheckpointManagerOptions(
-            save_interval_steps=config.save_every,
+            save_interval_steps=1,  # the cadence is decided in `save` (orbax saves any first step)
             max_to_keep=config.keep,
             enable_async_checkpointing=config.async_save,
             create=True,
@@ -68,6 +68,8 @@ class Checkpointer:
         Returns:
           Whether a save was started.
         """
+        if not force and step % self.config.save_every:
+            return False
         items: dict[str, Any] = {STATE: ocp.args.StandardSave(_as_tree(state))}
         if data_state is not None:
             if _is_grain_iterator(data_state):

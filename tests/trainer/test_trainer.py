@@ -11,8 +11,26 @@ from osworld_jax.model import RouterReplayError, make_mesh
 from osworld_jax.trainer import NonFiniteError, OptimizerConfig, Trainer, TrainerError
 from tests.trainer._tiny import META, make_batch, make_policy, naive_logprobs, trainer_config
 
-# Float32 end-to-end through two layers + Adam: differences are reassociation only.
+# Float32 end to end through two layers + Adam: differences are reassociation only.
 TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+class CountingTrainer(Trainer):
+    """Every test below that uses the shared trainer runs one traced train step: n=1 overall."""
+
+    @chex.assert_max_traces(n=1)
+    def _train_step_impl(self, meta, state, batch, old_logprobs):
+        return super()._train_step_impl(meta, state, batch, old_logprobs)
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return make_policy()
+
+
+@pytest.fixture(scope="module")
+def trainer(policy):
+    return CountingTrainer(trainer_config(), policy)
 
 
 def _reference_loss(policy, batch, agg_mode):
@@ -34,53 +52,44 @@ def _reference_loss(policy, batch, agg_mode):
     return loss
 
 
-def test_micro_batched_gradient_equals_full_batch_reference():
+@pytest.mark.slow
+def test_micro_batched_gradient_equals_full_batch_reference(policy, trainer):
     # End to end through the model and the chunked logprob head. Owners 0 and 3 have rows in
     # both micro-batches (rows i, i+2, ...): only global denominators make the two halves add up
-    # to the full-batch loss and gradient (all modes: test_accumulation.py).
-    agg_mode = "prompt-mean-token-mean"
-    policy = make_policy()
+    # to the full-batch loss and gradient (every mode and gate: test_accumulation.py).
     batch = make_batch(policy)
-    base = Trainer(trainer_config(), policy)
-    params = base.init_state().params
-    ref = lambda p: _reference_loss(base.policy(p), batch, agg_mode)
-
+    params = trainer.init_state().params
+    ref = lambda p: _reference_loss(trainer.policy(p), batch, "prompt-mean-token-mean")
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(ref))(params)
-    trainer = Trainer(trainer_config(agg_mode=agg_mode, num_micro_batches=2), policy)
-    loss, grads = trainer.gradients(params, batch, META)
+    two = Trainer(trainer_config(num_micro_batches=2), policy)
+    loss, grads = two.gradients(params, batch, META)
     chex.assert_trees_all_close(loss, ref_loss, **TOL)
     chex.assert_trees_all_close(grads, ref_grads, **TOL)
 
 
-def test_accumulated_update_and_metrics_equal_one_big_batch():
-    policy = make_policy()
+@pytest.mark.slow
+def test_accumulated_update_and_metrics_equal_one_big_batch(policy, trainer):
     batch = make_batch(policy)
-    results = []
-    for m in (1, 4):
-        trainer = Trainer(trainer_config(num_micro_batches=m), policy)
-        state, metrics = trainer.train_step(trainer.init_state(), batch, META)
-        results.append((state.params, state.opt_state, metrics))
-    (p1, o1, m1), (p4, o4, m4) = results
-    chex.assert_trees_all_close(p1, p4, **TOL)
-    chex.assert_trees_all_close(o1, o4, **TOL)
-    assert m1.keys() == m4.keys()
-    for k in m1:
-        np.testing.assert_allclose(m1[k], m4[k], err_msg=k, **TOL)
+    one_state, one = trainer.train_step(trainer.init_state(), batch, META)
+    four = Trainer(trainer_config(num_micro_batches=4), policy)
+    four_state, m4 = four.train_step(four.init_state(), batch, META)
+    chex.assert_trees_all_close(one_state.params, four_state.params, **TOL)
+    chex.assert_trees_all_close(one_state.opt_state, four_state.opt_state, **TOL)
+    assert one.keys() == m4.keys()
+    for k in one:
+        np.testing.assert_allclose(one[k], m4[k], err_msg=k, **TOL)
 
 
-def test_metrics_match_direct_computation():
-    policy = make_policy()
+def test_metrics_match_direct_computation(policy, trainer):
     batch = make_batch(policy)
     lp, ent, _ = naive_logprobs(policy, batch)
     mask = batch.loss_mask * batch.row_weight[:, None]
-    trainer = Trainer(trainer_config(), policy)
     _, metrics = trainer.train_step(trainer.init_state(), batch, META)
     # entropy and |train - behaviour| are loss-token means; binary_kl from policy_loss's gate.
     np.testing.assert_allclose(metrics["entropy"], np.sum(ent * mask) / mask.sum(), rtol=1e-5)
     diff = np.abs(np.asarray(lp) - batch.behavior_logprobs)
-    np.testing.assert_allclose(
-        metrics["logprob_abs_diff"], np.sum(diff * mask) / mask.sum(), rtol=1e-4
-    )
+    expect = np.sum(diff * mask) / mask.sum()
+    np.testing.assert_allclose(metrics["logprob_abs_diff"], expect, rtol=1e-4)
     np.testing.assert_allclose(
         metrics["loss"], _reference_loss(policy, batch, "prompt-mean-token-mean"), **TOL
     )
@@ -89,57 +98,45 @@ def test_metrics_match_direct_computation():
     assert metrics["binary_kl_mean"] > 0.0 and np.isfinite(metrics["grad_norm"])
 
 
-def test_no_recompile_across_steps_of_one_bucket():
-    policy = make_policy()
-
-    class Counting(Trainer):
-        @chex.assert_max_traces(n=1)
-        def _train_step_impl(self, meta, state, batch, old_logprobs):
-            return super()._train_step_impl(meta, state, batch, old_logprobs)
-
-    trainer = Counting(trainer_config(), policy)
+def test_no_recompile_across_steps_of_one_bucket(policy, trainer):
     state = trainer.init_state()
     steps = []
-    for seed in range(3):  # new data, same shapes and meta: one trace
+    for seed in range(3):  # new data, same shapes and meta: no new trace (CountingTrainer)
         state, metrics = trainer.train_step(state, make_batch(policy, seed=seed), META)
         steps.append(metrics["step"])
     assert steps == [0, 1, 2] and int(state.step) == 3 and int(state.weight_version) == 3
 
 
-def test_non_finite_loss_names_the_step_and_skips_the_update():
-    policy = make_policy()
+def test_non_finite_loss_names_the_step_and_skips_the_update(policy, trainer):
     batch = make_batch(policy)
-    trainer = Trainer(trainer_config(), policy)
     state, _ = trainer.train_step(trainer.init_state(), batch, META)
-    before = jax.tree.map(np.asarray, state.params)
+    before = jax.tree.map(np.asarray, (state.params, state.opt_state))
     bad = batch._replace(advantages=np.where(batch.loss_mask > 0, np.nan, 0.0).astype(np.float32))
-    with pytest.raises(NonFiniteError, match=r"train step 1: non-finite") as err:
+    with pytest.raises(NonFiniteError, match=r"train step 1: non-finite grad_norm, loss") as err:
         trainer.train_step(state, bad, META)
     assert err.value.step == 1
-    assert int(err.value.state.step) == 1  # not advanced
-    chex.assert_trees_all_equal(jax.tree.map(np.asarray, err.value.state.params), before)
+    kept = err.value.state  # the step's output state: the update was skipped in-graph
+    assert int(kept.step) == 1 and int(kept.weight_version) == 1
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, (kept.params, kept.opt_state)), before)
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_policy_gradient_sign(sign):
-    # One trainable token with advantage +1 (-1): one small step raises (lowers) its logprob.
-    policy = make_policy()
+def test_policy_gradient_sign(policy, trainer, sign):
+    # One trainable token with advantage +1 (-1): one step raises (lowers) its logprob.
     batch = make_batch(policy)
     r, t = 2, int(np.argmax(batch.loss_mask[2]))
     mask = np.zeros_like(batch.loss_mask)
     mask[r, t] = 1.0
     batch = batch._replace(loss_mask=mask, advantages=sign * mask)
-    cfg = trainer_config(optimizer=OptimizerConfig(learning_rate=1e-4, weight_decay=0.0))
-    trainer = Trainer(cfg, policy)
     state = trainer.init_state()
     before = np.asarray(trainer.logprobs(state.params, batch))[r, t]
     state, _ = trainer.train_step(state, batch, META)
     after = np.asarray(trainer.logprobs(state.params, batch))[r, t]
-    assert sign * (after - before) > 1e-5, (before, after)
+    assert sign * (after - before) > 1e-3, (before, after)
 
 
-def test_frozen_router_is_not_updated():
-    policy = make_policy()
+@pytest.mark.slow
+def test_frozen_router_is_not_updated(policy):
     batch = make_batch(policy)
     cfg = trainer_config(optimizer=OptimizerConfig(learning_rate=1e-3, freeze_router=True))
     trainer = Trainer(cfg, policy)
@@ -151,27 +148,48 @@ def test_frozen_router_is_not_updated():
     assert not np.allclose(np.asarray(state.params["moe"]["gate"]), gate)
 
 
-def test_router_replay_uses_batch_routes():
-    policy = make_policy()
+def test_router_replay_uses_batch_routes(policy, trainer):
     batch = make_batch(policy)
-    params = Trainer(trainer_config(), policy).init_state().params
+    params = trainer.init_state().params
     live = Trainer(trainer_config(router_replay=False), policy).logprobs(params, batch)
-    replay = Trainer(trainer_config(router_replay=True), policy)
     # The engine's own routes reproduce live routing exactly.
-    chex.assert_trees_all_close(replay.logprobs(params, batch), live, **TOL)
-    # Other (valid) routes change the logprobs of tokens after the first MoE input.
+    chex.assert_trees_all_close(trainer.logprobs(params, batch), live, **TOL)
+    # Other (valid) routes change the logprobs of later tokens.
     flipped = np.where(batch.routed_experts >= 0, 3 - batch.routed_experts, -1).astype(np.int32)
-    moved = replay.logprobs(params, batch._replace(routed_experts=flipped))
+    moved = trainer.logprobs(params, batch._replace(routed_experts=flipped))
     assert np.max(np.abs(np.asarray(moved) - np.asarray(live)) * batch.loss_mask) > 1e-3
     bad = batch.routed_experts.copy()
     bad[0, 0, 0, :] = [0, 0]  # duplicate expert ids
     with pytest.raises(RouterReplayError):
-        replay.logprobs(params, batch._replace(routed_experts=bad))
+        trainer.logprobs(params, batch._replace(routed_experts=bad))
 
 
-def test_rows_must_divide_by_micro_batches_times_data_parallel():
-    policy = make_policy()
-    mesh = make_mesh(data=2, fsdp=2)
-    trainer = Trainer(trainer_config(num_micro_batches=4), policy, mesh=mesh)
-    with pytest.raises(TrainerError, match=r"8 rows do not divide by num_micro_batches \(4\)"):
+@pytest.mark.slow
+def test_one_device_and_eight_device_mesh_agree(policy, trainer):
+    # fsdp x expert x tensor = 2 x 2 x 2: embed dims over fsdp, experts over expert, heads /
+    # vocab / MLP widths over tensor, batch rows over fsdp x expert.
+    batch = make_batch(policy)
+    one_state, one = trainer.train_step(trainer.init_state(), batch, META)
+    mesh = make_mesh(fsdp=2, expert=2, tensor=2)
+    eight = Trainer(trainer_config(), policy, mesh=mesh)
+    state8 = eight.init_state()
+    assert state8.params["moe"]["gate"].sharding.spec[1] in ("expert", ("expert",))
+    assert len(state8.params["top"]["lm_head"].sharding.device_set) == 8
+    state8, m8 = eight.train_step(state8, batch, META)
+    for k in one:
+        np.testing.assert_allclose(one[k], m8[k], err_msg=k, **TOL)
+    chex.assert_trees_all_close(
+        jax.device_get(one_state.params), jax.device_get(state8.params), **TOL
+    )
+    chex.assert_trees_all_close(
+        jax.device_get(one_state.opt_state), jax.device_get(state8.opt_state), **TOL
+    )
+    # The optimizer moments live where their parameters live.
+    mu = state8.opt_state[1][0].mu["moe"]["gate"]
+    assert mu.sharding == state8.params["moe"]["gate"].sharding
+
+
+def test_rows_must_divide_by_micro_batches_times_data_parallel(policy):
+    trainer = Trainer(trainer_config(num_micro_batches=3), policy, mesh=make_mesh(data=2))
+    with pytest.raises(TrainerError, match=r"8 rows do not divide by num_micro_batches \(3\)"):
         trainer.train_step(trainer.init_state(), make_batch(policy), META)

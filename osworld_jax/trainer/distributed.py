@@ -1,0 +1,469 @@
+"""Multi-host JAX: one process per host, one `Mesh` over every device of every process.
+
+``initialize_distributed(config)`` wraps ``jax.distributed.initialize`` (explicit values, the
+``JAX_*`` environment variables, or SLURM auto-detection) and is idempotent. After it,
+``jax.devices()`` lists the devices of all processes (process 0's first), so
+``osworld_jax.model.make_mesh`` builds the global mesh unchanged and ``Trainer.train_step`` runs
+SPMD: every process calls it with the **same** host batch (``jax.device_put`` of a host array onto
+a global sharding keeps each process's own shards).
+
+Roles of the processes:
+
+- metrics: only `is_primary` (process 0) writes them;
+- checkpoints: every process calls ``Trainer.save`` / ``Trainer.restore`` (orbax writes and reads
+  each process's shards; the checkpoint directory must be on a filesystem all hosts share);
+- data: ``osworld_jax.data.make_task_stream`` shards tasks by ``jax.process_index/count``;
+  `task_stream_shard` says which shard a process draws under ``rollout_on``;
+- rollouts (``DistributedConfig.rollout_on``):
+
+  - ``"process0"``: process 0 drives all B x N owners (against its embedded server or any list
+    of SGLang URLs), packs the batch, and `broadcast_host_batch` copies it to every process;
+  - ``"dedicated"``: the SGLang servers live on dedicated hosts outside the JAX job; every
+    trainer process drives its own share of the prompts (its task-stream shard) and
+    `allgather_host_batch` assembles the global batch (ids made globally unique, lengths padded).
+
+Process 0 also exports the refit weights (`export_hf_all_processes`: every process joins the
+gather of the sharded parameters, process 0 writes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from osworld_jax.batch import Batch, BatchMeta, check_batch
+from osworld_jax.errors import ConfigError
+from osworld_jax.trainer.state import TrainerError
+
+logger = logging.getLogger(__name__)
+
+AUTO_MODES = ("none", "slurm", "env")
+ROLLOUT_ON = ("process0", "dedicated")
+CPU_COLLECTIVES = ("gloo", "mpi")
+
+# The JAX_* variables of ``auto="env"`` (the first and last are also read by jax itself).
+ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAX_PROCESS_ID"
+ENV_LOCAL_DEVICE_IDS = "JAX_LOCAL_DEVICE_IDS"
+
+
+class DistributedError(TrainerError):
+    """Multi-process set-up failed or the processes disagree (the message names the field)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    """How this process joins the multi-host JAX job (one process per host).
+
+    Attributes:
+      auto: where the process values come from. ``"none"``: the explicit fields below (all of
+        ``coordinator_address``, ``num_processes``, ``process_id``; or none of them for a
+        single-process run); ``"slurm"``: SLURM's ``SLURM_*`` variables through jax's SLURM
+        cluster detector (coordinator = first node of the step, port from the job id or
+        ``JAX_COORDINATOR_PORT``); ``"env"``: ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
+        ``JAX_PROCESS_ID`` (and optional ``JAX_LOCAL_DEVICE_IDS``, comma-separated). Explicit
+        fields override detected values.
+      coordinator_address: ``host:port`` of process 0's coordinator service.
+      num_processes: number of processes in the job.
+      process_id: this process's index in ``[0, num_processes)``.
+      local_device_ids: the local accelerators this process uses (``None``: all of them; with
+        SLURM and several tasks per node, ``(SLURM_LOCALID,)``, one device per task, as jax
+        does). Ignored by the CPU backend.
+      rollout_on: ``"process0"`` (process 0 rolls out and broadcasts the host batch) or
+        ``"dedicated"`` (servers on dedicated hosts; every process rolls out its task shard and
+        the batch is all-gathered).
+      cpu_collectives: cross-process collectives of the CPU backend (``"gloo"`` or ``"mpi"``);
+        set before the backend starts. ``"gloo"`` ships with jaxlib.
+      initialization_timeout_s: how long process start-up waits for the others (seconds).
+      heartbeat_timeout_s: a process that sent no heartbeat for this long is declared dead and
+        the job fails (instead of hanging in a collective).
+    """
+
+    auto: str = "none"
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    local_device_ids: tuple[int, ...] | None = None
+    rollout_on: str = "process0"
+    cpu_collectives: str = "gloo"
+    initialization_timeout_s: int = 300
+    heartbeat_timeout_s: int = 100
+
+    def __post_init__(self) -> None:
+        for name, value, allowed in (
+            ("auto", self.auto, AUTO_MODES),
+            ("rollout_on", self.rollout_on, ROLLOUT_ON),
+            ("cpu_collectives", self.cpu_collectives, CPU_COLLECTIVES),
+        ):
+            if value not in allowed:
+                raise ConfigError(
+                    f"DistributedConfig.{name}: unknown value {value!r}; choose one of "
+                    f"{list(allowed)}"
+                )
+        if self.num_processes is not None and self.num_processes < 1:
+            raise ConfigError(f"DistributedConfig.num_processes: {self.num_processes} < 1")
+        if self.process_id is not None and self.num_processes is not None:
+            if not 0 <= self.process_id < self.num_processes:
+                raise ConfigError(
+                    f"DistributedConfig.process_id: {self.process_id} not in "
+                    f"[0, {self.num_processes})"
+                )
+        if self.auto == "none":
+            given = [
+                f
+                for f in ("coordinator_address", "num_processes", "process_id")
+                if getattr(self, f) is not None
+            ]
+            if given and len(given) != 3:
+                raise ConfigError(
+                    f"DistributedConfig: auto='none' needs coordinator_address, num_processes "
+                    f"and process_id together (got only {given})"
+                )
+        if self.initialization_timeout_s < 1 or self.heartbeat_timeout_s < 1:
+            raise ConfigError("DistributedConfig: timeouts must be >= 1 s")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessValues:
+    """The resolved values ``jax.distributed.initialize`` receives.
+
+    Attributes:
+      coordinator_address: ``host:port`` of the coordinator.
+      num_processes: processes in the job.
+      process_id: this process.
+      local_device_ids: local accelerators of this process (None: all).
+    """
+
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+    local_device_ids: tuple[int, ...] | None
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise DistributedError(f"${name}: expected an integer, got {value!r}") from None
+
+
+def _env_ids(name: str) -> tuple[int, ...] | None:
+    value = os.environ.get(name)
+    if not value:
+        return None
+    try:
+        return tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise DistributedError(
+            f"${name}: expected comma-separated integers, got {value!r}"
+        ) from None
+
+
+def _slurm_values() -> tuple[str, int, int, tuple[int, ...] | None]:
+    from jax._src.clusters.slurm_cluster import SlurmCluster
+
+    if not SlurmCluster.is_env_present():
+        raise DistributedError(
+            "DistributedConfig.auto='slurm': not inside a SLURM step (need SLURM_JOB_ID, "
+            "SLURM_STEP_NODELIST, SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID; launch with srun)"
+        )
+    address = SlurmCluster.get_coordinator_address(
+        timeout_secs=None, override_coordinator_port=os.environ.get("JAX_COORDINATOR_PORT")
+    )
+    count, pid = SlurmCluster.get_process_count(), SlurmCluster.get_process_id()
+    nodes = _env_int("SLURM_STEP_NUM_NODES") or _env_int("SLURM_NNODES") or 1
+    local_id = SlurmCluster.get_local_process_id()
+    # One task per node owns all its devices; several tasks per node get one device each.
+    device_ids = (local_id,) if count > nodes and local_id is not None else None
+    return address, count, pid, device_ids
+
+
+def resolve_process_values(config: DistributedConfig) -> ProcessValues | None:
+    """The values of ``jax.distributed.initialize`` for ``config`` (None: single process).
+
+    Raises:
+      DistributedError: a detection source is absent or incomplete (names what is missing).
+    """
+    address, count, pid = config.coordinator_address, config.num_processes, config.process_id
+    device_ids = config.local_device_ids
+    if config.auto == "slurm":
+        s_address, s_count, s_pid, s_ids = _slurm_values()
+        address, count, pid = (
+            address or s_address,
+            count or s_count,
+            pid if pid is not None else s_pid,
+        )
+        device_ids = device_ids if device_ids is not None else s_ids
+    elif config.auto == "env":
+        address = address or os.environ.get(ENV_COORDINATOR)
+        count = count if count is not None else _env_int(ENV_NUM_PROCESSES)
+        pid = pid if pid is not None else _env_int(ENV_PROCESS_ID)
+        device_ids = device_ids if device_ids is not None else _env_ids(ENV_LOCAL_DEVICE_IDS)
+        missing = [
+            n
+            for n, v in (
+                (ENV_COORDINATOR, address),
+                (ENV_NUM_PROCESSES, count),
+                (ENV_PROCESS_ID, pid),
+            )
+            if v is None
+        ]
+        if missing:
+            raise DistributedError(f"DistributedConfig.auto='env': ${', $'.join(missing)} unset")
+    if address is None and count is None and pid is None:
+        return None
+    assert address is not None and count is not None and pid is not None
+    if not 0 <= pid < count:
+        raise DistributedError(f"process_id {pid} not in [0, {count})")
+    return ProcessValues(address, count, pid, device_ids)
+
+
+_initialized_with: ProcessValues | None = None
+
+
+def initialize_distributed(config: DistributedConfig) -> ProcessValues | None:
+    """Joins the multi-host job described by ``config`` (idempotent); call before any jax work.
+
+    A second call with the same resolved values is a no-op; with different values it raises.
+    A config that resolves to no process values (``auto="none"``, nothing set) is a
+    single-process run and initialises nothing.
+
+    Returns:
+      The resolved `ProcessValues`, or None for a single-process run.
+
+    Raises:
+      DistributedError: values missing/inconsistent, or the job was already initialised
+        differently.
+    """
+    global _initialized_with
+    values = resolve_process_values(config)
+    if values is None:
+        return None
+    if jax.distributed.is_initialized():
+        if _initialized_with is not None and _initialized_with != values:
+            raise DistributedError(
+                f"initialize_distributed: already initialised as {_initialized_with}, "
+                f"now asked for {values}"
+            )
+        if jax.process_count() != values.num_processes or jax.process_index() != values.process_id:
+            raise DistributedError(
+                f"initialize_distributed: jax runs as process {jax.process_index()} of "
+                f"{jax.process_count()}, config says {values.process_id} of "
+                f"{values.num_processes}"
+            )
+        return values
+    jax.config.update("jax_cpu_collectives_implementation", config.cpu_collectives)
+    jax.distributed.initialize(
+        coordinator_address=values.coordinator_address,
+        num_processes=values.num_processes,
+        process_id=values.process_id,
+        local_device_ids=list(values.local_device_ids) if values.local_device_ids else None,
+        cluster_detection_method="deactivate",
+        initialization_timeout=config.initialization_timeout_s,
+        heartbeat_timeout_seconds=config.heartbeat_timeout_s,
+    )
+    _initialized_with = values
+    logger.info(
+        "jax.distributed: process %d of %d, coordinator %s",
+        values.process_id,
+        values.num_processes,
+        values.coordinator_address,
+    )
+    return values
+
+
+def is_primary() -> bool:
+    """Whether this is process 0: the one that writes metrics, logs and refit weights."""
+    return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Blocks until every process reaches the barrier ``name`` (no-op with one process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+def does_rollouts(config: DistributedConfig) -> bool:
+    """Whether this process drives agents/sandboxes: process 0, or every one when dedicated."""
+    return config.rollout_on == "dedicated" or is_primary()
+
+
+def task_stream_shard(config: DistributedConfig) -> tuple[int, int] | None:
+    """``(shard_index, shard_count)`` for ``make_task_stream``; None if this process draws none.
+
+    ``"process0"``: process 0 draws the whole task set (the others draw nothing);
+    ``"dedicated"``: process ``i`` of ``n`` draws shard ``i`` of ``n`` (and ``B / n`` prompts).
+    """
+    if config.rollout_on == "dedicated":
+        return jax.process_index(), jax.process_count()
+    return (0, 1) if is_primary() else None
+
+
+# ---------------------------------------------------------------------- host batches
+
+_HEADER = 7  # R, T, L, K, num_owners, num_groups, norm_length
+
+
+def _header(batch: Batch, meta: BatchMeta) -> np.ndarray:
+    r, t, layers, k = batch.routed_experts.shape
+    return np.array([r, t, layers, k, meta.num_owners, meta.num_groups, meta.norm_length], np.int64)
+
+
+def _empty_batch(r: int, t: int, layers: int, k: int) -> Batch:
+    rt = (r, t)
+    return Batch(
+        tokens=np.zeros(rt, np.int32),
+        loss_mask=np.zeros(rt, np.float32),
+        behavior_logprobs=np.zeros(rt, np.float32),
+        advantages=np.zeros(rt, np.float32),
+        positions=np.broadcast_to(np.arange(t, dtype=np.int32), rt).copy(),
+        segment_ids=np.zeros(rt, np.int32),
+        owner_ids=np.zeros((r,), np.int32),
+        group_ids=np.zeros((r,), np.int32),
+        row_weight=np.zeros((r,), np.float32),
+        routed_experts=np.full((r, t, layers, k), -1, np.int32),
+    )
+
+
+def pad_batch(batch: Batch, rows: int, length: int) -> Batch:
+    """``batch`` padded to ``[rows, length]``: zero-weight rows, masked tokens past the end.
+
+    Padded tokens are 0 with segment id 0 and no loss, their positions continue counting, and
+    their routes are -1, so the loss and the gradients are exactly those of ``batch``.
+    """
+    r, t, layers, k = batch.routed_experts.shape
+    if rows < r or length < t:
+        raise DistributedError(f"pad_batch: cannot shrink [{r}, {t}] to [{rows}, {length}]")
+    out = _empty_batch(rows, length, layers, k)
+    fields = []
+    for name, src, dst in zip(Batch._fields, batch, out, strict=True):
+        dst = dst.copy()
+        if name == "positions":
+            # Continue each row's count past its old end (the padding convention).
+            dst[:r, :t] = src
+            dst[:r, t:] = src[:, -1:] + np.arange(1, length - t + 1, dtype=np.int32)
+        elif np.ndim(src) == 1:
+            dst[:r] = src
+        else:
+            dst[:r, :t] = src
+        fields.append(dst)
+    return Batch._make(fields)
+
+
+def concat_host_batches(
+    batches: Sequence[Batch], metas: Sequence[BatchMeta]
+) -> tuple[Batch, BatchMeta]:
+    """Joins per-process batches into one optimizer batch (rows in process order).
+
+    Lengths are padded to the longest; owner and group ids of part ``p`` are shifted by the
+    owners / groups of parts ``< p``, so logical owners and prompt groups stay distinct and the
+    aggregation denominators are those of the whole batch.
+
+    Raises:
+      DistributedError: the parts disagree on routes ``[L, K]`` or ``norm_length``.
+    """
+    if not batches or len(batches) != len(metas):
+        raise DistributedError("concat_host_batches: need one meta per batch, at least one")
+    shapes = {b.routed_experts.shape[2:] for b in batches}
+    norms = {m.norm_length for m in metas}
+    if len(shapes) != 1 or len(norms) != 1:
+        raise DistributedError(
+            f"concat_host_batches: parts disagree on routes [L, K] {sorted(shapes)} or "
+            f"norm_length {sorted(norms)}"
+        )
+    length = max(b.tokens.shape[1] for b in batches)
+    parts, owners, groups = [], 0, 0
+    for b, m in zip(batches, metas, strict=True):
+        b = pad_batch(b, b.tokens.shape[0], length)
+        parts.append(b._replace(owner_ids=b.owner_ids + owners, group_ids=b.group_ids + groups))
+        owners, groups = owners + m.num_owners, groups + m.num_groups
+    batch = Batch._make(np.concatenate(cols, axis=0) for cols in zip(*parts, strict=True))
+    return batch, BatchMeta(num_owners=owners, num_groups=groups, norm_length=norms.pop())
+
+
+def broadcast_host_batch(batch: Batch | None, meta: BatchMeta | None) -> tuple[Batch, BatchMeta]:
+    """``rollout_on="process0"``: process 0's host batch on every process.
+
+    Process 0 passes its packed ``(batch, meta)``, the others ``(None, None)``; all must call
+    it (it runs two collectives: the shapes, then the arrays). Returns numpy arrays equal to
+    process 0's bit for bit (the broadcast is a sum with zeros).
+    """
+    if jax.process_count() == 1:
+        if batch is None or meta is None:
+            raise DistributedError("broadcast_host_batch: process 0 passed no batch")
+        return batch, meta
+    if is_primary():
+        if batch is None or meta is None:
+            raise DistributedError("broadcast_host_batch: process 0 passed no batch")
+        check_batch(batch)
+        header = _header(batch, meta)
+    else:
+        header = np.zeros((_HEADER,), np.int64)
+    header = np.asarray(multihost_utils.broadcast_one_to_all(header))
+    r, t, layers, k, owners, groups, norm = (int(v) for v in header)
+    local = batch if is_primary() and batch is not None else _empty_batch(r, t, layers, k)
+    out = multihost_utils.broadcast_one_to_all(tuple(local))
+    out_batch = Batch._make(np.asarray(x) for x in out)
+    return out_batch, BatchMeta(num_owners=owners, num_groups=groups, norm_length=norm)
+
+
+def allgather_host_batch(batch: Batch, meta: BatchMeta) -> tuple[Batch, BatchMeta]:
+    """``rollout_on="dedicated"``: every process's rows joined into one batch on every process.
+
+    Each process passes the batch of its own prompts (ids local to it). The result is
+    `concat_host_batches` of all parts in process order, identical on every process.
+    """
+    check_batch(batch)
+    if jax.process_count() == 1:
+        return concat_host_batches([batch], [meta])
+    headers = np.asarray(multihost_utils.process_allgather(_header(batch, meta)))  # [P, 7]
+    rows, length = int(headers[:, 0].max()), int(headers[:, 1].max())
+    gathered = multihost_utils.process_allgather(tuple(pad_batch(batch, rows, length)))
+    parts, metas = [], []
+    for p, (r, t, _, _, owners, groups, norm) in enumerate(headers.tolist()):
+        fields = [np.asarray(x[p]) for x in gathered]
+        parts.append(Batch._make(f[:r] if f.ndim == 1 else f[:r, :t] for f in fields))
+        metas.append(BatchMeta(num_owners=owners, num_groups=groups, norm_length=norm))
+    return concat_host_batches(parts, metas)
+
+
+# ---------------------------------------------------------------------- parameters, export
+
+
+def params_to_host(tree: Any) -> Any:
+    """A pytree of (possibly non-fully-addressable) arrays as full numpy arrays on every host.
+
+    Every process must call it (an all-gather of each sharded leaf).
+    """
+    if jax.process_count() == 1:
+        return jax.tree.map(np.asarray, jax.device_get(tree))
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def export_hf_all_processes(
+    trainer: Any, state: Any, path: str | Path, *, copy_files_from: str | Path | None = None
+) -> Path:
+    """Writes the refit checkpoint of ``state`` from process 0; every process must call it.
+
+    The sharded parameters are gathered to every host (`params_to_host`), process 0 writes the
+    HF checkpoint through ``trainer.export_hf`` (atomic rename), and a barrier makes the files
+    visible to all processes before anyone asks a server to load them.
+    """
+    path = Path(path)
+    host_params = params_to_host(state.params)
+    if is_primary():
+        trainer.export_hf(state.replace(params=host_params), path, copy_files_from=copy_files_from)
+    barrier(f"export_hf:{path}")
+    return path
