@@ -1,11 +1,11 @@
 """Hand-written accelerator kernels behind the model's backend switches.
 
-- `gmm`: grouped (per-expert) matmuls over a tile-aligned permutation of the routed rows, as
-  Pallas kernels (Triton lowering on GPU, interpret mode on CPU), with dx and dw kernels under
-  one ``custom_vjp``; `gmm_experts` is the ``"pallas_gmm"`` expert backend.
+- `grouped_matmul`: grouped (per-expert) matmuls over a tile-aligned permutation of the routed
+  rows, as Pallas kernels (Triton lowering on GPU, interpret mode on CPU), with dx and dw
+  kernels under one ``custom_vjp``; `gmm_experts` is the ``"pallas_gmm"`` expert backend.
 """
 
-from osworld_jax.model.kernels.gmm import (
+from osworld_jax.model.kernels.grouped_matmul import (
     GmmConfig,
     TilePlan,
     combine,

@@ -183,6 +183,12 @@ def _compiler_params(num_warps: int, num_stages: int):
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+def _dot(a: jax.Array, b: jax.Array, ca: int, cb: int) -> jax.Array:
+    """2-D product contracting ``a``'s axis ``ca`` with ``b``'s axis ``cb``, f32 accumulation."""
+    dims = (((ca,), (cb,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
 def _mm_kernel(te_ref, x_ref, w_ref, o_ref, *, bm, bn, bk, nk, nn, trans_rhs):
     """Program (m, n): ``o[m, n] = x[m, :] @ w[te[m]][:, n]`` (``w[e]^T`` if trans_rhs)."""
     pid = pl.program_id(0)
@@ -198,9 +204,9 @@ def _mm_kernel(te_ref, x_ref, w_ref, o_ref, *, bm, bn, bk, nk, nn, trans_rhs):
         a = x_ref[pl.ds(r0, bm), pl.ds(k0, bk)]  # [bm, bk]
         if trans_rhs:
             b = w_ref[e, pl.ds(c0, bn), pl.ds(k0, bk)]  # [bn, bk]
-            return acc + pl.dot(a, b, trans_b=True)
+            return acc + _dot(a, b, 1, 1)
         b = w_ref[e, pl.ds(k0, bk), pl.ds(c0, bn)]  # [bk, bn]
-        return acc + pl.dot(a, b)
+        return acc + _dot(a, b, 1, 0)
 
     acc = jax.lax.fori_loop(0, trips, body, jnp.zeros((bm, bn), jnp.float32))
     o_ref[pl.ds(r0, bm), pl.ds(c0, bn)] = acc.astype(o_ref.dtype)
@@ -241,7 +247,7 @@ def _dw_kernel(gs_ref, gt_ref, x_ref, dy_ref, o_ref, *, bm, bn, bt, nn, per_tile
         r0 = pl.multiple_of((start + t) * bt, bt)
         a = x_ref[pl.ds(r0, bt), pl.ds(c_m, bm)]  # [bt, bm]
         b = dy_ref[pl.ds(r0, bt), pl.ds(c_n, bn)]  # [bt, bn]
-        return acc + pl.dot(a, b, trans_a=True)
+        return acc + _dot(a, b, 0, 0)
 
     acc = jax.lax.fori_loop(0, count, body, jnp.zeros((bm, bn), jnp.float32))
     o_ref[e, pl.ds(c_m, bm), pl.ds(c_n, bn)] = acc.astype(o_ref.dtype)

@@ -1,0 +1,395 @@
+"""Dropless MoE grouped GEMM on one GPU: useful TFLOP/s forward and backward (dx + dw).
+
+The case (issue 11): R = 16,384 tokens x top-8 = 131,072 routed rows, E = 128 experts,
+x[R, 2048] @ w[e][2048, 768] per group, Dirichlet-imbalanced group sizes, bf16 in, f32
+accumulation. Useful FLOPs: forward ``2 R K N`` = 412.3 GFLOP, backward ``4 R K N`` (dx + dw).
+
+Variants: ``jax.lax.ragged_dot``, tokamax ``ragged_dot`` (Mosaic GPU; heuristic config and a
+few explicit ones), a dropless padded einsum at the largest group, and ours: `gmm` (Pallas
+Triton kernels over a tile-aligned permutation, `osworld_jax.model.kernels.grouped_matmul`),
+swept over tile configs. The permutation itself is outside every timed region (all variants get rows
+already sorted by expert); ours runs on ``Mp = R + E*(align-1)`` padded rows and is credited
+only the useful FLOPs.
+
+Usage (GPU)::
+
+    python benchmarks/moe_gemm.py [--alpha 4] [--quick] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from osworld_jax.model.kernels import grouped_matmul as G  # noqa: E402
+
+
+def bench(fn: Callable, *args, reps: int = 10, warmup: int = 2) -> float:
+    """Median wall time (s) of ``fn(*args)`` with a device sync after each call."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def rel_err(a, b) -> float:
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+@dataclasses.dataclass
+class Case:
+    rows: int
+    experts: int
+    k: int
+    n: int
+    sizes: np.ndarray
+
+    @property
+    def fwd_flops(self) -> float:
+        return 2.0 * self.rows * self.k * self.n
+
+    @property
+    def bytes_fwd(self) -> float:
+        return 2.0 * (self.rows * self.k + self.experts * self.k * self.n + self.rows * self.n)
+
+
+def make_sizes(rows: int, experts: int, alpha: float, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    p = rng.dirichlet(np.full(experts, alpha))
+    return rng.multinomial(rows, p).astype(np.int32)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--alpha", type=float, default=4.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="fewer sweep configs")
+    ap.add_argument("--skip-slow", action="store_true", help="skip lax.ragged_dot timing")
+    ap.add_argument("--json", type=str, default=None)
+    ap.add_argument("--ceiling-n", type=int, default=8192, help="dense matmul size (ceiling)")
+    args = ap.parse_args()
+
+    rows = args.tokens * args.top_k
+    sizes = make_sizes(rows, args.experts, args.alpha, args.seed)
+    case = Case(rows, args.experts, args.hidden, args.inter, sizes)
+    print(
+        f"device={jax.devices()[0].device_kind} jax={jax.__version__} R={rows} E={args.experts} "
+        f"K={args.hidden} N={args.inter} alpha={args.alpha} max/mean group="
+        f"{sizes.max() / sizes.mean():.2f} min={sizes.min()} max={sizes.max()}",
+        flush=True,
+    )
+    fl = case.fwd_flops
+    print(
+        f"two numbers: fwd {fl / 1e9:.1f} GFLOP, {case.bytes_fwd / 1e9:.2f} GB min traffic; "
+        f"bwd {2 * fl / 1e9:.1f} GFLOP",
+        flush=True,
+    )
+    results: dict[str, dict] = {}
+
+    def record(name, fwd_s=None, bwd_s=None, **extra):
+        r = dict(extra)
+        if fwd_s is not None:
+            r["fwd_ms"] = fwd_s * 1e3
+            r["fwd_tflops"] = fl / fwd_s / 1e12
+        if bwd_s is not None:
+            r["bwd_ms"] = bwd_s * 1e3
+            r["bwd_tflops"] = 2 * fl / bwd_s / 1e12
+        results[name] = r
+        print(
+            name, {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}, flush=True
+        )
+
+    def attempt(name, fn):
+        try:
+            fn()
+        except Exception as e:  # keep the remaining variants running
+            traceback.print_exc(limit=3)
+            results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            print(name, "FAILED", results[name]["error"], flush=True)
+
+    keys = jax.random.split(jax.random.key(args.seed), 8)
+    dt = jnp.bfloat16
+    x = jax.random.normal(keys[0], (rows, args.hidden), dt)
+    w = (
+        jax.random.normal(keys[1], (args.experts, args.hidden, args.inter), jnp.float32) * 0.02
+    ).astype(dt)
+    dy = jax.random.normal(keys[2], (rows, args.inter), dt)
+    gs = jnp.asarray(sizes)
+
+    # ceiling: dense 8192^3
+    def ceiling():
+        n = args.ceiling_n
+        a = jax.random.normal(keys[3], (n, n), dt)
+        b = jax.random.normal(keys[4], (n, n), dt)
+        f = jax.jit(lambda a, b: a @ b)
+        t = bench(f, a, b, reps=20)
+        record("dense_8192^3", tflops=2 * n**3 / t / 1e12, ms=t * 1e3)
+
+    attempt("dense_8192^3", ceiling)
+
+    # copy bandwidth ceiling
+    def copy_bw():
+        a = jax.random.normal(keys[5], (args.ceiling_n**2 * 16,), dt)  # 2 GiB at 8192
+        f = jax.jit(lambda a: a * 2)
+        t = bench(f, a, reps=20)
+        record("copy_bw", gbps=2 * a.nbytes / t / 1e9)
+
+    attempt("copy_bw", copy_bw)
+
+    def vjp_of(f):
+        def g(x, w, dy):
+            _, pull = jax.vjp(f, x, w)
+            return pull(dy)
+
+        return jax.jit(g)
+
+    ref_out = {}
+
+    # jax.lax.ragged_dot
+    def ragged():
+        f = jax.jit(lambda x, w: jax.lax.ragged_dot(x, w, gs))
+        ref_out["y"] = f(x, w)
+        b = vjp_of(lambda x, w: jax.lax.ragged_dot(x, w, gs))
+        ref_out["dx"], ref_out["dw"] = b(x, w, dy)
+        if args.skip_slow:
+            return
+        record(
+            "lax.ragged_dot", bench(f, x, w, reps=3, warmup=1), bench(b, x, w, dy, reps=2, warmup=1)
+        )
+
+    attempt("lax.ragged_dot", ragged)
+
+    # dropless padded einsum at the largest group
+    def einsum():
+        cap = int(sizes.max())
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        idx = np.full((args.experts, cap), rows, np.int32)
+        for e in range(args.experts):
+            idx[e, : sizes[e]] = starts[e] + np.arange(sizes[e])
+        x_ext = jnp.concatenate([x, jnp.zeros((1, args.hidden), dt)])
+        xp = x_ext[jnp.asarray(idx)]  # [E, cap, K]
+        dyp = jnp.concatenate([dy, jnp.zeros((1, args.inter), dt)])[jnp.asarray(idx)]
+        f = jax.jit(lambda x, w: jnp.einsum("eck,ekn->ecn", x, w))
+        b = vjp_of(lambda x, w: jnp.einsum("eck,ekn->ecn", x, w))
+        record(
+            "einsum_padded_max",
+            bench(f, xp, w),
+            bench(b, xp, w, dyp),
+            padded_rows=args.experts * cap,
+        )
+
+    attempt("einsum_padded_max", einsum)
+
+    # tokamax
+    def tokamax_variants():
+        import tokamax
+        from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as tpm
+        from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu_common as tpc
+
+        f = jax.jit(lambda x, w: tokamax.ragged_dot(x, w, gs))
+        y = f(x, w)
+        b = vjp_of(lambda x, w: tokamax.ragged_dot(x, w, gs))
+        dx, dw = b(x, w, dy)
+        errs = {}
+        if "y" in ref_out:
+            errs = dict(
+                err_y=rel_err(y, ref_out["y"]),
+                err_dx=rel_err(dx, ref_out["dx"]),
+                err_dw=rel_err(dw, ref_out["dw"]),
+            )
+        record("tokamax.ragged_dot(default)", bench(f, x, w), bench(b, x, w, dy), **errs)
+        M = tpc.MatmulDimension
+        for bm, bn, bk, st, pers, minor, tw in [
+            (128, 128, 64, 4, True, M.N, 1),
+            (128, 64, 128, 4, True, M.N, 1),
+            (128, 128, 128, 3, True, M.M, 1),
+            (64, 128, 128, 4, True, M.N, 2),
+        ]:
+            name = f"tokamax.mosaic bm{bm} bn{bn} bk{bk} st{st} {minor.name}"
+
+            def one(bm=bm, bn=bn, bk=bk, st=st, pers=pers, minor=minor, tw=tw, name=name):
+                cfg = tpc.Config(
+                    block_m=bm,
+                    block_n=bn,
+                    block_k=bk,
+                    num_stages=st,
+                    split_k=1,
+                    persistent=pers,
+                    grid_minor_dim=minor,
+                    grid_tile_width=tw,
+                )
+                op = tpm.PallasMosaicGpuRaggedDot(config=cfg)
+                fo = jax.jit(lambda x, w: op(x, w, group_sizes=gs))
+                yo = fo(x, w)
+                record(name, bench(fo, x, w), err_y=rel_err(yo, y))
+
+            attempt(name, one)
+
+    attempt("tokamax", tokamax_variants)
+
+    # ours
+    n_layout = {}
+
+    def layout(align):
+        if align in n_layout:
+            return n_layout[align]
+        experts = np.repeat(np.arange(args.experts, dtype=np.int32), sizes)
+        plan = jax.jit(functools.partial(G.tile_plan, num_experts=args.experts, align=align))(
+            jnp.asarray(experts).reshape(rows, 1)
+        )
+        # rows are already sorted: slot r of the sorted order is row r of x
+        xs = G.dispatch(x, plan.row_slot, plan.dest, 1)
+        dys = G.dispatch(dy, plan.row_slot, plan.dest, 1)
+        n_layout[align] = (plan, xs, dys)
+        return n_layout[align]
+
+    def ours(cfg: GmmConfigT, label: str, check: bool):
+        plan, xs, dys = layout(cfg.align)
+        groups = (plan.tile_expert, plan.group_start, plan.group_tiles)
+        f = jax.jit(lambda xs, w: G.gmm(xs, w, *groups, cfg))
+        b = vjp_of(lambda xs, w: G.gmm(xs, w, *groups, cfg))
+        y = f(xs, w)
+        dxs, dw = b(xs, w, dys)
+        extra = {"padded_rows": int(xs.shape[0])}
+        if check and "y" in ref_out:
+            extra.update(
+                err_y=rel_err(y[plan.dest], ref_out["y"]),
+                err_dx=rel_err(dxs[plan.dest], ref_out["dx"]),
+                err_dw=rel_err(dw, ref_out["dw"]),
+            )
+        record(label, bench(f, xs, w), bench(b, xs, w, dys), **extra)
+
+    def ours_parts(cfg, label):
+        """Time the three kernels separately (fwd nn, dx tn, dw) for the sweep."""
+        plan, xs, dys = layout(cfg.align)
+        fwd = jax.jit(lambda xs, w: G._mm(xs, w, plan.tile_expert, cfg, trans_rhs=False))
+        dxk = jax.jit(lambda d, w: G._mm(d, w, plan.tile_expert, cfg, trans_rhs=True))
+        dwk = jax.jit(
+            lambda xs, d: G._dw(xs, d, plan.group_start, plan.group_tiles, args.experts, dt, cfg)
+        )
+        tf, tx, tw = bench(fwd, xs, w), bench(dxk, dys, w), bench(dwk, xs, dys)
+        record(
+            label,
+            tf,
+            tx + tw,
+            dx_ms=tx * 1e3,
+            dx_tflops=fl / tx / 1e12,
+            dw_ms=tw * 1e3,
+            dw_tflops=fl / tw / 1e12,
+        )
+        return tf, tx, tw
+
+    GmmConfigT = G.GmmConfig
+    mm_cfgs = [
+        # (align, bm, bn, bk, warps, stages)
+        (128, 128, 128, 64, 4, 4),
+        (128, 128, 128, 64, 8, 4),
+        (128, 128, 256, 64, 8, 3),
+        (128, 128, 256, 64, 8, 4),
+        (128, 128, 128, 128, 8, 3),
+        (128, 64, 256, 64, 4, 4),
+        (256, 256, 128, 64, 8, 3),
+    ]
+    dw_cfgs = [
+        # (dw_bm, dw_bn, dw_bt, warps, stages)
+        (128, 128, 64, 4, 4),
+        (128, 128, 64, 8, 3),
+        (128, 256, 64, 8, 3),
+        (128, 128, 128, 8, 3),
+        (256, 128, 64, 8, 3),
+        (64, 256, 64, 4, 4),
+    ]
+    if args.quick:
+        mm_cfgs, dw_cfgs = mm_cfgs[:3], dw_cfgs[:3]
+    best = {"fwd": (1e9, None), "dx": (1e9, None), "dw": (1e9, None)}
+    for i, (al, bm, bn, bk, nw, ns) in enumerate(mm_cfgs):
+        dwc = dw_cfgs[min(i, len(dw_cfgs) - 1)]
+        cfg = G.GmmConfig(
+            align=al,
+            block_m=bm,
+            block_n=bn,
+            block_k=bk,
+            num_warps=nw,
+            num_stages=ns,
+            dw_block_m=dwc[0],
+            dw_block_n=dwc[1],
+            dw_block_t=min(dwc[2], al),
+            dw_num_warps=dwc[3],
+            dw_num_stages=dwc[4],
+        )
+        dwl = "x".join(map(str, dwc[:3])) + f"w{dwc[3]}s{dwc[4]}"
+        label = f"ours.parts a{al} mm{bm}x{bn}x{bk}w{nw}s{ns} dw{dwl}"
+
+        def run_parts(cfg=cfg, label=label):
+            tf, tx, tw = ours_parts(cfg, label)
+            for key, t in (("fwd", tf), ("dx", tx), ("dw", tw)):
+                if t < best[key][0]:
+                    best[key] = (t, cfg)
+
+        attempt(label, run_parts)
+
+    if best["fwd"][1] is not None and best["dw"][1] is not None:
+        bf, bd = best["fwd"][1], best["dw"][1]
+        cfg = dataclasses.replace(
+            bf,
+            dw_block_m=bd.dw_block_m,
+            dw_block_n=bd.dw_block_n,
+            dw_block_t=min(bd.dw_block_t, bf.align),
+            dw_num_warps=bd.dw_num_warps,
+            dw_num_stages=bd.dw_num_stages,
+        )
+        print("best config:", cfg, flush=True)
+        results["best_config"] = dataclasses.asdict(cfg)
+        attempt("ours.gmm(best)", lambda: ours(cfg, "ours.gmm(best)", check=True))
+        attempt(
+            "ours.gmm(default)", lambda: ours(G.DEFAULT_CONFIG, "ours.gmm(default)", check=True)
+        )
+
+    print("\n| variant | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | notes |")
+    print("|---|---|---|---|---|---|")
+    for name, r in results.items():
+        if name == "best_config":
+            continue
+        notes = {
+            k: (round(v, 4) if isinstance(v, float) else v)
+            for k, v in r.items()
+            if k not in ("fwd_ms", "fwd_tflops", "bwd_ms", "bwd_tflops")
+        }
+
+        def fmt(k, r=r):
+            return f"{r[k]:.3f}" if k in r else "-"
+
+        print(
+            f"| {name} | {fmt('fwd_ms')} | {fmt('fwd_tflops')} | {fmt('bwd_ms')} | "
+            f"{fmt('bwd_tflops')} | {notes} |"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
