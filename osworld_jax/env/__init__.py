@@ -1,8 +1,9 @@
 """osworld_jax.env room: OSWorld tasks, sandboxes, AgentEnv, actions, evaluators (no jax).
 
 See docs/INTERFACES.md. Public names are imported on first use. Backends register in
-``BACKENDS`` when their module is imported: ``memory`` (``osworld_jax.env.testing``) and ``local``
-(``osworld_jax.env.local``); ``load_backends()`` / ``make_backend(name)`` import them.
+``BACKENDS`` when their module is imported: ``memory`` (``osworld_jax.env.testing``), ``local``
+(``osworld_jax.env.local``), ``remote`` (``osworld_jax.env.remote``) and ``osworld``
+(``osworld_jax.env.osworld_adapter``); ``load_backends()`` / ``make_backend(name)`` import them.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ if TYPE_CHECKING:
     )
     from osworld_jax.env.bundled import bundled_task_dir, bundled_tasks_dir
     from osworld_jax.env.evaluators import GETTERS, METRICS, evaluate_task
+    from osworld_jax.env.osworld_adapter import OSWorldBackend, OSWorldBackendConfig
     from osworld_jax.env.protocol import VMProtocol
+    from osworld_jax.env.remote import RemoteBackend, RemoteBackendConfig
     from osworld_jax.env.setup import SETUP_STEPS, run_setup
     from osworld_jax.env.tasks import (
         EvaluatorSpec,
@@ -96,10 +99,19 @@ _EXPORTS = {
     "to_pyautogui": "osworld_jax.env.actions",
     "word_task": "osworld_jax.env.testing",
     "write_word_tasks": "osworld_jax.env.testing",
+    "RemoteBackend": "osworld_jax.env.remote",
+    "RemoteBackendConfig": "osworld_jax.env.remote",
+    "OSWorldBackend": "osworld_jax.env.osworld_adapter",
+    "OSWorldBackendConfig": "osworld_jax.env.osworld_adapter",
 }
 
 # Backends living in optional sub-packages: name -> module that registers it on import.
-_OPTIONAL_BACKENDS = {"local": "osworld_jax.env.local", "memory": "osworld_jax.env.testing"}
+_OPTIONAL_BACKENDS = {
+    "local": "osworld_jax.env.local",
+    "memory": "osworld_jax.env.testing",
+    "remote": "osworld_jax.env.remote",
+    "osworld": "osworld_jax.env.osworld_adapter",
+}
 
 
 def load_backends(*names: str) -> None:
@@ -168,4 +180,8 @@ __all__ = [
     "runnable_tasks",
     "word_task",
     "write_word_tasks",
+    "RemoteBackend",
+    "RemoteBackendConfig",
+    "OSWorldBackend",
+    "OSWorldBackendConfig",
 ]
