@@ -32,6 +32,8 @@ from osworld_jax.rollout.wire import encode_routed_experts
 log = logging.getLogger(__name__)
 
 TOP_K_ALL = 1 << 30
+#: Batched prefills hold at most this many (padded) tokens.
+PREFILL_BATCH_TOKENS = 8192
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +56,8 @@ class EngineConfig:
       min_bucket: smallest prefill / attention-length bucket (fewer compiles when larger).
       min_decode_batch: smallest decode batch bucket (a decode step runs the first ``b``
         slots, ``b`` a power of two >= this and covering every live slot).
+      max_prefill_batch: most admitted requests of one length bucket prefilled in one call
+        (padded to this many rows; a lone request runs alone; long buckets run one by one).
     """
 
     model_path: str
@@ -67,6 +71,7 @@ class EngineConfig:
     seed: int = 0
     min_bucket: int = 16
     min_decode_batch: int = 1
+    max_prefill_batch: int = 8
 
 
 @dataclass(kw_only=True, eq=False)
@@ -420,6 +425,7 @@ class Engine:
         )
 
     def _admit(self) -> None:
+        admitted: list[GenRequest] = []
         while self.waiting and None in self.slots:
             req = self.waiting.popleft()
             slot = self.slots.index(None)
@@ -428,14 +434,28 @@ class Engine:
             self._temp[slot], self._top_p[slot] = req.temperature, req.top_p
             self._top_k[slot], self._min_p[slot] = req.top_k, req.min_p
             self._keys[slot] = req.key
-            # A retracted request resumes from prompt + output (its last token not yet fed).
-            prompt = req.input_ids + req.output_ids
-            samp = self._sampling([slot], [req])
-            tok, lp, routes, hidden = self.runner.prefill(slot, prompt, samp)
+            admitted.append(req)
+        # Same prefill bucket -> one batched call (at most max_prefill_batch rows).
+        groups: dict[int, list[GenRequest]] = collections.defaultdict(list)
+        for req in admitted:
+            groups[self.runner.prefill_bucket(len(req.input_ids) + len(req.output_ids))].append(req)
+        for bucket, group in groups.items():
+            # Batch short prompts only: padding rows of long ones would waste whole prefills.
+            step = max(1, min(self.config.max_prefill_batch, PREFILL_BATCH_TOKENS // bucket))
+            for i in range(0, len(group), step):
+                self._prefill(group[i : i + step], step)
+
+    def _prefill(self, reqs: list[GenRequest], max_rows: int) -> None:
+        # A retracted request resumes from prompt + output (its last token not yet fed).
+        prompts = [r.input_ids + r.output_ids for r in reqs]
+        slots = [r.slot for r in reqs]
+        assert all(s is not None for s in slots)
+        samp = self._sampling(slots, list(reqs))  # type: ignore[arg-type]
+        results = self.runner.prefill(slots, prompts, samp, max_rows)  # type: ignore[arg-type]
+        for req, prompt, (tok, lp, routes, hidden) in zip(reqs, prompts, results, strict=True):
             if req.return_logprob and req.logprob_start_len >= 0 and req.input_logprobs is None:
                 req.input_logprobs = self.runner.prompt_logprobs(hidden, req.input_ids)
-            have = req.num_route_rows
-            req.routes.append(routes[have:])
+            req.routes.append(routes[req.num_route_rows :])
             req.num_route_rows = len(prompt)
             self._append(req, tok, lp)
 

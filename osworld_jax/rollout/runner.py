@@ -68,14 +68,15 @@ def _sample(params: Any, hidden: jax.Array, samp: dict[str, jax.Array], config: 
 # Module-level jits with the (hashable, frozen) configs static: every runner of the same
 # architecture in a process shares the compiled buckets.
 @functools.partial(jax.jit, static_argnames=("config", "runtime"), donate_argnames=("cache",))
-def _prefill(params, cache, slot, tokens, length, samp, *, config, runtime):
-    s = tokens.shape[1]
-    sub = KVCache(
-        jax.lax.dynamic_slice_in_dim(cache.k, slot, 1, axis=1)[:, :, :s],
-        jax.lax.dynamic_slice_in_dim(cache.v, slot, 1, axis=1)[:, :, :s],
-    )  # [L, 1, S, KV, D]
-    positions = jnp.arange(s, dtype=jnp.int32)[None]  # [1, S]; padding sits past `length`
-    segment_ids = (positions < length).astype(jnp.int32)
+def _prefill(params, cache, slots, tokens, lengths, samp, *, config, runtime):
+    p, s = tokens.shape
+    # A prefill writes every position in [0, S) of its rows (padding sits past `length`) and
+    # attends only to j <= position < S, so it starts from a zero cache and never reads the
+    # slots' stale contents.
+    shape = (cache.k.shape[0], p, s, *cache.k.shape[3:])
+    sub = KVCache(jnp.zeros(shape, cache.k.dtype), jnp.zeros(shape, cache.v.dtype))
+    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (p, s))  # [P, S]
+    segment_ids = (positions < lengths[:, None]).astype(jnp.int32)
     out = forward(
         params,
         config,
@@ -86,11 +87,12 @@ def _prefill(params, cache, slot, tokens, length, samp, *, config, runtime):
         kv_cache=sub,
         return_logits=False,
     )
-    last = jax.lax.dynamic_slice_in_dim(out.hidden[0], length - 1, 1, axis=0)  # [1, H]
+    last = jnp.take_along_axis(out.hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [P, H]
     tok, lp = _sample(params, last, samp, config)
-    new_k = jax.lax.dynamic_update_slice(cache.k, out.kv_cache.k, (0, slot, 0, 0, 0))
-    new_v = jax.lax.dynamic_update_slice(cache.v, out.kv_cache.v, (0, slot, 0, 0, 0))
-    return tok[0], lp[0], out.routed_experts[0], out.hidden[0], KVCache(new_k, new_v)
+    # Padding rows carry slot index num_slots: their writes drop.
+    new_k = cache.k.at[:, slots, :s].set(out.kv_cache.k, mode="drop")
+    new_v = cache.v.at[:, slots, :s].set(out.kv_cache.v, mode="drop")
+    return tok, lp, out.routed_experts, out.hidden, KVCache(new_k, new_v)
 
 
 @functools.partial(
@@ -218,32 +220,47 @@ class ModelRunner:
         return next_pow2(length, self.min_bucket)
 
     def prefill(
-        self, slot: int, prompt: list[int], samp: SlotSampling
-    ) -> tuple[int, float, np.ndarray, jax.Array]:
-        """Writes ``prompt`` into ``slot``'s cache and samples the first output token.
+        self, slots: list[int], prompts: list[list[int]], samp: SlotSampling, max_rows: int = 1
+    ) -> list[tuple[int, float, np.ndarray, jax.Array]]:
+        """Writes each prompt into its slot's cache and samples its first output token.
+
+        Several prompts are padded to ``max_rows`` rows (padding rows write nowhere; one prompt
+        runs alone) and to the longest prompt's bucket. ``samp`` has one row per prompt.
 
         Returns:
-          (token, its logprob, routes i32[len(prompt), L, K] of the prompt tokens, the device
-          hidden states [S, H] for optional prompt logprobs).
+          per prompt: (token, its logprob, routes i32[len(prompt), L, K] of the prompt tokens,
+          the device hidden states [S, H] for optional prompt logprobs).
         """
-        p = len(prompt)
-        s = self.prefill_bucket(p)
+        n = len(prompts)
+        rows = 1 if n == 1 else max(n, max_rows)  # two row buckets per length: 1 and max_rows
+        s = self.prefill_bucket(max(len(q) for q in prompts))
         if s > self.slot_len:
-            raise EngineError(f"prompt of {p} tokens exceeds the slot length {self.slot_len}")
-        tokens = np.zeros((1, s), np.int32)
-        tokens[0, :p] = prompt
+            raise EngineError(f"prompt of {s} tokens exceeds the slot length {self.slot_len}")
+        tokens = np.zeros((rows, s), np.int32)
+        lengths = np.ones((rows,), np.int32)
+        slot_ids = np.full((rows,), self.num_slots, np.int32)
+        for i, (slot, q) in enumerate(zip(slots, prompts, strict=True)):
+            tokens[i, : len(q)] = q
+            lengths[i], slot_ids[i] = len(q), slot
+        arrays = self._samp(samp)
+        padded = {
+            k: np.concatenate([v, np.repeat(v[:1], rows - n, axis=0)]) for k, v in arrays.items()
+        }
         tok, lp, routes, hidden, self.cache = _prefill(
             self.params,
             self.cache,
-            np.int32(slot),
+            slot_ids,
             tokens,
-            np.int32(p),
-            self._samp(samp),
+            lengths,
+            padded,
             config=self.config,
             runtime=self.runtime,
         )
         tok, lp, routes = jax.device_get((tok, lp, routes))
-        return int(tok), float(lp), np.asarray(routes[:p]), hidden
+        return [
+            (int(tok[i]), float(lp[i]), np.asarray(routes[i, : len(q)]), hidden[i])
+            for i, q in enumerate(prompts)
+        ]
 
     def prompt_logprobs(self, hidden: jax.Array, prompt: list[int]) -> np.ndarray:
         """Prompt logprobs at temperature 1 (SGLang's ``input_token_logprobs``).

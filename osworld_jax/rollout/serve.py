@@ -43,6 +43,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--min-bucket", type=int, default=16)
     p.add_argument("--min-decode-batch", type=int, default=1)
+    p.add_argument("--max-prefill-batch", type=int, default=8)
     p.add_argument("--skip-server-warmup", action="store_true", help="accepted for parity")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
@@ -72,6 +73,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.random_seed,
         min_bucket=args.min_bucket,
         min_decode_batch=args.min_decode_batch,
+        max_prefill_batch=args.max_prefill_batch,
     )
 
 
