@@ -1,0 +1,83 @@
+"""Config validation (from the algorithms registries), LR schedules, the benchmark formula."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from osworld_jax.errors import ConfigError
+from osworld_jax.trainer import CheckpointConfig, OptimizerConfig, TrainerConfig, make_schedule
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(gate="kl"), "TrainerConfig.gate: unknown policy-loss gate 'kl'"),
+        (dict(agg_mode="mean"), "TrainerConfig.agg_mode: unknown loss aggregation mode 'mean'"),
+        (dict(gate_level="row"), "TrainerConfig.gate_level"),
+        (dict(num_micro_batches=0), "TrainerConfig.num_micro_batches"),
+        (dict(logprob_chunk=0), "TrainerConfig.logprob_chunk"),
+        (dict(ratio_clip=(0.8,)), "TrainerConfig.ratio_clip"),
+    ],
+)
+def test_trainer_config_errors_name_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=field.replace("(", r"\(")):
+        TrainerConfig(**kwargs)
+
+
+def test_other_config_errors():
+    with pytest.raises(ConfigError, match="OptimizerConfig.schedule"):
+        OptimizerConfig(schedule="linear")
+    with pytest.raises(ConfigError, match="OptimizerConfig.decay_steps"):
+        OptimizerConfig(schedule="cosine", warmup_steps=10, decay_steps=10)
+    with pytest.raises(ConfigError, match="CheckpointConfig.keep"):
+        CheckpointConfig(keep=0)
+    assert OptimizerConfig().learning_rate == 5e-6 and OptimizerConfig().max_grad_norm == 1.0
+
+
+def test_warmup_then_constant():
+    lr = make_schedule(OptimizerConfig(learning_rate=1e-3, warmup_steps=4))
+    # linear warmup s/4 * peak, then flat.
+    np.testing.assert_allclose(
+        [lr(s) for s in range(7)], [0, 2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3], rtol=1e-6
+    )
+
+
+def test_warmup_then_cosine():
+    cfg = OptimizerConfig(
+        learning_rate=1e-3, warmup_steps=2, schedule="cosine", decay_steps=6, min_lr_ratio=0.1
+    )
+    lr = make_schedule(cfg)
+    # after warmup u = min((s - 2) / 4, 1): peak * (0.1 + 0.9 * (1 + cos(pi u)) / 2)
+    u = [min((s - 2) / 4, 1.0) for s in range(2, 8)]
+    expect = [1e-3 * (0.1 + 0.9 * (1 + np.cos(np.pi * x)) / 2) for x in u]
+    np.testing.assert_allclose([lr(s) for s in range(2, 8)], expect, rtol=1e-6)
+    assert float(lr(1)) == pytest.approx(5e-4)
+
+
+def _bench_module():
+    path = Path(__file__).parents[2] / "benchmarks" / "train_step.py"
+    spec = importlib.util.spec_from_file_location("bench_train_step", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_active_params_and_flops_by_hand():
+    bench = _bench_module()
+    cfg = bench.CONFIGS["bench-moe"].model
+    # lm_head 2048*151936 = 311,164,928; final_norm 2048; input embedding excluded.
+    # attention/layer: q,o 2*2048*32*128 + k,v 2*2048*4*128 + norms 2048+128+128+2048
+    #   = 18,878,720; x 8 layers = 151,029,760.
+    # MoE/layer: router 2048*128 = 262,144 + experts 3*128*2048*768 * 8/128 = 37,748,736
+    #   = 38,010,880; x 8 = 304,087,040.
+    active = 311_164_928 + 2048 + 151_029_760 + 304_087_040
+    total, got = bench.active_params(cfg)
+    assert got == active == 766_283_776
+    assert total == active + 311_164_928 + 8 * 603_979_776 * 120 // 128
+    b, s = 4, 4096
+    expect = 6 * active * b * s + 12 * 8 * b * s**2 * 32 * 128 / 2
+    assert bench.model_flops(cfg, b, s) == expect
