@@ -400,10 +400,8 @@ class LocalBackend(SandboxBackend):
             self._top_up_pool()
             self._desktops[desktop.id] = desktop
             try:
-                if populate is not None:
-                    for sub in ("home", "tmp", "work"):
-                        if (populate / sub).exists():
-                            await _copy_tree(populate / sub, desktop.dir / sub, contents=True)
+                if populate is not None:  # merge home/, tmp/, work/ into the live directories
+                    await _copy_tree(populate, dst=desktop.dir, contents=True)
             except BaseException:
                 await self._discard(desktop)
                 raise
@@ -416,7 +414,7 @@ class LocalBackend(SandboxBackend):
         if populate is None:
             LocalDesktop.make_dirs(sdir, self._host_uid)
         else:
-            await _copy_tree(populate, sdir)
+            await _copy_tree(populate, dst=sdir)
             for sub in ("run", "log"):
                 (sdir / sub).mkdir(exist_ok=True)
                 if self._host_uid is not None:
@@ -525,9 +523,8 @@ class LocalBackend(SandboxBackend):
         root, _ = self._ensure_dirs()
         snap = root / f"_snap-{sandbox.id}-{uuid.uuid4().hex[:6]}"
         snap.mkdir(mode=0o711)
-        for sub in ("home", "tmp", "work"):
-            if (sandbox.desktop.dir / sub).exists():
-                await _copy_tree(sandbox.desktop.dir / sub, snap / sub)
+        subs = [sandbox.desktop.dir / s for s in ("home", "tmp", "work")]
+        await _copy_tree(*[p for p in subs if p.exists()], dst=snap)
         await asyncio.to_thread(_drop_session_files, snap / "tmp")
         return snap
 
@@ -609,23 +606,30 @@ def _untraversable_ancestor(path: Path, uid: int | None) -> Path | None:
     return None
 
 
-async def _copy_tree(src: Path, dst: Path, *, contents: bool = False) -> None:
-    """``cp -a`` (ownership, modes, timestamps, symlinks kept; reflinks where the FS has them).
+async def _copy_tree(*srcs: Path, dst: Path, contents: bool = False) -> None:
+    """One ``cp -a`` (ownership, modes, timestamps, symlinks kept; reflinks where possible).
 
-    ``contents``: copy what ``src`` holds into the existing directory ``dst``.
+    One source and no existing ``dst``: ``dst`` becomes a copy of it. Several sources: copied into
+    the existing directory ``dst``. ``contents``: what the single source holds is merged into the
+    existing directory ``dst``.
     """
+    if contents:
+        args = [f"{srcs[0]}/.", str(dst)]
+    elif len(srcs) == 1:
+        args = [str(srcs[0]), str(dst)]
+    else:
+        args = [*map(str, srcs), f"{dst}/"]
     proc = await asyncio.create_subprocess_exec(
         "cp",
         "-a",
         "--reflink=auto",
-        f"{src}/." if contents else str(src),
-        str(dst),
+        *args,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
     )
     _, err = await proc.communicate()
     if proc.returncode != 0:
-        raise SandboxCreateError(f"copy {src} -> {dst} failed: {err.decode(errors='replace')}")
+        raise SandboxCreateError(f"copy {srcs} -> {dst} failed: {err.decode(errors='replace')}")
 
 
 def _drop_session_files(tmp: Path) -> None:
