@@ -20,8 +20,9 @@ or a dropped connection, is retried with exponential backoff
 (full jitter) that honours ``Retry-After``; a 500 is retried only for idempotent requests (GET,
 DELETE), since a create that failed server-side may still have created something (those are
 found by their metadata tag and deleted at ``aclose``). A refused certificate is never retried.
-The token goes only to the lifecycle API, in ``RemoteBackendConfig.auth_header``; it is never
-logged and any echo of it in a reply is redacted from error messages.
+The token goes only to the lifecycle API, in ``RemoteBackendConfig.auth_header`` (redirects are
+not followed); it is never logged (a filter on this module's logger redacts it from any record,
+as defence in depth) and any echo of it in a reply is redacted from error messages.
 """
 
 from __future__ import annotations
@@ -104,6 +105,28 @@ class Secret:
         raise TypeError("a Secret cannot be pickled")
 
 
+class _RedactingFilter(logging.Filter):
+    """Replaces the registered secrets in every record of the remote backend's logger."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.secrets: dict[int, Secret] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.secrets:
+            text = record.getMessage()
+            clean = text
+            for secret in list(self.secrets.values()):
+                clean = secret.redact(clean)
+            if clean != text:
+                record.msg, record.args = clean, ()
+        return True
+
+
+REDACTOR = _RedactingFilter()
+_log.addFilter(REDACTOR)
+
+
 class RateLimiter:
     """A token bucket: ``burst`` acquisitions at once, then ``rate`` per second (FIFO).
 
@@ -181,6 +204,7 @@ class SandboxServiceClient:
         self._base = config.base_url.rstrip("/")
         self._session = aiohttp.ClientSession(connector=connector, connector_owner=False)
         self._rng = random.Random()
+        REDACTOR.secrets[id(self)] = token  # defence in depth: never in a log record
 
     def __repr__(self) -> str:
         return f"SandboxServiceClient(base_url={self._base!r}, token={self._token!r})"
@@ -243,6 +267,7 @@ class SandboxServiceClient:
                     json=body,
                     headers=self._headers(),
                     ssl=self._ssl,
+                    allow_redirects=False,  # the token must not follow a redirect elsewhere
                     timeout=timeout,
                 ) as resp:
                     raw = await resp.read()
@@ -397,6 +422,7 @@ class SandboxServiceClient:
 
     async def aclose(self) -> None:
         """Closes the session (the shared connector stays with its owner)."""
+        REDACTOR.secrets.pop(id(self), None)
         await self._session.close()
 
 

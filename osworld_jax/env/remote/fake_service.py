@@ -185,6 +185,8 @@ class FakeFaults:
         its host died) and is answered 404.
       echo_auth_in_errors: injected error bodies echo the API token they received (to test the
         client's redaction).
+      endpoint_scheme: a scheme the endpoint reply starts with ("" like OpenSandbox, or e.g.
+        ``http://`` to offer a plain-text endpoint the client must refuse).
       seed: seed of the error-rate RNG.
     """
 
@@ -200,6 +202,7 @@ class FakeFaults:
     snapshot_delay_s: float = 0.0
     lose_marker: str | None = "LOSE-THIS-SANDBOX"
     echo_auth_in_errors: bool = False
+    endpoint_scheme: str = ""
     seed: int = 0
 
 
@@ -538,7 +541,8 @@ class FakeSandboxService:
         port = request.match_info["port"]
         return web.json_response(
             {
-                "endpoint": f"127.0.0.1:{self.port}/v1/sandboxes/{sb.id}/proxy/{port}",
+                "endpoint": f"{self.faults.endpoint_scheme}127.0.0.1:{self.port}"
+                f"/v1/sandboxes/{sb.id}/proxy/{port}",
                 "headers": {SANDBOX_HEADER: sb.token},
             }
         )

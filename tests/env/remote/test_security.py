@@ -2,7 +2,9 @@
 the token never reaches logs, reprs or error messages."""
 
 import asyncio
+import email.utils
 import logging
+import time
 
 import pytest
 
@@ -13,6 +15,7 @@ from osworld_jax.env.remote import (
     check_ca_bundle,
     pinned_ssl_context,
 )
+from osworld_jax.env.remote.api import retry_after_s
 from osworld_jax.env.remote.fake_service import FakeFaults, FakeSandboxService
 from osworld_jax.env.testing import word_task
 
@@ -76,6 +79,35 @@ def test_token_absent_from_logs_reprs_and_errors(pki, caplog):
     joined = "\n".join(texts) + caplog.text
     assert "retry" in caplog.text  # the retries were logged...
     assert TOKEN not in joined  # ...without the token
+
+
+def test_log_records_are_redacted_while_a_client_is_open(pki, caplog):
+    caplog.set_level(logging.INFO, logger="osworld_jax.env.remote")
+
+    async def main():
+        async with service_and_backend(pki) as (_, be):
+            be._client()
+            logging.getLogger("osworld_jax.env.remote").warning("echo %s here", TOKEN)
+
+    asyncio.run(main())
+    assert "echo *** here" in caplog.text and TOKEN not in caplog.text
+
+
+def test_plain_http_endpoint_is_refused(pki):
+    async def main():
+        async with service_and_backend(pki, FakeFaults(endpoint_scheme="http://")) as (svc, be):
+            with pytest.raises(RemoteCreateError, match="plain http"):
+                await be.create(word_task("x"))
+            assert svc.stats.proxy_requests == 0 and svc.live_ids() == []
+
+    asyncio.run(main())
+
+
+def test_retry_after_parsing():
+    assert retry_after_s("3") == 3.0 and retry_after_s(" 0.5 ") == 0.5
+    assert retry_after_s(None) is None and retry_after_s("soon") is None
+    later = email.utils.formatdate(time.time() + 30, usegmt=True)
+    assert 25 <= retry_after_s(later) <= 31
 
 
 def test_missing_token_is_a_clear_error(pki, monkeypatch):
