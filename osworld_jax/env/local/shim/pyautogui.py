@@ -10,7 +10,6 @@ call, as PyAutoGUI does); durations are honoured by xdotool's own motion being i
 from __future__ import annotations
 
 import collections
-import os
 import subprocess
 import time
 
@@ -429,7 +428,3 @@ def sleep(seconds):
 def screenshot(*args, **kwargs):
     """Not available inside the sandbox: the observation already carries the screenshot."""
     raise NotImplementedError("pyautogui.screenshot is not available in the local sandbox")
-
-
-if "DISPLAY" not in os.environ:
-    os.environ["DISPLAY"] = ":0"
