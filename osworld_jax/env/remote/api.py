@@ -196,9 +196,10 @@ class SandboxServiceClient:
         *,
         ssl_context: ssl.SSLContext,
         connector: aiohttp.BaseConnector,
+        retries: dict[str, int] | None = None,
     ) -> None:
         self.config = config
-        self.retries: dict[str, int] = {}
+        self.retries: dict[str, int] = retries if retries is not None else {}
         self._token = token
         self._ssl = ssl_context
         self._base = config.base_url.rstrip("/")

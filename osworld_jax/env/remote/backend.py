@@ -237,7 +237,13 @@ class RemoteSandbox(Sandbox):
             self._closing = asyncio.ensure_future(
                 self._backend._release(self.id, self._session, self.work_dir)
             )
-        await asyncio.shield(self._closing)
+        closing = self._closing
+        try:
+            await asyncio.shield(closing)
+        except Exception:
+            if self._closing is closing:  # a failed delete may be retried by a later close
+                self._closing = None
+            raise
 
 
 @BACKENDS.register("remote")
@@ -290,10 +296,13 @@ class RemoteBackend(SandboxBackend):
                 limit=self.config.max_connections, limit_per_host=0, ssl=self._ssl
             )
             self._api = SandboxServiceClient(
-                self.config, token, ssl_context=self._ssl, connector=self._connector
+                self.config,
+                token,
+                ssl_context=self._ssl,
+                connector=self._connector,
+                retries=self.metrics.retries,
             )
             self._limiter = RateLimiter(self.config.max_creations_per_s, self.config.creation_burst)
-            self.metrics.retries = self._api.retries
         return self._api
 
     def _metadata(self) -> dict[str, str]:

@@ -37,7 +37,9 @@ class RemoteBackendConfig:
         client tag, used to find and delete leftovers).
       vm_port: the in-VM server's port inside the sandbox (OSWorld: 5000).
       boot_timeout_s: how long a sandbox may take from creation to a ready in-VM server (VMs take
-        minutes: generous by default); exceeding it raises ``SandboxTimeout``.
+        minutes: generous by default); exceeding it raises ``SandboxTimeout``. Keep it below
+        ``AgentEnvConfig.create_timeout_s``/``fork_timeout_s`` (default 600 s), which also cover
+        the task's setup, so that a slow boot reports as such.
       snapshot_timeout_s: how long a snapshot may take to become ready.
       poll_interval_s: pause between status polls of a booting sandbox or pending snapshot.
       request_timeout_s: socket connect/read limit of one lifecycle API request.
@@ -72,8 +74,8 @@ class RemoteBackendConfig:
     sandbox_ttl_s: int = 3600
     metadata: tuple[tuple[str, str], ...] = ()
     vm_port: int = 5000
-    boot_timeout_s: float = 900.0
-    snapshot_timeout_s: float = 900.0
+    boot_timeout_s: float = 420.0
+    snapshot_timeout_s: float = 300.0
     poll_interval_s: float = 2.0
     request_timeout_s: float = 60.0
     rpc_timeout_s: float = 120.0

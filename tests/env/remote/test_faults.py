@@ -7,7 +7,7 @@ import pytest
 
 from osworld_jax.env.agent_env import AgentEnv, AgentEnvConfig
 from osworld_jax.env.backend import SandboxTimeout
-from osworld_jax.env.remote.api import RateLimiter
+from osworld_jax.env.remote.api import RateLimiter, RemoteServiceError
 from osworld_jax.env.remote.fake_service import FakeFaults
 from osworld_jax.env.testing import word_task
 
@@ -191,5 +191,29 @@ def test_fork_creations_are_rate_limited(pki):
                 await s.close()
             assert elapsed >= 4 / 20 - 0.06
             assert be.metrics.creation_wait_s > 0
+
+    asyncio.run(main())
+
+
+def test_failed_delete_stays_in_inventory_until_aclose(pki):
+    async def main():
+        faults = FakeFaults()
+        async with service_and_backend(pki, faults, max_retries=1) as (svc, be):
+            sb = await be.create(word_task("x"))
+            faults.error_rate, faults.error_methods, faults.error_status = 1.0, ("DELETE",), 500
+            with pytest.raises(RemoteServiceError, match="HTTP 500 after 2 attempts"):
+                await sb.close()
+            assert be.inventory() == [sb.id] == svc.live_ids()  # not forgotten
+            faults.error_rate = 0.0
+            sb2 = await be.create(word_task("y"))
+            faults.error_rate = 1.0
+            with pytest.raises(RemoteServiceError):
+                await sb2.close()
+            faults.error_rate = 0.0
+            await sb2.close()  # a later close retries the delete
+            assert be.inventory() == [sb.id]
+            await be.aclose()
+            assert be.inventory() == [] and svc.live_ids() == []
+            assert be.metrics.leftovers_deleted == 1
 
     asyncio.run(main())
