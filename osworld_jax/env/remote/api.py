@@ -133,7 +133,7 @@ class RateLimiter:
     Attributes:
       rate: tokens per second.
       burst: bucket size.
-      waited_s: total time callers spent waiting (for metrics).
+      waited_s: total time the bucket made its head-of-line caller sleep.
     """
 
     def __init__(self, rate: float, burst: int) -> None:
@@ -144,8 +144,11 @@ class RateLimiter:
         self._stamp = time.monotonic()
         self._lock = asyncio.Lock()
 
-    async def acquire(self, n: int = 1) -> None:
-        """Takes ``n`` tokens, waiting for refills as needed."""
+    async def acquire(self, n: int = 1) -> float:
+        """Takes ``n`` tokens, waiting for refills as needed; returns the seconds this call waited
+        (queueing behind other callers included).
+        """  # noqa: D205
+        t0 = time.monotonic()
         async with self._lock:
             for _ in range(n):
                 while True:
@@ -158,6 +161,7 @@ class RateLimiter:
                     wait = (1.0 - self._tokens) / self.rate
                     self.waited_s += wait
                     await asyncio.sleep(wait)
+        return time.monotonic() - t0
 
 
 def retry_after_s(value: str | None) -> float | None:

@@ -100,7 +100,7 @@ class RemoteMetrics:
       leftovers_deleted: sandboxes deleted by ``aclose`` (not closed by their owner, or
         created by a request whose reply was lost).
       retries: lifecycle requests retried, by cause (``"429"``, ``"503"``, ``"connection"``...).
-      creation_wait_s: time spent waiting for the creation rate limit.
+      creation_wait_s: time creations spent waiting for the rate limit (summed over callers).
     """
 
     creates: int = 0
@@ -317,9 +317,7 @@ class RemoteBackend(SandboxBackend):
 
     async def _acquire_creations(self, n: int) -> None:
         assert self._limiter is not None
-        before = self._limiter.waited_s
-        await self._limiter.acquire(n)
-        self.metrics.creation_wait_s += self._limiter.waited_s - before
+        self.metrics.creation_wait_s += await self._limiter.acquire(n)
 
     async def _new_sandbox(
         self, snapshot_id: str | None = None, created: list[str] | None = None
@@ -481,7 +479,7 @@ class RemoteBackend(SandboxBackend):
         if len(ids) != n:
             await self._discard(*ids)
             raise RemoteCreateError(f"fork of {source.id}: asked for {n}, service made {len(ids)}")
-        forks = await self._connect_all(ids, source.task, deadline, rerun=False)
+        forks = await self._connect_all(ids, source, deadline, rerun=False)
         self.metrics.forks_by_fork += n
         return forks
 
@@ -518,7 +516,7 @@ class RemoteBackend(SandboxBackend):
             except BaseException:
                 await self._discard(*ids)
                 raise
-            forks = await self._connect_all(ids, source.task, boot_deadline, rerun=True)
+            forks = await self._connect_all(ids, source, boot_deadline, rerun=True)
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.shield(api.delete_snapshot(snap))
@@ -527,26 +525,35 @@ class RemoteBackend(SandboxBackend):
         return forks
 
     async def _connect_all(
-        self, ids: list[str], task: Task, deadline: float, *, rerun: bool
+        self, ids: list[str], source: RemoteSandbox, deadline: float, *, rerun: bool
     ) -> list[Sandbox]:
-        """Boots and connects every id (re-running launch steps when ``rerun``); all or none."""
+        """Boots and connects every id (re-running launch steps when ``rerun``); all or none.
+
+        Each copy also gets the source's host-side setup outputs (``execute`` steps' saved
+        stdout/stderr, read back by ``cache_file`` getters).
+        """
         from osworld_jax.env.setup import run_setup
+
+        task = source.task
 
         async def one(sid: str) -> RemoteSandbox:
             sb = await self._connect(sid, task, deadline)
-            if rerun:
-                try:
+            try:
+                await asyncio.to_thread(
+                    shutil.copytree, source.work_dir, sb.work_dir, dirs_exist_ok=True
+                )
+                if rerun:
                     await run_setup(
                         task.config,
                         sb.vm,
                         only_types=self.config.fork_rerun_step_types,
                         ctx=self._setup_ctx(task, sb),
                     )
-                except BaseException as e:
-                    await sb.close()
-                    if isinstance(e, SandboxError) or not isinstance(e, Exception):
-                        raise
-                    raise SandboxCreateError(f"fork {sid}: setup re-run failed: {e}") from e
+            except BaseException as e:
+                await sb.close()
+                if isinstance(e, SandboxError) or not isinstance(e, Exception):
+                    raise
+                raise SandboxCreateError(f"fork {sid}: setup re-run failed: {e}") from e
             return sb
 
         try:

@@ -7,7 +7,8 @@ from osworld_jax.env.agent_env import AgentEnv, AgentEnvConfig
 from osworld_jax.env.backend import BACKENDS
 from osworld_jax.env.remote import RemoteBackend
 from osworld_jax.env.remote.fake_service import FakeFaults
-from osworld_jax.env.testing import word_task
+from osworld_jax.env.tasks import load_task
+from osworld_jax.env.testing import word_task, word_task_dict
 
 from .conftest import TYPE, Scripted, service_and_backend
 
@@ -105,12 +106,22 @@ def test_fork_copies_state_exactly(pki):
                 svc,
                 be,
             ):
-                sb = await be.create(word_task("x"))
+                d = word_task_dict("x")
+                d["config"].insert(
+                    0,
+                    {
+                        "type": "execute",
+                        "parameters": {"command": ["echo", "saved"], "stdout": "out.txt"},
+                    },
+                )
+                sb = await be.create(load_task(d))
                 await sb.vm.upload("/home/user/data.txt", b"payload")
                 forks = await be.fork(sb, 2)
                 for f in forks:
                     assert await f.vm.file("/home/user/data.txt") == b"payload"
                     assert svc.desktop(f.id).doc is not None  # editor open in every copy
+                    # the setup's saved output (host side) travels with the copy
+                    assert (f.work_dir / "out.txt").read_text() == "saved\n"
                 assert len(set(be.inventory())) == 3
                 for s in [sb, *forks]:
                     await s.close()
