@@ -48,10 +48,14 @@ class ServerState:
       in_rotation: False after a failed refit (it may hold old weights) until a refit succeeds.
       weight_version: its last reported weight version (None before the first probe).
       last_error: the last failure seen, for diagnostics.
+      dispatched: ``/generate`` attempts sent to it (retries included), for load metrics.
+      failed: attempts to it that failed with a connection error, timeout or 5xx.
     """
 
     url: str
     outstanding: int = 0
+    dispatched: int = 0
+    failed: int = 0
     healthy: bool = True
     in_rotation: bool = True
     weight_version: str | None = None
@@ -321,6 +325,7 @@ class SGLangClient:
             expected_before = self._expected_version
             server = await self._pick(rid)
             server.outstanding += 1
+            server.dispatched += 1
             try:
                 async with self._session.post(
                     server.url + "/generate", json=payload, timeout=timeout
@@ -336,6 +341,7 @@ class SGLangClient:
             except (*_RETRIABLE, _Retriable) as e:
                 error = f"{type(e).__name__}: {e}"
                 server.last_error = error
+                server.failed += 1
                 if isinstance(e, aiohttp.ClientConnectionError):
                     server.healthy = False  # drained until a health probe succeeds
                 elif isinstance(e, asyncio.TimeoutError):
