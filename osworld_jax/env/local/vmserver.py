@@ -17,9 +17,8 @@ Routes (request and reply shapes as upstream OSWorld's ``desktop_env/server/main
 
 Differences from upstream, on purpose: a command that cannot be started (missing binary, no
 permission) or that runs past ``--exec-timeout`` is a deterministic result (HTTP 200,
-``returncode`` 127/126/-9), not a 500, so that 5xx keeps meaning "transient, retry"; the
-screenshot does not paint the cursor; the a11y tree of a huge spreadsheet table is limited to its
-first 200 x 60 cells that are showing.
+``returncode`` 127/126/-9), not a 500, so that 5xx keeps meaning "transient, retry"; the a11y tree
+of a huge spreadsheet table is limited to its first 200 x 60 cells that are showing.
 """
 
 from __future__ import annotations
@@ -96,13 +95,13 @@ def png_encode(width: int, height: int, rgb: bytes) -> bytes:
     )
 
 
-def bgrx_to_rgb(data: bytes, npixels: int) -> bytes:
+def bgrx_to_rgb(data: bytes, npixels: int) -> bytearray:
     """Converts 32-bit little-endian BGRX pixels to packed RGB."""
     rgb = bytearray(npixels * 3)
     rgb[0::3] = data[2::4]
     rgb[1::3] = data[1::4]
     rgb[2::3] = data[0::4]
-    return bytes(rgb)
+    return rgb
 
 
 def _x_display():
@@ -115,8 +114,45 @@ def _x_display():
     return d
 
 
+def paint_cursor(rgb: bytearray, width: int, height: int, cursor) -> None:
+    """Alpha-blends an XFixes cursor image (premultiplied ARGB32 words) onto packed RGB pixels.
+
+    ``cursor`` has ``x``, ``y`` (pointer position), ``xhot``, ``yhot``, ``width``, ``height``
+    and ``cursor_image`` (row-major ARGB words), as XFixes GetCursorImage replies.
+    """
+    x0, y0 = cursor.x - cursor.xhot, cursor.y - cursor.yhot
+    pixels = cursor.cursor_image
+    for cy in range(cursor.height):
+        y = y0 + cy
+        if not 0 <= y < height:
+            continue
+        for cx in range(cursor.width):
+            x = x0 + cx
+            if not 0 <= x < width:
+                continue
+            argb = pixels[cy * cursor.width + cx]
+            a = (argb >> 24) & 0xFF
+            if a == 0:
+                continue
+            i = (y * width + x) * 3
+            inv = 255 - a
+            rgb[i] = min(255, ((argb >> 16) & 0xFF) + rgb[i] * inv // 255)
+            rgb[i + 1] = min(255, ((argb >> 8) & 0xFF) + rgb[i + 1] * inv // 255)
+            rgb[i + 2] = min(255, (argb & 0xFF) + rgb[i + 2] * inv // 255)
+
+
+def _cursor_image(d):
+    """The current cursor image (XFixes), or None when the extension is missing."""
+    if not _STATE.get("xfixes_ready"):
+        if not d.has_extension("XFIXES"):
+            return None
+        d.xfixes_query_version()
+        _STATE["xfixes_ready"] = True
+    return d.xfixes_get_cursor_image(d.screen().root)
+
+
 def screenshot_png() -> bytes:
-    """Grabs the whole root window as PNG."""
+    """Grabs the whole root window, with the mouse cursor painted in (as upstream), as PNG."""
     from Xlib import X
 
     with _X_LOCK:
@@ -126,13 +162,18 @@ def screenshot_png() -> bytes:
             geom = root.get_geometry()
             w, h = geom.width, geom.height
             img = root.get_image(0, 0, w, h, X.ZPixmap, 0xFFFFFFFF)
+            cursor = _cursor_image(d)
         except Exception:
             _STATE.pop("xdisplay", None)
+            _STATE.pop("xfixes_ready", None)
             raise
     data = img.data if isinstance(img.data, bytes) else bytes(img.data)
     if len(data) != w * h * 4:
         raise RuntimeError(f"unexpected X image size {len(data)} for {w}x{h} (depth {img.depth})")
-    return png_encode(w, h, bgrx_to_rgb(data, w * h))
+    rgb = bgrx_to_rgb(data, w * h)
+    if cursor is not None:
+        paint_cursor(rgb, w, h, cursor)
+    return png_encode(w, h, bytes(rgb))
 
 
 def screen_size() -> tuple[int, int]:

@@ -33,6 +33,27 @@ def test_bgrx_to_rgb_swaps_channels_and_drops_padding():
     assert vmserver.bgrx_to_rgb(data, 2) == bytes([3, 2, 1, 30, 20, 10])
 
 
+def test_cursor_is_alpha_blended_at_its_hotspot():
+    from types import SimpleNamespace
+
+    w, h = 4, 3
+    rgb = bytearray([100] * (w * h * 3))
+    # A 2x1 cursor: an opaque red pixel and a half-transparent (premultiplied) white one,
+    # hotspot (1, 0), pointer at (2, 1): the cursor covers pixels (1, 1) and (2, 1).
+    cursor = SimpleNamespace(
+        x=2, y=1, xhot=1, yhot=0, width=2, height=1, cursor_image=[0xFFFF0000, 0x80808080]
+    )
+    vmserver.paint_cursor(rgb, w, h, cursor)
+    px = lambda x, y: tuple(rgb[(y * w + x) * 3 : (y * w + x) * 3 + 3])  # noqa: E731
+    assert px(1, 1) == (255, 0, 0)
+    # 0x80 + 100 * (255 - 128) // 255 = 128 + 49 = 177 per channel.
+    assert px(2, 1) == (177, 177, 177)
+    untouched = [px(x, y) for x in range(w) for y in range(h) if (x, y) not in {(1, 1), (2, 1)}]
+    assert set(untouched) == {(100, 100, 100)}
+    # Off-screen parts are clipped.
+    vmserver.paint_cursor(rgb, w, h, SimpleNamespace(**{**vars(cursor), "x": 4, "y": 5}))
+
+
 def test_multipart_parser_matches_aiohttp_encoding():
     payload = bytes(random.Random(1).getrandbits(8) for _ in range(4096)) + b"\r\n--x\r\n"
     form = aiohttp.FormData()
