@@ -40,6 +40,8 @@ class RLConfig:
       metrics_dir: where ``metrics.jsonl`` and TensorBoard events go, relative to the run dir.
       weights_keep: how many exported HF weight directories (``weights/step_*``) to keep.
       progress_bar: show a tqdm bar with per-stage timing.
+      route_agreement_every: measure the R3 route agreement (one extra forward pass without
+        replay) every this many steps; 0 never.
       success_reward: a healthy owner with reward >= this counts as a pass (``reward/pass_rate``).
       norm_length: the constant L of ``seq-mean-token-sum-norm`` (Dr.GRPO); ``None`` uses the
         generation budget ``max_new_tokens x max_turns``.
@@ -59,6 +61,7 @@ class RLConfig:
     metrics_dir: str = "."
     weights_keep: int = 2
     progress_bar: bool = True
+    route_agreement_every: int = 1
     success_reward: float = 1.0
     norm_length: int | None = None
     mesh: dict[str, int] = field(default_factory=dict)
@@ -129,6 +132,8 @@ class ServerConfig:
       max_running_requests: the embedded server's concurrent-request cap (its decode batch).
       dtype: the embedded server's compute dtype.
       startup_timeout_s: how long to wait for the embedded server's ``/health``.
+      extra_args: further ``osworld_jax.rollout.serve`` flags (e.g. ``("--context-length",
+        "4096")``); the trainer's ``ModelRuntimeConfig.expert_backend`` is always passed.
     """
 
     embedded: bool = False
@@ -137,6 +142,7 @@ class ServerConfig:
     max_running_requests: int = 64
     dtype: str = "float32"
     startup_timeout_s: float = 300.0
+    extra_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

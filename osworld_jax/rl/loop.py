@@ -2,7 +2,9 @@
 
 Each step: B tasks from grain -> B x N owners rolled out concurrently -> segments -> group
 policy + advantages -> device batch -> train_step (R3) -> export + refit every server ->
-metrics -> orbax checkpoint (with the task-stream position). Set-up and tear-down live in
+metrics -> orbax checkpoint (with the task-stream position). One optimizer step per rollout
+batch: pi_old is the current policy, whose logprobs ``train_step`` computes itself for the gate
+(no separate old-logprob pass). Set-up and tear-down live in
 `osworld_jax.rl.run` (`RunResources`), the stage helpers in `osworld_jax.rl.stages`.
 """
 
@@ -49,46 +51,37 @@ def train(
       steps: the last step to run (default ``experiment.rl.steps``).
     """
     rl, last_step = experiment.rl, steps if steps is not None else experiment.rl.steps
-    with RunResources(experiment, Path(run_dir)) as run:
-        log = MetricsLogger(
+    with (
+        RunResources(experiment, Path(run_dir)) as run,
+        MetricsLogger(
             run.metrics_dir,
             total_steps=last_step,
             initial_step=run.start_step,
             progress_bar=rl.progress_bar,
-        )
-        try:
-            for step in range(run.start_step + 1, last_step + 1):
-                t = StageTimer()
-                with t.stage("data"):
-                    tasks = next(run.stream)
-                with t.stage("rollout"):
-                    raw = run.runner.run(run.rollout(tasks, step))
-                with t.stage("segments"):
-                    rollouts = stages.collect_owners(raw, rl, step)
-                with t.stage("advantages"):
-                    kept, adv, dropped = stages.advantages(rollouts, rl, experiment.group)
-                with t.stage("batch"):
-                    batch, meta = pack_batch(kept, adv, **run.pack_kwargs)
-                with t.stage("train"):
-                    agree = stages.route_agreement(run.trainer.policy(run.state.params), batch)
-                    run.state, train_metrics = run.trainer.train_step(run.state, batch, meta)
-                with t.stage("refit"):
-                    run.refit(step)
-                with t.stage("checkpoint"):
-                    run.save(step, force=step == last_step)
-                m = stages.step_metrics(
-                    rollouts,
-                    kept,
-                    adv,
-                    dropped,
-                    batch,
-                    train_metrics,
-                    success_reward=rl.success_reward,
-                )
-                m["r3/route_agreement"] = agree
-                log.log(step, {**m, **t.metrics(), **raw.timing()})
-                run.write_owner_records(stages.owner_records(step, rollouts, kept, adv))
-        finally:
-            log.close()
+        ) as log,
+    ):
+        for step in range(run.start_step + 1, last_step + 1):
+            t = StageTimer()
+            with t.stage("data"):
+                tasks = next(run.stream)
+            with t.stage("rollout"):
+                raw = run.runner.run(run.rollout(tasks, step))
+            with t.stage("segments"):
+                rollouts = stages.collect_owners(raw, rl, step)
+            with t.stage("advantages"):
+                kept, adv, dropped = stages.advantages(rollouts, rl, experiment.group)
+            with t.stage("batch"):
+                batch, meta = pack_batch(kept, adv, **run.pack_kwargs)
+            with t.stage("r3"):
+                r3 = stages.route_metrics(run.trainer, run.state, batch, step, rl)
+            with t.stage("train"):
+                run.state, tm = run.trainer.train_step(run.state, batch, meta)
+            with t.stage("refit"):
+                run.refit(step)
+            with t.stage("checkpoint"):
+                run.save(step, force=step == last_step)
+            m = stages.step_metrics(rollouts, kept, adv, dropped, batch, tm, rl.success_reward)
+            log.log(step, {**m, **r3, **t.metrics(), **raw.timing()})
+            run.write_owner_records(stages.owner_records(step, rollouts, kept, adv))
         summary = log.summary()
     return TrainResult(Path(run_dir), run.start_step + 1, last_step, log.history, summary)

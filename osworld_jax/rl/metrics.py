@@ -22,7 +22,17 @@ from tensorboardX import SummaryWriter
 
 METRICS_FILE = "metrics.jsonl"
 #: The stages of a step, in order (``time/<stage>`` metrics).
-STAGES = ("data", "rollout", "segments", "advantages", "batch", "train", "refit", "checkpoint")
+STAGES = (
+    "data",
+    "rollout",
+    "segments",
+    "advantages",
+    "batch",
+    "r3",
+    "train",
+    "refit",
+    "checkpoint",
+)
 
 
 class StageTimer:
@@ -121,6 +131,12 @@ class MetricsLogger:
                 f"mean stage time: {stage_txt}",
             ]
         )
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         """Flushes and closes every writer (idempotent)."""

@@ -87,16 +87,17 @@ class RolloutResources(contextlib.ExitStack):
         exp = self.experiment
         if not exp.server.embedded:
             return exp.rollout.urls
-        from osworld_jax.rollout import launch_embedded  # type: ignore[attr-defined]
+        from osworld_jax.rollout.launch import launch_embedded
 
         server = self.enter_context(
             launch_embedded(
                 self.model_path,
                 host=exp.server.host,
-                port=exp.server.port,
+                port=exp.server.port or None,
                 max_running_requests=exp.server.max_running_requests,
                 enable_return_routed_experts=exp.rollout.return_routed_experts,
                 dtype=exp.server.dtype,
+                extra_args=["--expert-backend", exp.runtime.expert_backend, *exp.server.extra_args],
                 startup_timeout_s=exp.server.startup_timeout_s,
                 log_path=self.run_dir / "server.log",
             )

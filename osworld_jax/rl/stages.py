@@ -259,6 +259,15 @@ def route_agreement(policy: nnx.Module, batch: Batch) -> float:
     return float(same[has].mean())
 
 
+def route_metrics(
+    trainer: Any, state: Any, batch: Batch, step: int, rl: RLConfig
+) -> dict[str, float]:
+    """``{"r3/route_agreement": ...}`` on the steps ``rl.route_agreement_every`` selects."""
+    if not rl.route_agreement_every or step % rl.route_agreement_every:
+        return {}
+    return {"r3/route_agreement": route_agreement(trainer.policy(state.params), batch)}
+
+
 def export_and_refit(
     trainer: Any,
     state: Any,
@@ -289,7 +298,6 @@ def step_metrics(
     dropped: Sequence[int],
     batch: Batch,
     train_metrics: dict[str, float],
-    *,
     success_reward: float,
 ) -> dict[str, float]:
     """The scalars logged for one step (rewards, gate, KL, R3, tokens, failures)."""

@@ -117,7 +117,7 @@ def test_advantages_and_metrics_over_logical_owners():
             "loss": 2.0,
             "step": 1,
         },
-        success_reward=1.0,
+        1.0,
     )
     assert m["reward/mean"] == pytest.approx(0.75) and m["reward/pass_rate"] == pytest.approx(0.75)
     assert m["reward/std"] == pytest.approx(np.std([1, 0, 1, 1]))

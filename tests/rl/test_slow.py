@@ -1,0 +1,166 @@
+"""Slow end-to-end tests: the learning test, the notebook, scripts/train.py (default, Ctrl-C,
+resume). Run with ``pytest --runslow tests/rl/test_slow.py``."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from osworld_jax import config
+from osworld_jax.rl import train
+from tests.rl import learnable
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The learnable suite (tests/rl/learnable.py) through the real pipeline: the embedded server
+# subprocess samples one token per owner, the memory desktop scores it, segments -> GRPO
+# advantages -> train_step with R3 -> HF export -> /update_weights_from_disk refit. A higher LR
+# than the recipes' 5e-6, via gin, so that a random tiny model learns in a few CPU minutes.
+LEARNING_STEPS = 18
+LEARN = [
+    f"AgentEnvConfig.backend = '{learnable.BACKEND}'",
+    "AgentEnvConfig.max_turns = 1",
+    "SamplingParams.max_new_tokens = 1",
+    "AgentConfig.a11y_max_chars = 0",
+    "AgentConfig.terminal_max_chars = 0",
+    "AgentConfig.system_prompt = 'Answer with one word.'",
+    "CompactionConfig.max_context_tokens = 1024",
+    "CompactionConfig.reserved_generation_tokens = 16",
+    "RLConfig.num_prompts = 2",
+    "RLConfig.num_owners = 8",
+    f"RLConfig.steps = {LEARNING_STEPS}",
+    "RLConfig.length_buckets = (128,)",
+    "RLConfig.progress_bar = False",
+    "OptimizerConfig.learning_rate = 2e-2",
+    "CheckpointConfig.save_every = 6",
+]
+
+
+@pytest.fixture(scope="module")
+def learning_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("learning")
+    tasks = learnable.write_tasks(root / "tasks")
+    exp = config.load_experiment(["default.gin"], [*LEARN, f"DataConfig.task_set = '{tasks}'"])
+    run_dir = root / "run"
+    config.write_operative_config(run_dir, exp)
+    t0 = time.monotonic()
+    result = train(exp, run_dir)
+    print(f"learning run: {time.monotonic() - t0:.0f}s")
+    return run_dir, result
+
+
+@pytest.mark.slow
+def test_the_loop_learns(learning_run):
+    _, result = learning_run
+    rewards = [h["reward/mean"] for h in result.history]
+    print("reward curve:", " ".join(f"{r:.2f}" for r in rewards))
+    assert [h["step"] for h in result.history] == list(range(1, LEARNING_STEPS + 1))
+    assert sum(rewards[:3]) / 3 < 0.35
+    assert sum(rewards[-3:]) / 3 > 0.8
+    for h in result.history:
+        # Every refit took: the server sampled with exactly the trainer's weights and routes.
+        assert h["gate/rejected_fraction"] == 0.0
+        assert h["logprob/train_rollout_abs_diff"] < 1e-3
+        assert h["r3/route_agreement"] > 0.99
+        assert h["owners/failed"] == 0 and h["owners/total"] == 16
+
+
+@pytest.mark.slow
+def test_analysis_notebook_executes(learning_run, monkeypatch):
+    import jupytext
+    import nbclient
+
+    run_dir, _ = learning_run
+    monkeypatch.setenv("OSWORLD_RUN_DIR", str(run_dir))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    nb = jupytext.read(REPO / "notebooks" / "analysis.py")
+    nbclient.NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}
+    ).execute()
+    errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors
+    images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert len(images) >= 5
+    committed = json.loads((REPO / "notebooks" / "analysis.ipynb").read_text())
+    assert all(not c.get("outputs") for c in committed["cells"])  # committed without outputs
+    assert [
+        c["source"]
+        for c in jupytext.reads(
+            (REPO / "notebooks" / "analysis.py").read_text(), fmt="py:percent"
+        ).cells
+    ] == [
+        c["source"] if isinstance(c["source"], str) else "".join(c["source"])
+        for c in committed["cells"]
+    ]  # the pair is in sync
+
+
+def _train_cmd(run_dir, steps):
+    return [
+        sys.executable,
+        str(REPO / "scripts" / "train.py"),
+        f"--run_dir={run_dir}",
+        f"--steps={steps}",
+    ]
+
+
+def _live_processes_mentioning(text):
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if text in cmd:
+                out.append((int(p.name), cmd))
+    return out
+
+
+@pytest.mark.slow
+def test_default_run_ctrl_c_and_resume(tmp_path):
+    """scripts/train.py with no config flags (configs/default.gin: tiny model, embedded server,
+    local sandboxes, bundled tasks); Ctrl-C after step 1; the same --run_dir resumes at step 2."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        _train_cmd(run_dir, 3), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    deadline = time.monotonic() + 480
+    while not (run_dir / "checkpoints" / "1").is_dir():
+        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint of step 1"
+        time.sleep(1)
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=180)[0].decode()
+    print(f"first run {time.monotonic() - t0:.0f}s:\n{out[-1500:]}")
+    assert proc.returncode == 130, out[-3000:]
+    assert "interrupted" in out
+    assert not _live_processes_mentioning(str(run_dir))  # server and sandboxes are gone
+    steps_done = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps_done[0] == 1
+    for name in ("operative_config.gin", "experiment.json", "base_model/config.json"):
+        assert (run_dir / name).is_file()
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+    t1 = time.monotonic()
+    again = subprocess.run(
+        _train_cmd(run_dir, max(steps_done) + 1),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    print(f"resumed run {time.monotonic() - t1:.0f}s:\n{again.stdout[-1500:]}")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    resumed = records[len(steps_done) :]
+    assert [r["step"] for r in resumed] == [max(steps_done) + 1]
+    assert (run_dir / "checkpoints" / str(max(steps_done) + 1)).is_dir()
+    assert not _live_processes_mentioning(str(run_dir))
