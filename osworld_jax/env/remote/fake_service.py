@@ -670,3 +670,40 @@ def _http_error(status: int, code: str, message: str) -> web.HTTPException:
     )
     exc.set_status(status)
     return exc
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serves the fake on its own: ``python -m osworld_jax.env.remote.fake_service``.
+
+    Writes the CA to ``--pki-dir/ca.pem``, reads the token from ``--token-env``, prints one line
+    ``serving https://127.0.0.1:PORT/v1`` and serves until interrupted (stats at
+    ``GET /v1/_fake/stats``).
+    """
+    import argparse
+    import os
+
+    p = argparse.ArgumentParser(description="fake OpenSandbox-style service (tests, load tests)")
+    p.add_argument("--pki-dir", required=True, help="where the throw-away CA and cert go")
+    p.add_argument("--token-env", default="OPEN_SANDBOX_API_KEY", help="variable with the token")
+    p.add_argument("--no-fork", action="store_true", help="serve no /fork route")
+    p.add_argument("--boot-delay", type=float, default=0.0, help="seconds Pending before Running")
+    args = p.parse_args(argv)
+    token = os.environ.get(args.token_env, "")
+    if not token:
+        raise SystemExit(f"fake_service: set {args.token_env} to the API token to require")
+    faults = FakeFaults(fork_supported=not args.no_fork, boot_delay_s=args.boot_delay)
+
+    async def serve() -> None:
+        pki = make_test_pki(args.pki_dir)
+        async with FakeSandboxService(token=token, pki=pki, faults=faults) as svc:
+            print(f"serving {svc.base_url}", flush=True)
+            await asyncio.Event().wait()
+
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

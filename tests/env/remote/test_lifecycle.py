@@ -1,16 +1,22 @@
 """The remote backend against the fake service: lifecycle, fork, snapshot fallback, zero leaks."""
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import aiohttp
 
 from osworld_jax.env.actions import parse_action
 from osworld_jax.env.agent_env import AgentEnv, AgentEnvConfig
 from osworld_jax.env.backend import BACKENDS
-from osworld_jax.env.remote import RemoteBackend
+from osworld_jax.env.remote import RemoteBackend, RemoteBackendConfig, pinned_ssl_context
 from osworld_jax.env.remote.fake_service import FakeFaults
 from osworld_jax.env.tasks import load_task
 from osworld_jax.env.testing import word_task, word_task_dict
 
-from .conftest import TYPE, Scripted, service_and_backend
+from .conftest import TOKEN, TOKEN_ENV, TYPE, Scripted, service_and_backend
 
 
 def test_registered_as_remote():
@@ -128,3 +134,51 @@ def test_fork_copies_state_exactly(pki):
                 assert svc.live_ids() == []
 
     asyncio.run(main())
+
+
+def test_fake_service_runs_standalone(tmp_path):
+    """``python -m ...fake_service`` serves HTTPS; a backend in another process drives it."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "osworld_jax.env.remote.fake_service",
+            "--pki-dir",
+            str(tmp_path),
+            "--token-env",
+            TOKEN_ENV,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, TOKEN_ENV: TOKEN},
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("serving https://127.0.0.1:"), line
+        base_url = line.split()[1]
+
+        async def main():
+            be = RemoteBackend(
+                RemoteBackendConfig(
+                    base_url=base_url,
+                    ca_bundle=str(tmp_path / "ca.pem"),
+                    token_env=TOKEN_ENV,
+                    poll_interval_s=0.01,
+                    settle_s=0.0,
+                )
+            )
+            sb = await be.create(word_task("x"))
+            await sb.close()
+            await be.aclose()
+            ctx = pinned_ssl_context(tmp_path / "ca.pem")
+            async with aiohttp.ClientSession() as s:
+                async with s.get(
+                    base_url + "/_fake/stats", headers={"OPEN-SANDBOX-API-KEY": TOKEN}, ssl=ctx
+                ) as r:
+                    return await r.json()
+
+        stats = asyncio.run(main())
+        assert stats["created"] == 1 and stats["deleted"] == 1 and stats["live"] == []
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)
