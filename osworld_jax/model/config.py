@@ -315,6 +315,9 @@ class ModelRuntimeConfig:
         faster compiles) instead of an unrolled Python loop; numerically identical.
       router_aux_loss_coef: weight of ``aux["load_balancing_loss"]`` in ``aux["total"]``.
       router_z_loss_coef: weight of ``aux["router_z_loss"]`` in ``aux["total"]``.
+      activation_batch_axes: mesh axes the residual stream's batch dim is constrained to when the
+        call runs under ``jax.set_mesh(mesh)`` (no-op without a mesh context or when they do not
+        divide the batch); keeps GSPMD from resharding activations onto parameter axes.
     """
 
     expert_backend: str = "dense"
@@ -323,6 +326,7 @@ class ModelRuntimeConfig:
     scan_layers: bool = False
     router_aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0
+    activation_batch_axes: tuple[str, ...] = ("data", "fsdp", "expert")
 
     def __post_init__(self) -> None:
         from osworld_jax.model.moe import EXPERT_BACKENDS

@@ -26,6 +26,21 @@ def rms_norm(x: Float[Array, "... H"], w: Float[Array, " H"], eps: float) -> Flo
     return (w.astype(jnp.float32) * normed).astype(x.dtype)
 
 
+def constrain_batch(x: jax.Array, batch_axes: tuple[str, ...]) -> jax.Array:
+    """Shards ``x``'s leading (batch) dim over ``batch_axes`` of the ambient mesh, if any."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    axes = tuple(a for a in batch_axes if a in mesh.axis_names and mesh.shape[a] > 1)
+    size = 1
+    for a in axes:
+        size *= mesh.shape[a]
+    if not axes or x.shape[0] % size:
+        return x
+    spec = jax.sharding.PartitionSpec(axes, *([None] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
 def segment_mask(
     segment_ids: Int[Array, "B S"], positions: Int[Array, "B S"]
 ) -> Bool[Array, "B S S"]:
@@ -167,7 +182,7 @@ def decoder_layer(
         count, prob_sum = jnp.zeros((e,), jnp.float32), jnp.zeros((e,), jnp.float32)
         z_sum = jnp.zeros((), jnp.float32)
         routed = jnp.full((b, s, k), -1, jnp.int32)
-    x = x + out.reshape(b, s, h).astype(x.dtype)
+    x = constrain_batch(x + out.reshape(b, s, h).astype(x.dtype), runtime.activation_batch_axes)
     return x, LayerOut(routed, count, prob_sum, z_sum, cache)
 
 

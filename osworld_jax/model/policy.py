@@ -85,6 +85,7 @@ def forward(
         segment_ids = jnp.ones((b, s), jnp.int32)
     top = params["top"]
     x = jnp.take(top["embed"], input_ids, axis=0)  # [B, S, H]
+    x = layers.constrain_batch(x, runtime.activation_batch_axes)
     inv_freq, attn_scale = rope_frequencies(config)
     cos, sin = rope_cos_sin(positions, inv_freq, attn_scale)  # [B, S, D]
     mask = None if kv_cache is not None else layers.segment_mask(segment_ids, positions)

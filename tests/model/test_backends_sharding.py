@@ -76,7 +76,7 @@ def test_scan_layers_and_remat_agree_with_unrolled():
 
 
 def test_tokamax_backend_is_registered_and_imported_lazily():
-    assert set(EXPERT_BACKENDS.names()) == {"dense", "ragged", "tokamax"}
+    assert {"dense", "ragged", "tokamax"} <= set(EXPERT_BACKENDS.names())
     try:
         import tokamax  # noqa: F401
     except ImportError:
@@ -104,10 +104,15 @@ def test_sharded_8_devices_equals_one_device():
     rules = ShardingRules()
     batch_sh = NamedSharding(mesh, rules.batch_spec(B, mesh, 2))
     sharded_batch = jax.device_put(batch, batch_sh)
-    for backend in ("dense", "ragged"):
+    # dense: plain GSPMD propagation; ragged: under jax.set_mesh (activations constrained).
+    for backend, ambient in (("dense", False), ("ragged", True)):
         fn = _loss_fn(dataclasses.replace(TINY_RT, expert_backend=backend))
         one = fn(params, *batch)
-        eight = fn(sharded, *sharded_batch)
+        if ambient:
+            with jax.set_mesh(mesh):
+                eight = fn(sharded, *sharded_batch)
+        else:
+            eight = fn(sharded, *sharded_batch)
         assert len(eight[1]["moe"]["gate"].sharding.device_set) == 8
         _assert_same(one, eight)
 
