@@ -9,7 +9,7 @@ import optax
 
 from osworld_jax.trainer.config import OptimizerConfig
 
-TRAIN, FROZEN = "train", "frozen"
+TRAIN, FROZEN = "trainable", "frozen"  # the labels of osworld_jax.model.router_param_labels
 
 
 def make_schedule(config: OptimizerConfig) -> optax.Schedule:
@@ -43,7 +43,7 @@ def make_optimizer(
 
     Args:
       config: the optimizer config.
-      labels: a params-shaped pytree of ``"train"`` / ``"frozen"`` strings (or ``None``: all
+      labels: a params-shaped pytree of ``"trainable"`` / ``"frozen"`` strings (or ``None``: all
         trainable). Frozen leaves get a zero update and no optimizer state, and are left out of
         the clipping norm.
       decay_mask: a params-shaped pytree of bools: which leaves get weight decay (default:

@@ -42,13 +42,14 @@ from osworld_jax.model import (
     ShardingRules,
     make_mesh,
     policy_shardings,
+    router_param_labels,
     save_hf_checkpoint,
     validate_replay,
 )
 from osworld_jax.trainer.checkpoint import Checkpointer
 from osworld_jax.trainer.config import TrainerConfig
 from osworld_jax.trainer.logprobs import token_logprobs
-from osworld_jax.trainer.optimizer import FROZEN, TRAIN, make_optimizer, make_schedule
+from osworld_jax.trainer.optimizer import TRAIN, make_optimizer, make_schedule
 from osworld_jax.trainer.state import NonFiniteError, TrainerError, TrainState
 
 Params = Any  # nested dict {group: {name: array}}
@@ -222,9 +223,8 @@ class Trainer:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self._policy_params
         )
         self.param_shardings = policy_shardings(policy, self.mesh, self.rules).to_pure_dict()
-        self._labels = jax.tree_util.tree_map_with_path(
-            lambda p, _: FROZEN if config.optimizer.freeze_router and _is_router(p) else TRAIN,
-            abstract_params,
+        self._labels = router_param_labels(
+            abstract_params, freeze_router=config.optimizer.freeze_router
         )
         decay_mask = jax.tree_util.tree_map_with_path(
             lambda p, x: not _leaf_name(p).endswith("norm") and x.ndim >= 2, abstract_params
@@ -640,10 +640,6 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _is_router(path: tuple[Any, ...]) -> bool:
-    return _leaf_name(path) == "router"
 
 
 def _follow_params(opt_state: Any, param_shardings: Params, default: NamedSharding) -> Any:
