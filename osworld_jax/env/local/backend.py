@@ -122,6 +122,9 @@ class LocalBackendConfig:
         ``osworld_jax.env.cache``'s default.
       host_uid: unprivileged host uid the jail runs as when the host process is root (the jail
         then cannot read root-only host files); ignored when not root.
+      max_processes: ``RLIMIT_NPROC`` of the jails when they run as ``host_uid``: processes and
+        threads of ALL jails together (they share that host uid); a fork bomb hits it, not the
+        host.
       extra_ro_binds: further host paths mounted read-only at the same place in each jail
         (e.g. an app installed under ``/opt``).
       warm_pool: how many idle desktops (jail, Xvfb, window manager, server; empty home) to
@@ -146,6 +149,7 @@ class LocalBackendConfig:
     openers: tuple[tuple[str, str], ...] = DEFAULT_OPENERS
     cache_dir: str | None = None
     host_uid: int = 65534
+    max_processes: int = 4096
     extra_ro_binds: tuple[str, ...] = ()
     warm_pool: int = 0
     fork_rerun_step_types: tuple[str, ...] = (
@@ -442,6 +446,7 @@ class LocalBackend(SandboxBackend):
                 host_uid=self._host_uid,
                 start_timeout_s=cfg.start_timeout_s,
                 rpc_timeout_s=cfg.rpc_timeout_s,
+                max_processes=cfg.max_processes,
             )
         except BaseException:
             await self._discard(desktop)

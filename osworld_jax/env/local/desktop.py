@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import os
+import resource
 import shutil
 import signal
 import time
@@ -225,15 +226,33 @@ class LocalDesktop:
                 os.chown(p, host_uid, host_uid)
 
     async def start(
-        self, argv: list[str], *, host_uid: int | None, start_timeout_s: float, rpc_timeout_s: float
+        self,
+        argv: list[str],
+        *,
+        host_uid: int | None,
+        start_timeout_s: float,
+        rpc_timeout_s: float,
+        max_processes: int | None = None,
     ) -> None:
-        """Starts the jail and waits until its server's socket answers."""
+        """Starts the jail and waits until its server's socket answers.
+
+        Args:
+          argv: the ``bwrap`` command line (``build_jail_argv``).
+          host_uid: run bwrap as this unprivileged host uid (None: as the caller).
+          start_timeout_s: deadline for the server's socket to appear.
+          rpc_timeout_s: the client's default request deadline.
+          max_processes: ``RLIMIT_NPROC`` for the jail (only with ``host_uid``: the limit counts
+            every process and thread of that host uid, so all jails share it); stops fork bombs.
+        """
         self.client.timeout = rpc_timeout_s
         sock = self.dir / "run" / SOCKET_NAME
         log = open(self.dir / "log" / "jail.log", "ab")  # noqa: SIM115 - handed to the child
         kwargs: dict = {}
         if host_uid is not None:
             kwargs.update(user=host_uid, group=host_uid, extra_groups=[])
+            if max_processes is not None:
+                limit = (max_processes, max_processes)
+                kwargs["preexec_fn"] = lambda: resource.setrlimit(resource.RLIMIT_NPROC, limit)
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *argv,

@@ -254,3 +254,38 @@ def test_close_waits_for_a_close_in_progress(runner, backend: LocalBackend):
         assert not d.dir.exists()
 
     runner.run(main())
+
+
+def test_fork_bomb_hits_the_process_limit(runner):
+    """Processes spawned in a jail are capped (RLIMIT_NPROC of the jail's host uid).
+
+    While the cap is reached the jail's own server cannot start request threads either; the
+    sleeps end after 2 s and the sandbox answers again.
+    """
+    from osworld_jax.env.local import LocalBackendConfig
+
+    if os.geteuid() != 0:
+        pytest.skip("the limit applies when the jail runs as its own unprivileged host uid")
+    b = LocalBackend(LocalBackendConfig(max_processes=150))
+    try:
+        d = runner.run(b.start_desktop())
+        code = textwrap.dedent(
+            """
+            import subprocess
+            started, refused = 0, 0
+            for _ in range(400):
+                try:
+                    subprocess.Popen(["sleep", "2"])
+                    started += 1
+                except OSError:
+                    refused += 1
+            print(started, refused)
+            """
+        )
+        res = runner.run(d.client.execute(["python3", "-c", code]))
+        started, refused = map(int, res["output"].split())
+        assert refused > 0 and started < 150, res
+        assert len(d.host_pids()) < 160
+    finally:
+        runner.run(b.aclose())
+    assert b.inventory() == []
