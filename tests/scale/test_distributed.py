@@ -1,0 +1,174 @@
+"""DistributedConfig resolution (explicit / env / SLURM) and the host-batch helpers (fast)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from osworld_jax.batch import Batch, BatchMeta, check_batch
+from osworld_jax.errors import ConfigError
+from osworld_jax.trainer.distributed import (
+    DistributedConfig,
+    DistributedError,
+    ProcessValues,
+    allgather_host_batch,
+    broadcast_host_batch,
+    concat_host_batches,
+    does_rollouts,
+    initialize_distributed,
+    pad_batch,
+    resolve_process_values,
+    task_stream_shard,
+)
+
+SLURM = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_NODELIST": "gpu[003-006],login1",
+    "SLURM_NTASKS": "4",
+    "SLURM_PROCID": "2",
+    "SLURM_LOCALID": "0",
+    "SLURM_STEP_NUM_NODES": "4",
+}
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for k in (*SLURM, "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(k, raising=False)
+    for k in ("JAX_LOCAL_DEVICE_IDS", "JAX_COORDINATOR_PORT", "SLURM_NNODES"):
+        monkeypatch.delenv(k, raising=False)
+    return monkeypatch
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match="rollout_on"):
+        DistributedConfig(rollout_on="everywhere")
+    with pytest.raises(ConfigError, match="auto"):
+        DistributedConfig(auto="mpi")
+    with pytest.raises(ConfigError, match="process_id"):
+        DistributedConfig(coordinator_address="h:1", num_processes=2, process_id=2)
+    with pytest.raises(ConfigError, match="together"):
+        DistributedConfig(num_processes=2)
+
+
+def test_single_process_resolves_to_nothing(clean_env):
+    assert resolve_process_values(DistributedConfig()) is None
+    assert initialize_distributed(DistributedConfig()) is None  # no job to join: a no-op
+
+
+def test_explicit_values(clean_env):
+    cfg = DistributedConfig(coordinator_address="10.0.0.1:99", num_processes=4, process_id=3)
+    assert resolve_process_values(cfg) == ProcessValues("10.0.0.1:99", 4, 3, None)
+
+
+def test_env_values(clean_env):
+    with pytest.raises(DistributedError, match="JAX_NUM_PROCESSES, \\$JAX_PROCESS_ID"):
+        resolve_process_values(DistributedConfig(auto="env"))
+    clean_env.setenv("JAX_COORDINATOR_ADDRESS", "host0:1234")
+    clean_env.setenv("JAX_NUM_PROCESSES", "8")
+    clean_env.setenv("JAX_PROCESS_ID", "5")
+    clean_env.setenv("JAX_LOCAL_DEVICE_IDS", "0,1")
+    assert resolve_process_values(DistributedConfig(auto="env")) == ProcessValues(
+        "host0:1234", 8, 5, (0, 1)
+    )
+    clean_env.setenv("JAX_PROCESS_ID", "x")
+    with pytest.raises(DistributedError, match="JAX_PROCESS_ID"):
+        resolve_process_values(DistributedConfig(auto="env"))
+
+
+def test_slurm_values(clean_env):
+    with pytest.raises(DistributedError, match="not inside a SLURM step"):
+        resolve_process_values(DistributedConfig(auto="slurm"))
+    for k, v in SLURM.items():
+        clean_env.setenv(k, v)
+    # jax's SLURM detector: first node of the step list, port 4242 % 4096 + 61440.
+    port = 4242 % 4096 + 65535 - 4096 + 1
+    one_per_node = resolve_process_values(DistributedConfig(auto="slurm"))
+    assert one_per_node == ProcessValues(f"gpu003:{port}", 4, 2, None)  # all local GPUs
+    clean_env.setenv("SLURM_STEP_NUM_NODES", "2")  # 2 tasks per node: one GPU per task
+    clean_env.setenv("SLURM_LOCALID", "1")
+    clean_env.setenv("JAX_COORDINATOR_PORT", "7777")
+    assert resolve_process_values(DistributedConfig(auto="slurm")) == ProcessValues(
+        "gpu003:7777", 4, 2, (1,)
+    )
+    explicit = DistributedConfig(auto="slurm", local_device_ids=(0, 1, 2, 3))
+    assert resolve_process_values(explicit).local_device_ids == (0, 1, 2, 3)
+
+
+def test_roles_in_a_single_process():
+    assert does_rollouts(DistributedConfig()) and task_stream_shard(DistributedConfig()) == (0, 1)
+    dedicated = DistributedConfig(rollout_on="dedicated")
+    assert does_rollouts(dedicated) and task_stream_shard(dedicated) == (0, 1)
+
+
+def _batch(rows: int, length: int, seed: int, owners, groups, layers=2, k=2) -> Batch:
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(2, length + 1, rows)
+    real = np.arange(length)[None, :] < lens[:, None]
+    f = lambda x: np.where(real, x, 0).astype(np.float32)
+    return Batch(
+        tokens=np.where(real, rng.integers(1, 50, (rows, length)), 0).astype(np.int32),
+        loss_mask=f(rng.integers(0, 2, (rows, length))),
+        behavior_logprobs=f(-rng.random((rows, length))),
+        advantages=f(rng.normal(size=(rows, length))),
+        positions=np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy(),
+        segment_ids=real.astype(np.int32),
+        owner_ids=np.asarray(owners, np.int32),
+        group_ids=np.asarray(groups, np.int32),
+        row_weight=np.ones(rows, np.float32),
+        routed_experts=np.where(
+            real[..., None, None], rng.integers(0, 4, (rows, length, layers, k)), -1
+        ).astype(np.int32),
+    )
+
+
+def test_pad_batch_keeps_the_rows_and_masks_the_padding():
+    b = _batch(3, 5, 0, [0, 1, 1], [0, 0, 0])
+    p = pad_batch(b, 4, 8)
+    check_batch(p)
+    for name, x, y in zip(Batch._fields, b, p, strict=True):
+        np.testing.assert_array_equal(y[:3] if x.ndim == 1 else y[:3, :5], x, err_msg=name)
+    assert p.row_weight[3] == 0 and not p.loss_mask[:, 5:].any() and not p.segment_ids[:, 5:].any()
+    assert (p.routed_experts[:, 5:] == -1).all() and (p.tokens[:, 5:] == 0).all()
+    np.testing.assert_array_equal(p.positions[:3], np.broadcast_to(np.arange(8), (3, 8)))
+    with pytest.raises(DistributedError, match="shrink"):
+        pad_batch(b, 2, 8)
+
+
+def test_concat_makes_owner_and_group_ids_global():
+    a = _batch(2, 6, 1, [0, 1], [0, 0])
+    b = _batch(3, 4, 2, [0, 0, 1], [0, 0, 1])
+    joined, meta = concat_host_batches(
+        [a, b],
+        [
+            BatchMeta(num_owners=2, num_groups=1, norm_length=9),
+            BatchMeta(num_owners=2, num_groups=2, norm_length=9),
+        ],
+    )
+    check_batch(joined)
+    assert meta == BatchMeta(num_owners=4, num_groups=3, norm_length=9)
+    np.testing.assert_array_equal(joined.owner_ids, [0, 1, 2, 2, 3])
+    np.testing.assert_array_equal(joined.group_ids, [0, 0, 1, 1, 2])
+    np.testing.assert_array_equal(joined.tokens[2:, :4], b.tokens)
+    assert joined.tokens.shape == (5, 6) and not joined.loss_mask[2:, 4:].any()
+    with pytest.raises(DistributedError, match="norm_length"):
+        concat_host_batches(
+            [a, b],
+            [
+                BatchMeta(num_owners=2, num_groups=1, norm_length=9),
+                BatchMeta(num_owners=2, num_groups=2, norm_length=8),
+            ],
+        )
+
+
+def test_broadcast_and_allgather_in_one_process_are_identity():
+    a = _batch(2, 6, 1, [0, 1], [0, 0])
+    meta = BatchMeta(num_owners=2, num_groups=1, norm_length=6)
+    out, m = broadcast_host_batch(a, meta)
+    assert m == meta and all(x is y for x, y in zip(out, a, strict=True))
+    with pytest.raises(DistributedError, match="no batch"):
+        broadcast_host_batch(None, None)
+    out, m = allgather_host_batch(a, meta)
+    assert m == meta
+    for x, y in zip(out, a, strict=True):
+        np.testing.assert_array_equal(x, y)
