@@ -245,7 +245,8 @@ def main() -> None:
                 op = tpm.PallasMosaicGpuRaggedDot(config=cfg)
                 fo = jax.jit(lambda x, w: op(x, w, group_sizes=gs))
                 yo = fo(x, w)
-                record(name, bench(fo, x, w), err_y=rel_err(yo, y))
+                bo = vjp_of(lambda x, w: op(x, w, group_sizes=gs))
+                record(name, bench(fo, x, w), bench(bo, x, w, dy), err_y=rel_err(yo, y))
 
             attempt(name, one)
 
@@ -286,12 +287,16 @@ def main() -> None:
     def ours_parts(cfg, label):
         """Time the three kernels separately (fwd nn, dx tn, dw) for the sweep."""
         plan, xs, dys = layout(cfg.align)
-        fwd = jax.jit(lambda xs, w: G._mm(xs, w, plan.tile_expert, cfg, trans_rhs=False))
-        dxk = jax.jit(lambda d, w: G._mm(d, w, plan.tile_expert, cfg, trans_rhs=True))
-        dwk = jax.jit(
-            lambda xs, d: G._dw(xs, d, plan.group_start, plan.group_tiles, args.experts, dt, cfg)
-        )
-        tf, tx, tw = bench(fwd, xs, w), bench(dxk, dys, w), bench(dwk, xs, dys)
+        checks: dict[str, float] = {}
+        te, gst, gti = plan.tile_expert, plan.group_start, plan.group_tiles
+        fwd = jax.jit(lambda xs, w: G._gmm_forward(xs, w, te, cfg))
+        dxk = jax.jit(lambda d, w: G._gmm_dx(d, w, te, cfg))
+        dwk = jax.jit(lambda xs, d, w: G._gmm_dw(xs, d, gst, gti, w, cfg))
+        if "y" in ref_out:  # per-kernel check against lax.ragged_dot
+            checks["fwd"] = rel_err(fwd(xs, w)[plan.dest], ref_out["y"])
+            checks["dx"] = rel_err(dxk(dys, w)[plan.dest], ref_out["dx"])
+            checks["dw"] = rel_err(dwk(xs, dys, w), ref_out["dw"])
+        tf, tx, tw = bench(fwd, xs, w), bench(dxk, dys, w), bench(dwk, xs, dys, w)
         record(
             label,
             tf,
@@ -300,34 +305,32 @@ def main() -> None:
             dx_tflops=fl / tx / 1e12,
             dw_ms=tw * 1e3,
             dw_tflops=fl / tw / 1e12,
+            **{f"err_{k}": v for k, v in checks.items()},
         )
         return tf, tx, tw
 
     GmmConfigT = G.GmmConfig
-    mm_cfgs = [
-        # (align, bm, bn, bk, warps, stages)
-        (128, 128, 128, 64, 4, 4),
-        (128, 128, 128, 64, 8, 4),
-        (128, 128, 256, 64, 8, 3),
-        (128, 128, 256, 64, 8, 4),
-        (128, 128, 128, 128, 8, 3),
-        (128, 64, 256, 64, 4, 4),
-        (256, 256, 128, 64, 8, 3),
+    MC = G.MosaicConfig
+    triton_cfgs = [
+        # (align, bm, bn, bk, warps, stages) x (dw_bm, dw_bn, dw_bt, warps, stages)
+        ((128, 128, 128, 64, 4, 4), (128, 128, 64, 4, 4)),
+        ((128, 128, 128, 64, 8, 4), (128, 128, 64, 8, 3)),
+        ((128, 128, 256, 64, 8, 3), (128, 256, 64, 8, 3)),
+        ((128, 128, 256, 64, 8, 4), (128, 128, 128, 8, 3)),
+        ((128, 128, 128, 128, 8, 3), (256, 128, 64, 8, 3)),
+        ((128, 64, 256, 64, 4, 4), (64, 256, 64, 4, 4)),
+        ((256, 256, 128, 64, 8, 3), (128, 256, 64, 8, 4)),
     ]
-    dw_cfgs = [
-        # (dw_bm, dw_bn, dw_bt, warps, stages)
-        (128, 128, 64, 4, 4),
-        (128, 128, 64, 8, 3),
-        (128, 256, 64, 8, 3),
-        (128, 128, 128, 8, 3),
-        (256, 128, 64, 8, 3),
-        (64, 256, 64, 4, 4),
+    mosaic_cfgs = [
+        MC(),
+        MC(max_concurrent_steps=4, dw_max_concurrent_steps=2),
+        MC(grid_minor_n=False, grid_tile_width=4, dw_block_n=256, dw_max_concurrent_steps=3),
+        MC(tile_n=64, max_concurrent_steps=5, dw_block_m=64, dw_block_n=256),
     ]
     if args.quick:
-        mm_cfgs, dw_cfgs = mm_cfgs[:3], dw_cfgs[:3]
-    best = {"fwd": (1e9, None), "dx": (1e9, None), "dw": (1e9, None)}
-    for i, (al, bm, bn, bk, nw, ns) in enumerate(mm_cfgs):
-        dwc = dw_cfgs[min(i, len(dw_cfgs) - 1)]
+        triton_cfgs, mosaic_cfgs = triton_cfgs[:2], mosaic_cfgs[:2]
+    sweep: list[tuple[str, G.GmmConfig]] = []
+    for (al, bm, bn, bk, nw, ns), (dm, dn, dtt, dnw, dns) in triton_cfgs:
         cfg = G.GmmConfig(
             align=al,
             block_m=bm,
@@ -335,39 +338,66 @@ def main() -> None:
             block_k=bk,
             num_warps=nw,
             num_stages=ns,
-            dw_block_m=dwc[0],
-            dw_block_n=dwc[1],
-            dw_block_t=min(dwc[2], al),
-            dw_num_warps=dwc[3],
-            dw_num_stages=dwc[4],
+            dw_block_m=dm,
+            dw_block_n=dn,
+            dw_block_t=min(dtt, al),
+            dw_num_warps=dnw,
+            dw_num_stages=dns,
         )
-        dwl = "x".join(map(str, dwc[:3])) + f"w{dwc[3]}s{dwc[4]}"
-        label = f"ours.parts a{al} mm{bm}x{bn}x{bk}w{nw}s{ns} dw{dwl}"
+        sweep.append(
+            (f"ours.triton a{al} mm{bm}x{bn}x{bk}w{nw}s{ns} dw{dm}x{dn}x{dtt}w{dnw}s{dns}", cfg)
+        )
+    for mc in mosaic_cfgs:
+        cfg = G.GmmConfig(mosaic_parts=("fwd", "dx", "dw"), mosaic=mc)
+        label = (
+            f"ours.mosaic {mc.tile_m}x{2 * mc.tile_n}x{mc.tile_k}s{mc.max_concurrent_steps}"
+            f"{'N' if mc.grid_minor_n else 'M'}{mc.grid_tile_width} "
+            f"dw{mc.dw_block_m}x{mc.dw_block_n}x{mc.dw_block_k}s{mc.dw_max_concurrent_steps}"
+        )
+        sweep.append((label, cfg))
+
+    best: dict[str, tuple[float, G.GmmConfig | None]] = {
+        p: (1e9, None) for p in ("fwd", "dx", "dw", "triton_mm")
+    }
+    for label, cfg in sweep:
 
         def run_parts(cfg=cfg, label=label):
             tf, tx, tw = ours_parts(cfg, label)
             for key, t in (("fwd", tf), ("dx", tx), ("dw", tw)):
                 if t < best[key][0]:
                     best[key] = (t, cfg)
+            if not cfg.mosaic_parts and tf + tx < best["triton_mm"][0]:
+                best["triton_mm"] = (tf + tx, cfg)
 
         attempt(label, run_parts)
 
-    if best["fwd"][1] is not None and best["dw"][1] is not None:
-        bf, bd = best["fwd"][1], best["dw"][1]
+    if all(best[p][1] is not None for p in ("fwd", "dx", "dw")):
+        parts = tuple(p for p in ("fwd", "dx", "dw") if best[p][1].mosaic_parts)
+        base = best["triton_mm"][1] or G.DEFAULT_CONFIG
+        tdw = best["dw"][1] if "dw" not in parts else base
+        mos = next((best[p][1].mosaic for p in ("fwd", "dx", "dw") if p in parts), base.mosaic)
+        if "dw" in parts:
+            mos = dataclasses.replace(
+                mos,
+                **{
+                    f: getattr(best["dw"][1].mosaic, f)
+                    for f in ("dw_block_m", "dw_block_n", "dw_block_k", "dw_max_concurrent_steps")
+                },
+            )
         cfg = dataclasses.replace(
-            bf,
-            dw_block_m=bd.dw_block_m,
-            dw_block_n=bd.dw_block_n,
-            dw_block_t=min(bd.dw_block_t, bf.align),
-            dw_num_warps=bd.dw_num_warps,
-            dw_num_stages=bd.dw_num_stages,
+            base,
+            dw_block_m=tdw.dw_block_m,
+            dw_block_n=tdw.dw_block_n,
+            dw_block_t=min(tdw.dw_block_t, base.align),
+            dw_num_warps=tdw.dw_num_warps,
+            dw_num_stages=tdw.dw_num_stages,
+            mosaic_parts=parts,
+            mosaic=mos,
         )
         print("best config:", cfg, flush=True)
-        results["best_config"] = dataclasses.asdict(cfg)
+        results["best_config"] = {"repr": repr(cfg)}
         attempt("ours.gmm(best)", lambda: ours(cfg, "ours.gmm(best)", check=True))
-        attempt(
-            "ours.gmm(default)", lambda: ours(G.DEFAULT_CONFIG, "ours.gmm(default)", check=True)
-        )
+    attempt("ours.gmm(default)", lambda: ours(G.DEFAULT_CONFIG, "ours.gmm(default)", check=True))
 
     print("\n| variant | fwd ms | fwd TFLOP/s | bwd ms | bwd TFLOP/s | notes |")
     print("|---|---|---|---|---|---|")

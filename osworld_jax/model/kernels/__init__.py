@@ -7,6 +7,7 @@
 
 from osworld_jax.model.kernels.grouped_matmul import (
     GmmConfig,
+    MosaicConfig,
     TilePlan,
     combine,
     dispatch,
@@ -15,4 +16,13 @@ from osworld_jax.model.kernels.grouped_matmul import (
     tile_plan,
 )
 
-__all__ = ["GmmConfig", "TilePlan", "combine", "dispatch", "gmm", "gmm_experts", "tile_plan"]
+__all__ = [
+    "GmmConfig",
+    "MosaicConfig",
+    "TilePlan",
+    "combine",
+    "dispatch",
+    "gmm",
+    "gmm_experts",
+    "tile_plan",
+]

@@ -27,6 +27,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
+from osworld_jax.model.kernels import grouped_matmul_mgpu as mgpu
+from osworld_jax.model.kernels.grouped_matmul_mgpu import MosaicConfig
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GmmConfig:
@@ -45,6 +48,10 @@ class GmmConfig:
       dw_num_warps: dw warps per program.
       dw_num_stages: dw software-pipelining depth.
       interpret: run in Pallas interpret mode (None: only when the default backend is CPU).
+      mosaic_parts: which of "fwd", "dx", "dw" run the Mosaic GPU kernels of
+        `grouped_matmul_mgpu` (tiles from ``mosaic``) instead of the Triton ones; ignored in
+        interpret mode.
+      mosaic: tile sizes of the Mosaic GPU kernels.
     """
 
     align: int = 128
@@ -59,6 +66,8 @@ class GmmConfig:
     dw_num_warps: int = 4
     dw_num_stages: int = 4
     interpret: bool | None = None
+    mosaic_parts: tuple[str, ...] = ()
+    mosaic: MosaicConfig = MosaicConfig()
 
     def __post_init__(self) -> None:
         for name in ("block_m", "dw_block_t"):
@@ -70,6 +79,10 @@ class GmmConfig:
         if self.interpret is not None:
             return self.interpret
         return jax.default_backend() == "cpu"
+
+    def mosaic_for(self, part: str) -> bool:
+        """Whether ``part`` ("fwd" | "dx" | "dw") runs the Mosaic GPU kernel."""
+        return part in self.mosaic_parts and not self.use_interpret()
 
 
 class TilePlan(NamedTuple):
@@ -284,19 +297,40 @@ def gmm(
 
     Rows of unused tiles come out zero; padding rows inside a group are zero when ``x``'s are.
     """
+    return _gmm_forward(x, w, tile_expert, cfg)
+
+
+def _gmm_forward(x, w, tile_expert, cfg: GmmConfig) -> jax.Array:
+    if cfg.mosaic_for("fwd"):
+        return mgpu.mm_nn(x, w, tile_expert, cfg.align, cfg.mosaic)
     return _mm(x, w, tile_expert, cfg, trans_rhs=False)
 
 
 def _gmm_fwd(x, w, tile_expert, group_start, group_tiles, cfg):
-    out = _mm(x, w, tile_expert, cfg, trans_rhs=False)
+    out = _gmm_forward(x, w, tile_expert, cfg)
     return out, (x, w, tile_expert, group_start, group_tiles)
+
+
+def _gmm_dx(dy, w, tile_expert, cfg: GmmConfig) -> jax.Array:
+    """``dx[r] = dy[r] @ w[expert(r)]^T``: [Mp, K]."""
+    if cfg.mosaic_for("dx"):  # one transpose of w, then the forward kernel
+        return mgpu.mm_nn(dy, jnp.swapaxes(w, 1, 2), tile_expert, cfg.align, cfg.mosaic)
+    return _mm(dy, w, tile_expert, cfg, trans_rhs=True)
+
+
+def _gmm_dw(x, dy, group_start, group_tiles, w, cfg: GmmConfig) -> jax.Array:
+    """``dw[e] = x_e^T dy_e``: [E, K, N] in ``w.dtype``."""
+    if cfg.mosaic_for("dw"):
+        dw = mgpu.mm_dw(x, dy, group_start, group_tiles, w.shape[0], cfg.align, cfg.mosaic)
+        return dw.astype(w.dtype)
+    return _dw(x, dy, group_start, group_tiles, w.shape[0], w.dtype, cfg)
 
 
 def _gmm_bwd(cfg, res, dy):
     x, w, tile_expert, group_start, group_tiles = res
     dy = dy.astype(x.dtype)
-    dx = _mm(dy, w, tile_expert, cfg, trans_rhs=True)  # [Mp, K]
-    dw = _dw(x, dy, group_start, group_tiles, w.shape[0], w.dtype, cfg)  # [E, K, N]
+    dx = _gmm_dx(dy, w, tile_expert, cfg)  # [Mp, K]
+    dw = _gmm_dw(x, dy, group_start, group_tiles, w, cfg)  # [E, K, N]
     return dx, dw, None, None, None
 
 
@@ -304,6 +338,9 @@ gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
 DEFAULT_CONFIG = GmmConfig()
+MOSAIC_CONFIG = GmmConfig(mosaic_parts=("fwd", "dx", "dw"))
+
+_BATCH_AXES = ("data", "fsdp", "expert")
 
 
 def gmm_experts(
@@ -319,7 +356,31 @@ def gmm_experts(
     """The ``"pallas_gmm"`` expert backend: tile-aligned permute -> 3 grouped matmuls -> combine.
 
     ``y_t = sum_k w_tk down_e(silu(gate_e x_t) * up_e x_t)``, ``e = experts[t, k]``; dropless.
+    Under an ambient mesh (``jax.set_mesh``) whose batch axes (data/fsdp/expert) divide T, each
+    device runs the kernels on its own tokens (``shard_map``; the expert weights are gathered,
+    their gradients summed over those axes), since a Pallas call cannot be partitioned by GSPMD.
     """
+    mesh = jax.sharding.get_abstract_mesh()
+    axes: tuple[str, ...] = ()
+    if not mesh.empty:
+        axes = tuple(a for a in _BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+    size = 1
+    for a in axes:
+        size *= mesh.shape[a]
+    local = functools.partial(_gmm_experts_local, config=config)
+    if not axes or x.shape[0] % size:
+        return local(x, experts, weights, gate, up, down)
+    rows, rep = jax.sharding.PartitionSpec(axes), jax.sharding.PartitionSpec()
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(rows, rows, rows, rep, rep, rep),
+        out_specs=rows,
+        check_vma=False,  # pallas_call outputs carry no varying-axes annotation
+    )(x, experts, weights, gate, up, down)
+
+
+def _gmm_experts_local(x, experts, weights, gate, up, down, *, config: GmmConfig) -> jax.Array:
     top_k = experts.shape[1]
     plan = tile_plan(experts, gate.shape[0], config.align)
     groups = (plan.tile_expert, plan.group_start, plan.group_tiles)

@@ -1,0 +1,153 @@
+"""Pallas grouped-matmul kernels (interpret mode on CPU) equal the dense reference in float32."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from osworld_jax.model import ModelRuntimeConfig, make_mesh
+from osworld_jax.model.kernels import GmmConfig, gmm, gmm_experts, tile_plan
+from osworld_jax.model.kernels.attention import padded_causal_attention
+from osworld_jax.model.layers import attention, segment_mask
+from osworld_jax.model.moe import EXPERT_BACKENDS, dense_experts
+
+# Small tiles so that several row tiles, N tiles, K steps and dw row steps all occur.
+CFG = GmmConfig(
+    align=8,
+    block_m=8,
+    block_n=16,
+    block_k=16,
+    dw_block_m=16,
+    dw_block_n=16,
+    dw_block_t=4,
+    interpret=True,
+)
+T, K, E, H, I = 20, 3, 6, 32, 16  # noqa: E741
+
+
+def _routes(key, t=T, k=K, e=E):
+    keys = jax.random.split(key, t)
+    return jax.vmap(lambda kk: jax.random.permutation(kk, e)[:k])(keys).astype(jnp.int32)
+
+
+def _inputs(seed=0):
+    ks = jax.random.split(jax.random.key(seed), 6)
+    x = jax.random.normal(ks[0], (T, H))
+    experts = _routes(ks[1])
+    experts = experts.at[:, 0].set(jnp.where(experts[:, 0] == 5, 0, experts[:, 0]))
+    experts = jnp.where(experts == 5, 0, experts)  # expert 5 empty: its dw must be 0
+    experts = jnp.sort(experts, axis=-1)  # distinct per row still
+    weights = jax.nn.softmax(jax.random.normal(ks[2], (T, K)))
+    gate = jax.random.normal(ks[3], (E, H, I)) / 6
+    up = jax.random.normal(ks[4], (E, H, I)) / 6
+    down = jax.random.normal(ks[5], (E, I, H)) / 4
+    return x, experts, weights, gate, up, down
+
+
+def test_tile_plan_is_an_aligned_expert_sort():
+    experts = np.asarray(_routes(jax.random.key(1)))
+    plan = jax.jit(tile_plan, static_argnums=(1, 2))(jnp.asarray(experts), E, 8)
+    plan = jax.tree.map(np.asarray, plan)
+    flat = experts.reshape(-1)
+    n = flat.size
+    assert len(set(plan.dest.tolist())) == n  # injective
+    np.testing.assert_array_equal(plan.row_slot[plan.dest], np.arange(n))
+    assert (plan.row_slot == n).sum() == plan.row_slot.size - n  # the rest is padding
+    sizes = np.bincount(flat, minlength=E)
+    np.testing.assert_array_equal(plan.group_tiles, -(-sizes // 8))
+    for e in range(E):  # every slot of expert e sits in e's tiles, in token order
+        rows = plan.dest[flat == e]
+        assert np.all(plan.tile_expert[rows // 8] == e)
+        assert np.all(np.diff(rows) == 1)
+        assert rows.size == 0 or rows[0] == plan.group_start[e] * 8
+    used = plan.group_tiles.sum()
+    assert np.all(plan.tile_expert[used:] == -1)
+
+
+def test_gmm_and_its_vjp_equal_per_row_matmuls():
+    x, experts, _, gate, _, _ = _inputs()
+    plan = tile_plan(experts, E, CFG.align)
+    xs = jnp.concatenate([x, jnp.zeros((1, H))])[plan.row_slot // K]  # padding rows zero
+    row_e = jnp.maximum(plan.tile_expert, 0)[jnp.arange(xs.shape[0]) // CFG.align]
+    groups = (plan.tile_expert, plan.group_start, plan.group_tiles)
+
+    def ref(xs, w):  # each row times its tile's expert; padding rows are zero anyway
+        return jnp.einsum("rh,rhi->ri", xs, w[row_e], precision="highest")
+
+    def ours(xs, w):
+        return gmm(xs, w, *groups, CFG)
+
+    @jax.jit
+    def both(xs, w, dy):
+        (y, pull), (y_ref, pull_ref) = jax.vjp(ours, xs, w), jax.vjp(ref, xs, w)
+        return y, y_ref, pull(dy), pull_ref(dy)
+
+    dy = jax.random.normal(jax.random.key(3), (xs.shape[0], I))
+    y, y_ref, (dxs, dw), (dxs_ref, dw_ref) = both(xs, gate, dy)
+    chex.assert_trees_all_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    real = plan.row_slot < x.shape[0] * K  # dx on padding rows is unused
+    chex.assert_trees_all_close(dxs[real], dxs_ref[real], atol=1e-5, rtol=1e-5)
+    chex.assert_trees_all_close(dw, dw_ref, atol=1e-5, rtol=1e-5)
+    assert float(jnp.abs(dw[5]).max()) == 0.0  # the empty expert
+
+
+def test_gmm_experts_equals_dense_reference_with_gradients():
+    x, experts, weights, gate, up, down = _inputs(seed=2)
+
+    def loss(fn):
+        def f(x, weights, gate, up, down):
+            y = fn(x, experts, weights, gate, up, down)
+            return jnp.sum(jnp.sin(y)), y
+
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4), has_aux=True))
+
+    (_, y), grads = loss(lambda *a: gmm_experts(*a, config=CFG))(x, weights, gate, up, down)
+    (_, y_ref), grads_ref = loss(dense_experts)(x, weights, gate, up, down)
+    chex.assert_trees_all_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    chex.assert_trees_all_close(grads, grads_ref, atol=2e-5, rtol=2e-5)
+
+
+def test_pallas_backends_are_registered():
+    for name in ("pallas_gmm", "pallas_gmm_mosaic"):
+        assert name in EXPERT_BACKENDS.names()
+        ModelRuntimeConfig(expert_backend=name)
+
+
+def test_gmm_experts_under_a_mesh_is_sharded_and_equal():
+    x, experts, weights, gate, up, down = _inputs(seed=4)
+    mesh = make_mesh(data=2, fsdp=2, devices=jax.devices()[:4])
+
+    def loss(fn):
+        def f(x, gate, up, down):
+            return jnp.sum(jnp.sin(fn(x, experts, weights, gate, up, down)))
+
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))
+
+    ref = loss(dense_experts)(x, gate, up, down)
+    with jax.set_mesh(mesh):
+        got = loss(lambda *a: gmm_experts(*a, config=CFG))(x, gate, up, down)
+    chex.assert_trees_all_close(got, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("lengths", [(12, 12), (12, 7)])
+def test_padded_causal_attention_equals_masked_attention_on_real_tokens(lengths):
+    b, s, n, kv, d = 2, 12, 4, 2, 8
+    ks = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(ks[0], (b, s, n, d))
+    k = jax.random.normal(ks[1], (b, s, kv, d))
+    v = jax.random.normal(ks[2], (b, s, kv, d))
+    seg = (jnp.arange(s)[None] < jnp.asarray(lengths)[:, None]).astype(jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(s), (b, s))
+    mask = segment_mask(seg, pos)
+    out, ref = jax.jit(
+        lambda q, k, v, m: (
+            padded_causal_attention(q, k, v, m, implementation="xla"),
+            attention(q, k, v, m),
+        )
+    )(q, k, v, mask)
+    real = seg.astype(bool)
+    chex.assert_trees_all_close(out[real], ref[real], atol=1e-5, rtol=1e-5)
+    chex.assert_tree_all_finite(out)
