@@ -177,6 +177,23 @@ def tokamax_experts(x, experts, weights, gate, up, down):
     return _grouped_experts(matmul, x, experts, weights, gate, up, down)
 
 
+@EXPERT_BACKENDS.register("pallas_gmm")
+def pallas_gmm_experts(x, experts, weights, gate, up, down):
+    """Tile-aligned sort + Pallas grouped matmuls (Triton on GPU, interpret mode on CPU)."""
+    from osworld_jax.model.kernels import grouped_matmul
+
+    return grouped_matmul.gmm_experts(x, experts, weights, gate, up, down)
+
+
+@EXPERT_BACKENDS.register("pallas_gmm_mosaic")
+def pallas_gmm_mosaic_experts(x, experts, weights, gate, up, down):
+    """As ``pallas_gmm`` with the Mosaic GPU (TMA + wgmma) kernels on Hopper."""
+    from osworld_jax.model.kernels import grouped_matmul
+
+    config = grouped_matmul.MOSAIC_CONFIG
+    return grouped_matmul.gmm_experts(x, experts, weights, gate, up, down, config=config)
+
+
 def swiglu_mlp(
     x: Float[Array, "T H"],
     gate: Float[Array, "H F"],
