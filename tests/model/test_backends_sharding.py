@@ -40,8 +40,16 @@ def _batch(seed=0):
 
 
 def _loss_fn(runtime):
-    def loss(params, ids, positions, seg):
-        out = forward(params, TINY_CFG, runtime, ids, positions=positions, segment_ids=seg)
+    def loss(params, ids, positions, seg, replay=None):
+        out = forward(
+            params,
+            TINY_CFG,
+            runtime,
+            ids,
+            positions=positions,
+            segment_ids=seg,
+            replay_experts=replay,
+        )
         lp = jax.nn.log_softmax(out.logits[:, :-1], axis=-1)
         tok = jnp.take_along_axis(lp, ids[:, 1:, None], axis=-1)[..., 0]
         nll = -jnp.sum(tok * (seg[:, 1:] != 0)) / jnp.sum(seg[:, 1:] != 0)
@@ -70,8 +78,16 @@ def test_dense_and_ragged_backends_agree_fwd_and_grad():
 @pytest.mark.slow
 def test_scan_layers_and_remat_agree_with_unrolled():
     params, batch = tiny_policy().params(), _batch(1)
-    base = _loss_fn(TINY_RT)(params, *batch)
-    scanned = _loss_fn(dataclasses.replace(TINY_RT, scan_layers=True, remat="full"))(params, *batch)
+    # R3 replay threads through the scan per layer: shifted routes on tokens >= 6, live before.
+    routes = np.asarray(forward(params, TINY_CFG, TINY_RT, batch[0]).routed_experts)
+    replay = np.full_like(routes, -1)
+    moe = list(TINY_CFG.moe_layers)
+    replay[:, 6:, moe] = (routes[:, 6:, moe] + 3) % TINY_CFG.num_experts
+    replay = jnp.asarray(replay)
+    base = _loss_fn(TINY_RT)(params, *batch, replay)
+    scanned = _loss_fn(dataclasses.replace(TINY_RT, scan_layers=True, remat="full"))(
+        params, *batch, replay
+    )
     _assert_same(base, scanned)
 
 

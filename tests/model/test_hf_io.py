@@ -46,6 +46,18 @@ def test_save_then_hf_from_pretrained_same_logits(hf_tiny, tmp_path):
     np.testing.assert_array_equal(again.params()["moe"]["gate"], policy.params()["moe"]["gate"])
 
 
+def test_bfloat16_export_is_bf16_on_disk_and_matches_hf(hf_tiny, tmp_path):
+    _, path = hf_tiny
+    out = save_hf_checkpoint(load_hf_checkpoint(path), tmp_path / "bf16")  # bf16 params
+    f = SafetensorsFile(out / "model.safetensors")
+    assert f.get("model.layers.2.mlp.experts.3.up_proj.weight").dtype == jnp.bfloat16
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    ids = _ids(seed=4)
+    ref, _, _ = hf_forward(_from_pretrained(out), ids)  # HF upcasts the bf16 weights to f32
+    ours = load_hf_checkpoint(out, dtype=jnp.float32)
+    assert rel_err(jforward(ours, jnp.asarray(ids)).logits, ref) < 1e-4
+
+
 def test_fused_expert_layout_and_sharded_index(hf_tiny, tmp_path):
     """HF's in-memory fused layout (gate_up_proj / down_proj), split over 2 indexed shards."""
     model, path = hf_tiny
