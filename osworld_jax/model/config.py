@@ -315,6 +315,9 @@ class ModelRuntimeConfig:
         faster compiles) instead of an unrolled Python loop; numerically identical.
       router_aux_loss_coef: weight of ``aux["load_balancing_loss"]`` in ``aux["total"]``.
       router_z_loss_coef: weight of ``aux["router_z_loss"]`` in ``aux["total"]``.
+      attention: "xla" (the masked softmax of `layers.attention`; any packing) or "cudnn"
+        (`kernels.attention.padded_causal_attention`: cuDNN flash attention on GPU, exact on real
+        tokens of rows holding one segment then padding, the trainer's layout; XLA elsewhere).
       activation_batch_axes: mesh axes the residual stream's batch dim is constrained to when the
         call runs under ``jax.set_mesh(mesh)`` (no-op without a mesh context or when they do not
         divide the batch); keeps GSPMD from resharding activations onto parameter axes.
@@ -327,6 +330,7 @@ class ModelRuntimeConfig:
     router_aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0
     activation_batch_axes: tuple[str, ...] = ("data", "fsdp", "expert")
+    attention: str = "xla"
 
     def __post_init__(self) -> None:
         from osworld_jax.model.moe import EXPERT_BACKENDS
@@ -337,6 +341,10 @@ class ModelRuntimeConfig:
             REMAT_POLICIES.validate(self.remat, "ModelRuntimeConfig.remat")
         except Exception as e:
             raise ModelConfigError(str(e)) from None
+        if self.attention not in ("xla", "cudnn"):
+            raise ModelConfigError(
+                f"ModelRuntimeConfig.attention: {self.attention!r}; choose 'xla' or 'cudnn'"
+            )
         if self.dtype not in ("float32", "bfloat16"):
             raise ModelConfigError(
                 f"ModelRuntimeConfig.dtype: {self.dtype!r}; choose 'float32' or 'bfloat16'"

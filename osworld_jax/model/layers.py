@@ -115,8 +115,13 @@ def attention_block(
     mask: jax.Array | None,
     positions: jax.Array,
     cache: LayerCache | None,
+    impl: str = "xla",
 ) -> tuple[jax.Array, LayerCache | None]:
-    """Self-attention of one layer (input already normed); returns (out [B,S,H], new cache)."""
+    """Self-attention of one layer (input already normed); returns (out [B,S,H], new cache).
+
+    ``impl="cudnn"`` (no cache): fused causal attention of one-segment rows
+    (`osworld_jax.model.kernels.attention`).
+    """
     eps = config.rms_norm_eps
     q = rms_norm(jnp.einsum("bsh,hnd->bsnd", x, p["q_proj"]), p["q_norm"], eps)
     k = rms_norm(jnp.einsum("bsh,hnd->bsnd", x, p["k_proj"]), p["k_norm"], eps)
@@ -127,7 +132,12 @@ def attention_block(
         k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
         mask = cache_mask(positions, k.shape[1])
     assert mask is not None
-    out = attention(q, k, v, mask)
+    if impl == "cudnn" and cache is None:
+        from osworld_jax.model.kernels.attention import padded_causal_attention
+
+        out = padded_causal_attention(q, k, v, mask)
+    else:
+        out = attention(q, k, v, mask)
     return jnp.einsum("bsnd,ndh->bsh", out, p["o_proj"]), cache
 
 
@@ -159,6 +169,7 @@ def decoder_layer(
         mask=mask,
         positions=positions,
         cache=cache,
+        impl=runtime.attention,
     )
     x = x + attn_out
     y = rms_norm(x, attn_p["post_norm"], eps).reshape(b * s, h)  # [T, H]
