@@ -151,3 +151,22 @@ def test_padded_causal_attention_equals_masked_attention_on_real_tokens(lengths)
     real = seg.astype(bool)
     chex.assert_trees_all_close(out[real], ref[real], atol=1e-5, rtol=1e-5)
     chex.assert_tree_all_finite(out)
+
+
+def test_attention_switch_keeps_real_token_logits():
+    import dataclasses
+
+    from osworld_jax.model import forward
+    from tests.model.conftest import TINY_CFG, TINY_RT, tiny_policy
+
+    params = tiny_policy().params()
+    ids = jax.random.randint(jax.random.key(6), (2, 10), 0, TINY_CFG.vocab_size)
+    seg = (jnp.arange(10)[None] < jnp.asarray([[10], [6]])).astype(jnp.int32)
+    run = jax.jit(
+        lambda params, rt: forward(params, TINY_CFG, rt, ids, segment_ids=seg).logits,
+        static_argnums=1,
+    )
+    ref = run(params, TINY_RT)
+    got = run(params, dataclasses.replace(TINY_RT, attention="cudnn"))
+    real = seg.astype(bool)
+    chex.assert_trees_all_close(got[real], ref[real], atol=1e-5, rtol=1e-5)
