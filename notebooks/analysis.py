@@ -24,9 +24,6 @@
 import os
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use(os.environ.get("MPLBACKEND", "Agg"))
 import matplotlib.pyplot as plt
 import numpy as np
 

@@ -77,7 +77,7 @@ def test_analysis_notebook_executes(learning_run, monkeypatch):
 
     run_dir, _ = learning_run
     monkeypatch.setenv("OSWORLD_RUN_DIR", str(run_dir))
-    monkeypatch.setenv("MPLBACKEND", "Agg")
+    monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend
     nb = jupytext.read(REPO / "notebooks" / "analysis.py")
     nbclient.NotebookClient(
         nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}
@@ -142,7 +142,9 @@ def test_default_run_ctrl_c_and_resume(tmp_path):
     assert proc.returncode == 130, out[-3000:]
     assert "interrupted" in out
     assert not _live_processes_mentioning(str(run_dir))  # server and sandboxes are gone
-    steps_done = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps_done = [
+        json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
     assert steps_done[0] == 1
     for name in ("operative_config.gin", "experiment.json", "base_model/config.json"):
         assert (run_dir / name).is_file()
