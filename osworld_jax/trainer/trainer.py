@@ -17,8 +17,9 @@ coefficients and PPO clipping are unchanged), which makes each micro-batch loss 
 ``sum_{rt in micro} W_rt l_rt`` and the accumulated gradient exactly the full-batch gradient.
 
 Sharding: parameters follow the model room's `ShardingRules`; optimizer moments follow their
-parameters; batch rows are split over ``config.batch_axes``; micro-batch ``i`` takes rows
-``i, i + M, i + 2M, ...`` so every data shard holds an equal share of every micro-batch.
+parameters; batch rows are split over ``config.batch_axes``; the jitted functions are traced
+and run under ``jax.set_mesh(mesh)`` so the model's activation constraints apply; micro-batch
+``i`` takes rows ``i, i + M, i + 2M, ...`` so every data shard holds an equal share of each.
 """
 
 from __future__ import annotations
@@ -348,7 +349,7 @@ class Trainer:
         """
         self._check_batch(batch)
         batch = self._device_batch(batch)
-        with jax.transfer_guard("disallow"):
+        with jax.set_mesh(self.mesh), jax.transfer_guard("disallow"):
             return self._logprobs_fn(params, batch)
 
     # ------------------------------------------------------------------ train step
@@ -418,7 +419,7 @@ class Trainer:
                 in_shardings=(self.param_shardings, self._batch_shardings()),
                 out_shardings=(self._replicated, self.param_shardings),
             )
-        with jax.transfer_guard("disallow"):
+        with jax.set_mesh(self.mesh), jax.transfer_guard("disallow"):
             return self._grad_fns[meta](params, batch)
 
     def _train_step_impl(
@@ -549,7 +550,7 @@ class Trainer:
         if old_logprobs is not None:
             old_logprobs = jax.device_put(old_logprobs, self._row_sharding)
         step_fn = self._compiled_step(meta, old_logprobs is not None)
-        with jax.transfer_guard("disallow"):
+        with jax.set_mesh(self.mesh), jax.transfer_guard("disallow"):
             state, metrics = step_fn(state, batch, old_logprobs)
         host = {k: v.item() for k, v in jax.device_get(metrics).items()}
         finite = host.pop("finite")
