@@ -161,8 +161,9 @@ def test_warm_pool_serves_create_and_fork(runner):
         src = runner.run(b.create(load_task({**TASK, "id": "local-test-pool"})))
         assert src.desktop in pooled  # taken from the pool
         runner.run(src.vm.execute(["bash", "-c", "echo pooled > ~/marker.txt"]))
+        runner.run(b.wait_pool_full())  # no refill in flight: the fork takes one of `idle`
         idle = list(b._pool)
-        assert idle
+        assert len(idle) == 2
         (fork,) = runner.run(b.fork(src, 1))
         assert fork.desktop in idle
         assert runner.run(fork.vm.file("~/marker.txt")) == b"pooled\n"
