@@ -104,7 +104,9 @@ class RolloutConfig:
     """Settings of `SGLangClient`.
 
     Attributes:
-      urls: base URLs of the SGLang (or embedded) servers, e.g. ``http://127.0.0.1:30000``.
+      urls: base URLs of the SGLang (or embedded) servers, e.g. ``http://127.0.0.1:30000``; or
+        the single URL of an SGLang router fronting many servers (the router then balances and
+        forwards refits; every reply's weight version is still checked; see docs/SCALE.md).
       load_balancer: ``least_outstanding`` or ``round_robin`` (see ``LOAD_BALANCERS``).
       request_timeout_s: wall-clock limit of one ``/generate`` call.
       connect_timeout_s: limit on opening a connection.
