@@ -34,6 +34,8 @@ class Scripted:
 
     async def act(self, observation: Observation) -> str:
         self.seen.append(observation)
+        if 'name="mousepad"' not in observation.a11y_tree:
+            return "WAIT"  # the editor is still starting (a loaded machine): look again
         return self.texts.pop(0)
 
 
@@ -64,7 +66,7 @@ def test_run_group_on_local_sandboxes(runner, backend: LocalBackend):
         1: Scripted(SOLUTIONS[TASK_ID]["wrong"], seen),
         2: Broken(),
     }
-    env = AgentEnv(backend, AgentEnvConfig(backend="local", max_turns=5))
+    env = AgentEnv(backend, AgentEnvConfig(backend="local", max_turns=30))
     results = runner.run(env.run_group(_task(), [0, 1, 2], lambda i: agents[i]))
     by_owner = {r.owner_index: r for r in results}
     assert by_owner[0].reward == 1.0 and not by_owner[0].failed

@@ -8,6 +8,7 @@ own evaluator: correct -> 1, wrong -> 0. All sandboxes are closed and none may r
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -34,7 +35,22 @@ def test_every_bundled_task_has_scripted_solutions():
     assert ids == set(_solutions())
 
 
+async def _wait_for_app_windows(sandbox, task) -> None:
+    """Waits (up to 60 s) for a window per ``launch`` step, as an agent looking at the screen
+    would: the task's own sleeps assume an idle machine, CI's may be loaded."""
+    launches = sum(1 for s in task.config if s.type == "launch")
+    if not launches:
+        return
+    for _ in range(600):
+        res = await sandbox.vm.execute(["wmctrl", "-l"])
+        if len(res["output"].strip().splitlines()) >= launches:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{task.id}: launched apps show no window after 60 s")
+
+
 async def _play(sandbox, texts: list[str]) -> float:
+    await _wait_for_app_windows(sandbox, sandbox.task)
     last = None
     for text in texts:
         last = parse_action(text, "pyautogui")
