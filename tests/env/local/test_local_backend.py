@@ -201,3 +201,21 @@ def test_an_action_that_hangs_is_stopped_as_data(runner):
     finally:
         runner.run(b.aclose())
     assert b.inventory() == []
+
+
+def test_capability_reasons_name_files_no_local_app_opens(monkeypatch):
+    from osworld_jax.env.local import backend as local_backend
+
+    monkeypatch.setattr(local_backend.shutil, "which", lambda name: None)
+    task = load_task(
+        {
+            **TASK,
+            "config": [
+                {"type": "open", "parameters": {"path": "/home/user/a.txt"}},
+                {"type": "open", "parameters": {"path": "/home/user/model.blend"}},
+            ],
+        }
+    )
+    assert LocalBackend.capability_reasons(task) == [
+        "no local application opens '/home/user/model.blend'"
+    ]
