@@ -340,6 +340,29 @@ gmm.defvjp(_gmm_fwd, _gmm_bwd)
 DEFAULT_CONFIG = GmmConfig()
 MOSAIC_CONFIG = GmmConfig(mosaic_parts=("fwd", "dx", "dw"))
 
+
+def config_to_dict(cfg: GmmConfig) -> dict:
+    """JSON-able form of a `GmmConfig` (for benchmark outputs)."""
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(d: dict) -> GmmConfig:
+    """Inverse of `config_to_dict`."""
+    d = dict(d)
+    d["mosaic"] = MosaicConfig(**d.get("mosaic", {}))
+    d["mosaic_parts"] = tuple(d.get("mosaic_parts", ()))
+    return GmmConfig(**d)
+
+
+def configure(*, triton: GmmConfig | None = None, mosaic: GmmConfig | None = None) -> None:
+    """Replaces the configs the ``pallas_gmm`` / ``pallas_gmm_mosaic`` backends use (tuning)."""
+    global DEFAULT_CONFIG, MOSAIC_CONFIG
+    if triton is not None:
+        DEFAULT_CONFIG = triton
+    if mosaic is not None:
+        MOSAIC_CONFIG = mosaic
+
+
 _BATCH_AXES = ("data", "fsdp", "expert")
 
 
@@ -351,7 +374,7 @@ def gmm_experts(
     up: Float[Array, "E H I"],
     down: Float[Array, "E I H"],
     *,
-    config: GmmConfig = DEFAULT_CONFIG,
+    config: GmmConfig | None = None,
 ) -> Float[Array, "T H"]:
     """The ``"pallas_gmm"`` expert backend: tile-aligned permute -> 3 grouped matmuls -> combine.
 
@@ -360,6 +383,7 @@ def gmm_experts(
     device runs the kernels on its own tokens (``shard_map``; the expert weights are gathered,
     their gradients summed over those axes), since a Pallas call cannot be partitioned by GSPMD.
     """
+    config = DEFAULT_CONFIG if config is None else config
     mesh = jax.sharding.get_abstract_mesh()
     axes: tuple[str, ...] = ()
     if not mesh.empty:
