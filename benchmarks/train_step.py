@@ -19,14 +19,24 @@ MFU (model FLOPs utilisation), the formula used below:
 - the second term is causal attention (QK^T and AV, forward + backward: 12 per
   ``L * B * S^2 * n_heads * head_dim``, halved by the causal mask);
 - ``peak_flops`` = 790e12 by default (``--peak-flops``).
+
+Peers (``--hf-peers``): HF transformers ``Qwen3MoeForCausalLM`` with the same config, bf16,
+random weights, ``experts_implementation="grouped_mm"``, sdpa attention: forward (CE loss over
+the 151,936 vocab) + backward + clip 1.0 + ``torch.optim.AdamW`` (fused; states in the bf16
+parameter dtype), eager and with ``torch.compile(model.forward)``; each peer runs in its own
+subprocess before JAX touches the GPU, so all rows come from one run on one machine. Peak memory:
+JAX ``peak_bytes_in_use`` / torch ``max_memory_allocated``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import json
 import math
 import statistics
+import subprocess
 import sys
 import time
 
@@ -158,7 +168,31 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-replay", action="store_true", help="route live instead of R3")
     p.add_argument("--mesh", default="", help="data,fsdp,expert,tensor (default: all devices fsdp)")
     p.add_argument("--peak-flops", type=float, default=790e12)
+    p.add_argument("--attention", help="override ModelRuntimeConfig.attention (xla | cudnn)")
+    p.add_argument(
+        "--mesh-context",
+        action="store_true",
+        help="run the steps under jax.set_mesh(mesh) (Pallas expert kernels then shard_map)",
+    )
+    p.add_argument(
+        "--hf-peers",
+        default="",
+        help="comma list of HF transformers peers to run first: eager,compile",
+    )
+    p.add_argument("--hf-child", default="", help=argparse.SUPPRESS)
+    p.add_argument("--no-ours", action="store_true", help="only the HF peers")
+    p.add_argument(
+        "--gmm-config",
+        help="JSON {triton, mosaic} of tuned Pallas grouped-matmul configs (benchmarks/moe_gemm.py"
+        " --best-out) for the pallas_gmm / pallas_gmm_mosaic backends",
+    )
     args = p.parse_args(argv)
+    if args.hf_child:
+        return _hf_child(args)
+    peers = [_run_hf_peer(args, m) for m in args.hf_peers.split(",") if m]
+    if args.no_ours:
+        _print_table(peers)
+        return None
 
     bench = CONFIGS[args.config]
     model = bench.model
@@ -169,6 +203,16 @@ def main(argv: list[str] | None = None) -> None:
         runtime = dataclasses.replace(runtime, expert_backend=args.expert_backend)
     if args.remat:
         runtime = dataclasses.replace(runtime, remat=args.remat)
+    if args.attention:
+        runtime = dataclasses.replace(runtime, attention=args.attention)
+    if args.gmm_config:
+        from osworld_jax.model.kernels import grouped_matmul
+
+        tuned = json.loads(open(args.gmm_config).read())
+        grouped_matmul.configure(
+            triton=grouped_matmul.config_from_dict(tuned["triton"]),
+            mosaic=grouped_matmul.config_from_dict(tuned["mosaic"]),
+        )
     b, s = args.batch or bench.batch, args.seq or bench.seq
 
     if args.mesh:
@@ -192,15 +236,18 @@ def main(argv: list[str] | None = None) -> None:
     meta = BatchMeta(num_owners=b, num_groups=1, norm_length=s)
 
     times = []
-    for i in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
-        state, metrics = trainer.train_step(state, batch, meta)  # returns host metrics: synced
-        dt = time.perf_counter() - t0
-        if i >= args.warmup:
-            times.append(dt)
-        elif i == 0:
-            compile_s = dt
+    ctx = jax.set_mesh(mesh) if args.mesh_context else contextlib.nullcontext()
+    with ctx:
+        for i in range(args.warmup + args.steps):
+            t0 = time.perf_counter()
+            state, metrics = trainer.train_step(state, batch, meta)  # host metrics: synced
+            dt = time.perf_counter() - t0
+            if i >= args.warmup:
+                times.append(dt)
+            elif i == 0:
+                compile_s = dt
     jax.block_until_ready(state)
+    peak = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.devices())
 
     total, active = active_params(model)
     step = statistics.median(times)
@@ -231,11 +278,105 @@ def main(argv: list[str] | None = None) -> None:
             f"{flops / step / args.peak_flops:.4%}",
         ),
         ("final loss / grad_norm", f"{metrics['loss']:.4f} / {metrics['grad_norm']:.4f}"),
+        ("peak memory (max over devices)", f"{peak / 2**30:.1f} GiB"),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     trainer.close()
+    name = (
+        f"osworld_jax ({runtime.expert_backend}, attn={runtime.attention}, remat={runtime.remat}"
+        f", {jax.device_count()} dev)"
+    )
+    ours = dict(name=name, step_s=step, tokens=b * s, flops=flops, peak_gib=peak / 2**30)
+    _print_table([*peers, ours], peak_flops=args.peak_flops)
+    return None
+
+
+def _print_table(rows: list[dict], peak_flops: float = 790e12) -> None:
+    """The side-by-side table: ms/step, tokens/s, MFU, peak memory."""
+    print("\n| run | ms/step | tokens/s | MFU | peak GiB |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['name']} | failed: {r['error'][:120]} | | | |")
+            continue
+        mfu = r["flops"] / r["step_s"] / peak_flops
+        print(
+            f"| {r['name']} | {r['step_s'] * 1e3:.1f} | {r['tokens'] / r['step_s']:,.0f} | "
+            f"{mfu:.1%} | {r['peak_gib']:.1f} |"
+        )
+
+
+def _run_hf_peer(args: argparse.Namespace, mode: str) -> dict:
+    """Runs one HF peer in a subprocess (before this process initialises the GPU)."""
+    cmd = [sys.executable, __file__, "--hf-child", mode, "--config", args.config]
+    for flag in ("batch", "seq", "layers", "steps", "warmup"):
+        value = getattr(args, flag)
+        if value is not None:
+            cmd += [f"--{flag}", str(value)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    sys.stdout.write(proc.stdout[-3000:])
+    for line in proc.stdout.splitlines():
+        if line.startswith("HF_RESULT "):
+            return json.loads(line[len("HF_RESULT ") :])
+    sys.stderr.write(proc.stderr[-4000:])
+    return dict(name=f"HF {mode}", error=(proc.stderr.strip().splitlines() or ["?"])[-1])
+
+
+def _hf_child(args: argparse.Namespace) -> None:
+    """One HF transformers train step loop (see the module docstring), results as JSON."""
+    import torch
+    from transformers import Qwen3MoeConfig as HFConfig
+    from transformers import Qwen3MoeForCausalLM
+
+    bench = CONFIGS[args.config]
+    model_cfg = bench.model
+    if args.layers:
+        model_cfg = model_cfg.replace(num_hidden_layers=args.layers)
+    b, s = args.batch or bench.batch, args.seq or bench.seq
+    hf_cfg = HFConfig(**model_cfg.to_hf_dict())
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3MoeForCausalLM._from_config(
+            hf_cfg, torch_dtype=torch.bfloat16, attn_implementation="sdpa"
+        )
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("grouped_mm")
+    experts_impl = getattr(model.config, "_experts_implementation", "?")
+    model.train()
+    if args.hf_child == "compile":
+        model.forward = torch.compile(model.forward)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-6, weight_decay=0.01, fused=True)
+    ids = torch.randint(0, model_cfg.vocab_size, (b, s), device="cuda")
+
+    def step() -> float:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    times = []
+    for i in range(args.warmup + args.steps + (1 if args.hf_child == "compile" else 0)):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = step()
+        torch.cuda.synchronize()
+        if i >= args.warmup + (1 if args.hf_child == "compile" else 0):
+            times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
+    result = dict(
+        name=f"HF transformers {args.hf_child} (experts={experts_impl}, sdpa)",
+        step_s=step_s,
+        tokens=b * s,
+        flops=model_flops(model_cfg, b, s),
+        peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+        loss=loss,
+        times=times,
+    )
+    print("HF_RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":
