@@ -132,17 +132,23 @@ def main() -> None:
     path = make_checkpoint(args)
     levels = [int(c) for c in args.concurrency.split(",")]
     n = args.max_new_tokens
-    engine = Engine(
-        EngineConfig(
-            model_path=str(path),
-            max_running_requests=max(levels),
-            context_length=args.prompt_len + n + 1,
-            dtype=dtype,
-            expert_backend=args.expert_backend or "ragged",
-        )
-    ).start()
+
+    def start(c: int) -> Engine:
+        # One engine per level, decoding exactly C slots, every bucket compiled before timing.
+        engine = Engine(
+            EngineConfig(
+                model_path=str(path),
+                max_running_requests=c,
+                min_decode_batch=c,
+                context_length=args.prompt_len + n + 1,
+                dtype=dtype,
+                expert_backend=args.expert_backend or "ragged",
+            )
+        ).start()
+        engine.precompile(args.prompt_len, args.prompt_len + n)
+        return engine
+
     rng = np.random.default_rng(0)
-    vocab = engine.vocab_size
     rows = []
     model = None
     device = "cpu"
@@ -153,15 +159,16 @@ def main() -> None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
         model = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
-    try:
-        for c in levels:
-            prompts = rng.integers(10, vocab, size=(c, args.prompt_len)).tolist()
+    for c in levels:
+        engine = start(c)
+        try:
+            prompts = rng.integers(10, engine.vocab_size, size=(c, args.prompt_len)).tolist()
             ours = asyncio.run(embedded_rate(engine, prompts, n))
             theirs = hf_rate(model, prompts, n, device) if model is not None else float("nan")
             rows.append({"concurrency": c, "embedded_tok_s": ours, "hf_generate_tok_s": theirs})
             print(f"C={c}: embedded {ours:.1f} tok/s, HF generate {theirs:.1f} tok/s", flush=True)
-    finally:
-        engine.shutdown()
+        finally:
+            engine.shutdown()
     dev = jax.devices()[0].device_kind
     print(f"\n{args.config} ({dtype}) on {dev}; prompt {args.prompt_len}, {n} new tokens/request")
     print("| concurrency | embedded tok/s | HF generate tok/s | speed-up |\n|---|---|---|---|")

@@ -197,6 +197,25 @@ class Engine:
         self.ready.set()
         return self
 
+    def precompile(self, prompt_len: int, total_len: int) -> int:
+        """Compiles ahead of traffic the buckets of ``prompt_len``-token prompts.
+
+        Covers sequences growing to ``total_len`` tokens (see `ModelRunner.precompile`); runs on
+        the engine thread and needs it idle. Returns the number of compiled calls.
+        """
+
+        def run() -> int:
+            if self.waiting or any(self.slots):
+                raise EngineError("precompile needs an idle engine")
+            return self.runner.precompile(
+                prompt_len=prompt_len,
+                total_len=total_len,
+                min_batch=self.config.min_decode_batch,
+                max_rows=max(1, self.config.max_prefill_batch),
+            )
+
+        return int(self._call(run).result())
+
     def shutdown(self) -> None:
         """Stops the engine thread (requests in flight finish with ``abort``)."""
         if self._thread is None:
@@ -298,14 +317,7 @@ class Engine:
 
     def submit(self, req: GenRequest) -> None:
         """Queues ``req``; progress arrives through ``req.notify``."""
-
-        def add() -> None:
-            if req.max_new_tokens <= 0:
-                self._finish(req, {"type": "length", "length": 0})
-            else:
-                self.waiting.append(req)
-
-        self._cmds.put(add)
+        self._cmds.put(lambda: self.waiting.append(req))
 
     def abort(self, rid: str | None, abort_all: bool = False) -> concurrent.futures.Future[int]:
         """Aborts requests whose rid starts with ``rid`` (or all); returns how many."""
@@ -457,7 +469,10 @@ class Engine:
                 req.input_logprobs = self.runner.prompt_logprobs(hidden, req.input_ids)
             req.routes.append(routes[req.num_route_rows :])
             req.num_route_rows = len(prompt)
-            self._append(req, tok, lp)
+            if req.max_new_tokens <= 0:  # prompt-only request (routes / prompt logprobs)
+                self._finish(req, {"type": "length", "length": 0})
+            else:
+                self._append(req, tok, lp)
 
     def _decode_step(self) -> None:
         live = [i for i, r in enumerate(self.slots) if r is not None]

@@ -146,6 +146,18 @@ class SlotSampling:
     step: np.ndarray
 
 
+def _dummy_sampling(rows: int, vocab: int) -> SlotSampling:
+    return SlotSampling(
+        temperature=np.ones(rows, np.float32),
+        top_p=np.ones(rows, np.float32),
+        top_k=np.full(rows, vocab, np.int32),
+        min_p=np.zeros(rows, np.float32),
+        banned=np.full((rows, MAX_BANNED), vocab, np.int32),
+        keys=np.zeros((rows, 2), np.uint32),
+        step=np.zeros(rows, np.int32),
+    )
+
+
 class ModelRunner:
     """Owns the parameters and the KV cache; runs bucketed prefill and decode steps.
 
@@ -261,6 +273,43 @@ class ModelRunner:
             (int(tok[i]), float(lp[i]), np.asarray(routes[i, : len(q)]), hidden[i])
             for i, q in enumerate(prompts)
         ]
+
+    def precompile(
+        self, *, prompt_len: int, total_len: int, min_batch: int = 1, max_rows: int = 1
+    ) -> int:
+        """Compiles ahead the buckets a workload will use, so no request waits on a compile.
+
+        Covers prompts of ``prompt_len`` tokens (prefill rows 1 and ``max_rows``) growing to
+        ``total_len`` tokens (decode batches from ``min_batch`` to ``num_slots``). Only call it
+        while no request is live (the dummy steps write into free slots). Returns the number of
+        compiled calls.
+        """
+        n = 0
+        s = self.prefill_bucket(prompt_len)
+        for rows in sorted({1, max_rows}):
+            tokens = np.zeros((rows, s), np.int32)
+            ones = np.ones((rows,), np.int32)
+            slot_ids = np.full((rows,), self.num_slots, np.int32)  # every write drops
+            _, _, _, _, self.cache = _prefill(
+                self.params, self.cache, slot_ids, tokens, ones,
+                self._samp(_dummy_sampling(rows, self.vocab_size)),
+                config=self.config, runtime=self.runtime,
+            )  # fmt: skip
+            n += 1
+        b = next_pow2(min_batch)
+        while b <= self.num_slots:
+            attn = next_pow2(prompt_len + 1, self.min_bucket)
+            while attn <= min(self.slot_len, next_pow2(total_len, self.min_bucket)):
+                zeros = np.zeros((b,), np.int32)
+                self.decode(
+                    zeros, np.full((b,), attn - 1, np.int32), zeros,
+                    _dummy_sampling(b, self.vocab_size),
+                )  # fmt: skip
+                n += 1
+                attn *= 2
+            b *= 2
+        jax.block_until_ready(self.cache)
+        return n
 
     def prompt_logprobs(self, hidden: jax.Array, prompt: list[int]) -> np.ndarray:
         """Prompt logprobs at temperature 1 (SGLang's ``input_token_logprobs``).

@@ -179,6 +179,18 @@ def test_sampling_semantics(engine):
                 _, st = await post(url, "/generate", gen_body(ids, temperature=0.0, stop=[stop]))
                 assert st["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
                 assert stop not in st["text"] and text.startswith(st["text"])
+            # max_new_tokens 0: prompt logprobs and prompt routes only (p - 1 rows).
+            _, z = await post(url, "/generate", gen_body(ids, max_new_tokens=0))
+            assert z["output_ids"] == [] and z["meta_info"]["finish_reason"]["type"] == "length"
+            np.testing.assert_array_equal(
+                routes_of(z, engine.model_config), routes_of(g, engine.model_config)[: len(ids) - 1]
+            )
+            zin, gin = (
+                z["meta_info"]["input_token_logprobs"],
+                g["meta_info"]["input_token_logprobs"],
+            )
+            assert zin[0][0] is None and [t for _, t, _ in zin] == ids
+            np.testing.assert_allclose([x[0] for x in zin[1:]], [x[0] for x in gin[1:]], atol=1e-5)
             # EOS stops unless ignore_eos; min_new_tokens suppresses it (and stop ids) before.
             eos = engine.eos_ids[0]
             body = gen_body(ids, temperature=0.0, min_new_tokens=5, stop_token_ids=[stop_tok])
@@ -415,3 +427,20 @@ def test_pause_retract_and_in_place_resume_exactly(engine):
                 np.testing.assert_array_equal(routes_of(r, cfg), routes_of(ref, cfg))
 
     run(main())
+
+
+def test_precompile_leaves_no_compile_for_traffic(engine):
+    """After `precompile`, serving prompts of that length compiles nothing new."""
+    from osworld_jax.rollout import runner
+
+    engine.precompile(len(PROMPTS[0]), len(PROMPTS[0]) + 12)
+    before = (runner._prefill._cache_size(), runner._decode._cache_size())
+
+    async def main():
+        async with serving(engine) as url:
+            bodies = [gen_body(PROMPTS[0], temperature=0.5) for _ in range(5)]
+            out = await asyncio.gather(*(post(url, "/generate", b) for b in bodies))
+            assert all(s == 200 for s, _ in out)
+
+    run(main())
+    assert (runner._prefill._cache_size(), runner._decode._cache_size()) == before
