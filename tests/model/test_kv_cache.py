@@ -6,6 +6,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from osworld_jax.model import (
     forward,
@@ -110,7 +111,8 @@ def test_return_logits_false_gives_hidden_for_unembed():
     policy = _policy()
     ids = jnp.asarray(np.random.RandomState(3).randint(0, 64, (2, 6)), jnp.int32)
     full = jforward(policy, ids)
-    slim = policy(ids, return_logits=False)  # the eager Policy.__call__ path
+    # Policy.__call__ under nnx.jit (the module API), hidden only.
+    slim = nnx.jit(lambda m, x: m(x, return_logits=False))(policy, ids)
     assert slim.logits is None
     chex.assert_shape(policy.unembed(), (32, 64))
     np.testing.assert_allclose(slim.hidden @ policy.unembed(), full.logits, rtol=1e-5, atol=1e-5)
