@@ -1,5 +1,6 @@
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 
@@ -133,3 +134,67 @@ def test_refuses_bad_inputs(inputs):
     with pytest.raises(FreezeError, match="no task inside the band"):
         freeze_band(calib, task_dir, out)
     assert not out.exists()
+
+
+def test_bundled_tasks_freeze_with_their_assets(tmp_path):
+    from osworld_jax.env import bundled_tasks_dir
+
+    refs = load_task_refs(bundled_tasks_dir())
+    assert len(refs) >= 20
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text(
+        "".join(
+            json.dumps({"task_id": r.task_id, "reps": 4, "passes": i % 5}) + "\n"
+            for i, r in enumerate(refs)
+        )
+    )
+    out = freeze_band(calib, bundled_tasks_dir(), tmp_path / "band", reps=4, num_repeats=3)
+    verify_sha256sums(out)
+    snap = json.loads((out / "SNAPSHOT.json").read_text())
+    admitted = {r.task_id for i, r in enumerate(refs) if 0 < i % 5 < 4}
+    assert set(snap["admitted"]) == admitted
+    frozen = load_task_refs(out)
+    assert len(frozen) == 3 * len(admitted)
+    # Every admitted task that downloads a bundled asset has it in the frozen copy.
+    from osworld_jax.env import load_task
+
+    for ref in frozen[: len(admitted)]:
+        task = load_task(ref.path)
+        for step in task.config:
+            for f in step.parameters.get("files", []) if step.type == "download" else []:
+                url = f["url"]
+                if "://" not in url:
+                    assert (Path(ref.path).parent / url).is_file(), (ref.task_id, url)
+
+
+def test_freeze_band_script(tmp_path, inputs, capsys):
+    import runpy
+    import sys
+
+    calib, task_dir, out = inputs
+    argv = [
+        "freeze_band.py",
+        f"--calibration={calib}",
+        f"--task_dir={task_dir}",
+        f"--out_dir={out}",
+        "--reps=4",
+        "--num_repeats=2",
+    ]
+    script = Path(__file__).resolve().parents[2] / "scripts" / "freeze_band.py"
+    old = sys.argv
+    sys.argv = argv
+    try:
+        with pytest.raises(SystemExit) as code:
+            runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = old
+    assert code.value.code == 0
+    assert "froze 2/4 tasks (4 train rows)" in capsys.readouterr().out
+    sys.argv = argv
+    try:
+        with pytest.raises(SystemExit) as code:
+            runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = old
+    assert code.value.code == 1  # the dataset exists: refused
+    assert "already exists" in capsys.readouterr().err
