@@ -14,7 +14,7 @@ Roles of the processes:
   each process's shards; the checkpoint directory must be on a filesystem all hosts share);
 - data: ``osworld_jax.data.make_task_stream`` shards tasks by ``jax.process_index/count``;
   `task_stream_shard` says which shard a process draws under ``rollout_on``;
-- rollouts (``DistributedConfig.rollout_on``):
+- rollouts (``DistributedConfig.rollout_on``; `host_step_batch` does the right one):
 
   - ``"process0"``: process 0 drives all B x N owners (against its embedded server or any list
     of SGLang URLs), packs the batch, and `broadcast_host_batch` copies it to every process;
@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -437,6 +437,22 @@ def allgather_host_batch(batch: Batch, meta: BatchMeta) -> tuple[Batch, BatchMet
         parts.append(Batch._make(f[:r] if f.ndim == 1 else f[:r, :t] for f in fields))
         metas.append(BatchMeta(num_owners=owners, num_groups=groups, norm_length=norm))
     return concat_host_batches(parts, metas)
+
+
+def host_step_batch(
+    config: DistributedConfig, produce: Callable[[], tuple[Batch, BatchMeta]]
+) -> tuple[Batch, BatchMeta]:
+    """The step's host batch on every process, produced where ``config.rollout_on`` says.
+
+    ``produce()`` runs the rollouts of this process and packs them (e.g. ``pack_batch(...)``);
+    it is called on process 0 only (``"process0"``, then `broadcast_host_batch`) or on every
+    process (``"dedicated"``, then `allgather_host_batch`). Every process must call this.
+    """
+    if config.rollout_on == "dedicated":
+        return allgather_host_batch(*produce())
+    if is_primary():
+        return broadcast_host_batch(*produce())
+    return broadcast_host_batch(None, None)
 
 
 # ---------------------------------------------------------------------- parameters, export

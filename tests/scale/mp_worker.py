@@ -5,7 +5,8 @@
 of the job (``fsdp`` spans the processes in the 2 x 4 layout, so parameters, optimizer moments
 and gradient reductions cross process boundaries), with the real ``Trainer``:
 
-1. step 1 on a batch built by process 0 only and broadcast (``rollout_on="process0"``);
+1. step 1 on a batch built by process 0 only and broadcast (``host_step_batch`` with
+   ``rollout_on="process0"``);
 2. step 2 on a batch assembled from per-process parts of different lengths
    (``rollout_on="dedicated"``: every process builds the rows of its own prompts);
 3. an orbax save by every process, then a restore;
@@ -19,6 +20,7 @@ with ``--devices 8`` and no coordinator.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -57,10 +59,10 @@ def main() -> None:
 
     from osworld_jax.trainer.distributed import (
         DistributedConfig,
-        allgather_host_batch,
-        broadcast_host_batch,
+        DistributedError,
         concat_host_batches,
         export_hf_all_processes,
+        host_step_batch,
         initialize_distributed,
         is_primary,
         params_to_host,
@@ -76,6 +78,14 @@ def main() -> None:
     )
     initialize_distributed(config)
     initialize_distributed(config)  # idempotent
+    refused_other_values = False
+    if args.num_processes:
+        try:  # joining again as another process must fail loudly
+            initialize_distributed(
+                dataclasses.replace(config, process_id=args.num_processes - 1 - args.process_id)
+            )
+        except DistributedError:
+            refused_other_values = True
 
     import jax
     import numpy as np
@@ -100,9 +110,15 @@ def main() -> None:
     snapshots = {"init": params_to_host(state.params)}
     metrics = []
 
-    # Step 1: process 0 rolls out (here: builds the batch); the others receive it.
-    local = (make_batch(policy, seed=1), META) if is_primary() else (None, None)
-    batch, meta = broadcast_host_batch(*local)
+    # Step 1 (rollout_on="process0"): process 0 rolls out (here: builds the batch); the others
+    # receive it.
+    produced = []
+
+    def rollout_step1():
+        produced.append(pid)
+        return make_batch(policy, seed=1), META
+
+    batch, meta = host_step_batch(config, rollout_step1)
     state, m = trainer.train_step(state, batch, meta)
     metrics.append(m)
     _tick("step 1")
@@ -124,10 +140,11 @@ def main() -> None:
         )
         parts.append(rows)
         metas.append(BatchMeta(num_owners=n_owners, num_groups=1, norm_length=16))
-    if nproc == 1:
+    if nproc == 1:  # the reference: one process holds both parts
         batch, meta = concat_host_batches(parts, metas)
     else:
-        batch, meta = allgather_host_batch(parts[pid], metas[pid])
+        dedicated = dataclasses.replace(config, rollout_on="dedicated")
+        batch, meta = host_step_batch(dedicated, lambda: (parts[pid], metas[pid]))
     assert meta == META, meta
     state, m = trainer.train_step(state, batch, meta)
     metrics.append(m)
@@ -156,6 +173,8 @@ def main() -> None:
         "process_count": nproc,
         "metrics": metrics,
         "digest": digest,
+        "produced_step1": bool(produced),
+        "refused_other_values": refused_other_values,
         "restored_step": int(np.asarray(params_to_host(restored.step))),
         "seconds": time.perf_counter() - t0,
     }

@@ -8,6 +8,7 @@ import pytest
 from osworld_jax.batch import Batch, BatchMeta, check_batch
 from osworld_jax.errors import ConfigError
 from osworld_jax.trainer.distributed import (
+    ROLLOUT_ON,
     DistributedConfig,
     DistributedError,
     ProcessValues,
@@ -15,6 +16,7 @@ from osworld_jax.trainer.distributed import (
     broadcast_host_batch,
     concat_host_batches,
     does_rollouts,
+    host_step_batch,
     initialize_distributed,
     pad_batch,
     resolve_process_values,
@@ -172,3 +174,21 @@ def test_broadcast_and_allgather_in_one_process_are_identity():
     assert m == meta
     for x, y in zip(out, a, strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+def test_host_step_batch_runs_the_rollout_here_in_one_process():
+    a = _batch(2, 6, 1, [0, 1], [0, 0])
+    meta = BatchMeta(num_owners=2, num_groups=1, norm_length=6)
+    calls: list[str] = []
+
+    def produce(mode: str):
+        calls.append(mode)
+        return a, meta
+
+    for mode in ROLLOUT_ON:
+        config = DistributedConfig(rollout_on=mode)
+        out, m = host_step_batch(config, lambda mode=mode: produce(mode))
+        assert calls[-1] == mode and m == meta
+        for x, y in zip(out, a, strict=True):
+            np.testing.assert_array_equal(x, y)
+    assert calls == list(ROLLOUT_ON)  # exactly once per step
