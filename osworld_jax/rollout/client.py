@@ -139,6 +139,7 @@ class SGLangClient:
             await self._session.close()
             self._session = None
         self._probed = False
+        self._started = None  # asyncio primitives bind to a loop: a reopened client makes new ones
 
     @property
     def weight_version(self) -> str | None:

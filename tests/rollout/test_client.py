@@ -278,3 +278,20 @@ def test_config_validation():
     with pytest.raises(ConfigError, match="top_p"):
         SamplingParams(top_p=0.0)
     assert RolloutConfig(urls="http://h:1/").urls == ("http://h:1",)
+
+
+def test_client_reopens_in_a_new_event_loop():
+    async def serve_and(client: SGLangClient) -> int:
+        s = await FakeServer().start()
+        client.servers[0].url = s.url
+        client.config = dataclasses.replace(client.config, urls=(s.url,))
+        try:
+            g = await client.generate(PROMPT, rid="loop")
+            return g.completion_tokens
+        finally:
+            await client.aclose()
+            await s.stop()
+
+    client = SGLangClient(["http://127.0.0.1:1"], cfg())
+    assert asyncio.run(serve_and(client)) == 6
+    assert asyncio.run(serve_and(client)) == 6  # a second loop: fresh session and primitives
