@@ -218,7 +218,11 @@ def hf_tensors(
     c = config
     H = c.hidden_size
 
-    def host(x: jax.Array) -> np.ndarray:
+    def host(x: Any) -> np.ndarray:
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:  # multi-host: all gather
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
         return np.asarray(jax.device_get(x))
 
     top = params["top"]
@@ -308,9 +312,14 @@ def save_hf_checkpoint(
 
     Atomic: everything is written into ``path.tmp-*`` and renamed onto ``path`` at the end (an
     existing ``path`` is replaced). Tokenizer / generation-config files are copied from
-    ``copy_files_from`` when given.
+    ``copy_files_from`` when given. Multi-host: every process must call it (the tensors are
+    gathered collectively); only process 0 writes.
     """
     path = Path(path)
+    if jax.process_index() != 0:
+        for _ in hf_tensors(policy.params(), policy.config):
+            pass  # take part in the collective gathers
+        return path
     tmp = path.parent / f"{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     dtype = jnp.dtype(policy.runtime.dtype).name
     try:
