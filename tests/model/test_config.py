@@ -116,3 +116,58 @@ def test_runtime_config_validates_against_registries():
         ModelRuntimeConfig(remat="sometimes")
     with pytest.raises(ModelConfigError, match="dtype"):
         ModelRuntimeConfig(dtype="float16")
+
+
+QWEN3_30B_A3B = {  # the public config.json of Qwen/Qwen3-30B-A3B
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+def test_qwen3_30b_a3b_config_parameter_count_and_sharding():
+    import math
+
+    from jax.sharding import PartitionSpec as P
+
+    from osworld_jax.model import make_mesh, param_shardings
+    from osworld_jax.model.params import param_specs
+
+    c = Qwen3MoeConfig.from_hf_dict(QWEN3_30B_A3B)
+    assert c.moe_layers == tuple(range(48)) and c.dense_layers == ()
+    total = sum(math.prod(s.shape) for s in param_specs(c).values())
+    assert abs(total - 30.53e9) / 30.53e9 < 0.005, total  # "30.5B total parameters"
+    sh = param_shardings(c, make_mesh(fsdp=2, expert=2, tensor=2))
+    assert sh["moe"]["gate"].spec == P(None, "expert", "fsdp", "tensor")
+    assert sh["attn"]["k_proj"].spec == P(None, "fsdp", "tensor", None)
+    assert sh["top"]["lm_head"].spec == P("fsdp", "tensor")
