@@ -108,9 +108,8 @@ class TrainerConfig:
       router_replay: R3: pass ``batch.routed_experts`` to the policy as ``replay_experts``.
       seed: seed of the train-state RNG (the step key is ``fold_in(rng, step)``).
       check_finite: raise ``NonFiniteError`` naming the step when the loss or gradient norm is
-        NaN/Inf (the update is then skipped in-graph, so the returned state is the previous one).
-      batch_axes: mesh axes the batch rows are sharded over (those absent from the mesh are
-        dropped).
+        NaN/Inf. (A non-finite update is always skipped in-graph: the state stays that of the
+        previous step; without this check the step would pass silently.)
     """
 
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
@@ -125,7 +124,6 @@ class TrainerConfig:
     router_replay: bool = True
     seed: int = 0
     check_finite: bool = True
-    batch_axes: tuple[str, ...] = ("data", "fsdp", "expert")
 
     def __post_init__(self) -> None:
         from osworld_jax.algorithms import GATES, LOSS_AGG_MODES

@@ -17,7 +17,7 @@ coefficients and PPO clipping are unchanged), which makes each micro-batch loss 
 ``sum_{rt in micro} W_rt l_rt`` and the accumulated gradient exactly the full-batch gradient.
 
 Sharding: parameters follow the model room's `ShardingRules`; optimizer moments follow their
-parameters; batch rows are split over ``config.batch_axes``; the jitted functions are traced
+parameters; batch rows are split over the rules' ``batch_axes``; the jitted functions are traced
 and run under ``jax.set_mesh(mesh)`` so the model's activation constraints apply; micro-batch
 ``i`` takes rows ``i, i + M, i + 2M, ...`` so every data shard holds an equal share of each.
 """
@@ -195,7 +195,7 @@ class Trainer:
           policy: the policy module (concrete, or abstract from ``nnx.eval_shape`` when the
             parameters come from ``init_state(params=...)`` or ``init_state(init_fn=...)``).
           mesh: the device mesh with axes data/fsdp/expert/tensor (default: 1 device).
-          rules: parameter sharding rules (default ``ShardingRules()``).
+          rules: parameter sharding rules and the batch axes (default ``ShardingRules()``).
         """
         self.config = config
         self.mesh = mesh if mesh is not None else make_mesh()
@@ -215,7 +215,7 @@ class Trainer:
             raise TrainerError("Trainer: the policy's Param state does not flatten like its dict")
         self._model_config = getattr(policy, "config", None)
 
-        self._batch_axes = tuple(a for a in config.batch_axes if a in self.mesh.shape)
+        self._batch_axes = tuple(a for a in self.rules.batch_axes if a in self.mesh.shape)
         self.data_parallel = math.prod(self.mesh.shape[a] for a in self._batch_axes)
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
         self._row_sharding = NamedSharding(self.mesh, PartitionSpec(self._batch_axes or None))
