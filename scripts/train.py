@@ -14,10 +14,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
+import warnings
 from pathlib import Path
 
 from osworld_jax import config
 from osworld_jax.errors import ConfigError
+
+# Sandboxes and the embedded server are started with subprocess (fork + exec: the child runs no
+# Python), which JAX's at-fork hook reports on every spawn.
+warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
 
 DEFAULT_GIN = "default.gin"
 
