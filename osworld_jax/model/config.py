@@ -318,6 +318,8 @@ class ModelRuntimeConfig:
       attention: "xla" (the masked softmax of `layers.attention`; any packing) or "cudnn"
         (`kernels.attention.padded_causal_attention`: cuDNN flash attention on GPU, exact on real
         tokens of rows holding one segment then padding, the trainer's layout; XLA elsewhere).
+      attention_chunk: query block size of the XLA attention (0: one block). Bounds the f32
+        score buffer to [B, N, chunk, T] in forward and backward (blocks are rematerialised).
       activation_batch_axes: mesh axes the residual stream's batch dim is constrained to when the
         call runs under ``jax.set_mesh(mesh)`` (no-op without a mesh context or when they do not
         divide the batch); keeps GSPMD from resharding activations onto parameter axes.
@@ -331,6 +333,7 @@ class ModelRuntimeConfig:
     router_z_loss_coef: float = 0.0
     activation_batch_axes: tuple[str, ...] = ("data", "fsdp", "expert")
     attention: str = "xla"
+    attention_chunk: int = 0
 
     def __post_init__(self) -> None:
         from osworld_jax.model.moe import EXPERT_BACKENDS
@@ -344,6 +347,10 @@ class ModelRuntimeConfig:
         if self.attention not in ("xla", "cudnn"):
             raise ModelConfigError(
                 f"ModelRuntimeConfig.attention: {self.attention!r}; choose 'xla' or 'cudnn'"
+            )
+        if self.attention_chunk < 0:
+            raise ModelConfigError(
+                f"ModelRuntimeConfig.attention_chunk: {self.attention_chunk} must be >= 0"
             )
         if self.dtype not in ("float32", "bfloat16"):
             raise ModelConfigError(

@@ -78,6 +78,30 @@ def attention(
     return out.reshape(b, s, n, d)
 
 
+def chunked_attention(
+    q: Float[Array, "B S N D"],
+    k: Float[Array, "B T KV D"],
+    v: Float[Array, "B T KV D"],
+    mask: Bool[Array, "B S T"],
+    chunk: int,
+) -> Float[Array, "B S N D"]:
+    """`attention` over blocks of ``chunk`` queries, each block rematerialised in backward.
+
+    Same values as `attention`; the f32 score buffer is [B, N, chunk, T] instead of
+    [B, N, S, T] in the forward pass and (through ``jax.checkpoint`` per block) the backward.
+    """
+    b, s, n, d = q.shape
+    pad = -s % chunk
+    qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    mp = jnp.pad(mask, ((0, 0), (0, pad), (0, 0)), constant_values=True)
+    nc = (s + pad) // chunk
+    qc = jnp.moveaxis(qp.reshape(b, nc, chunk, n, d), 1, 0)  # [nc, B, C, N, D]
+    mc = jnp.moveaxis(mp.reshape(b, nc, chunk, -1), 1, 0)  # [nc, B, C, T]
+    block = jax.checkpoint(lambda qm: attention(qm[0], k, v, qm[1]))
+    out = jax.lax.map(block, (qc, mc))  # [nc, B, C, N, D]
+    return jnp.moveaxis(out, 0, 1).reshape(b, s + pad, n, d)[:, :s]
+
+
 class LayerCache(NamedTuple):
     """One layer's KV cache rows: k, v [B, M, KV, D]."""
 
@@ -116,11 +140,12 @@ def attention_block(
     positions: jax.Array,
     cache: LayerCache | None,
     impl: str = "xla",
+    chunk: int = 0,
 ) -> tuple[jax.Array, LayerCache | None]:
     """Self-attention of one layer (input already normed); returns (out [B,S,H], new cache).
 
     ``impl="cudnn"`` (no cache): fused causal attention of one-segment rows
-    (`osworld_jax.model.kernels.attention`).
+    (`osworld_jax.model.kernels.attention`). ``chunk > 0`` (XLA path): `chunked_attention`.
     """
     eps = config.rms_norm_eps
     q = rms_norm(jnp.einsum("bsh,hnd->bsnd", x, p["q_proj"]), p["q_norm"], eps)
@@ -136,6 +161,8 @@ def attention_block(
         from osworld_jax.model.kernels.attention import padded_causal_attention
 
         out = padded_causal_attention(q, k, v, mask)
+    elif 0 < chunk < q.shape[1]:
+        out = chunked_attention(q, k, v, mask, chunk)
     else:
         out = attention(q, k, v, mask)
     return jnp.einsum("bsnd,ndh->bsh", out, p["o_proj"]), cache
@@ -170,6 +197,7 @@ def decoder_layer(
         positions=positions,
         cache=cache,
         impl=runtime.attention,
+        chunk=runtime.attention_chunk,
     )
     x = x + attn_out
     y = rms_norm(x, attn_p["post_norm"], eps).reshape(b * s, h)  # [T, H]

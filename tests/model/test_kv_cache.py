@@ -6,6 +6,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from osworld_jax.model import (
@@ -116,3 +117,29 @@ def test_return_logits_false_gives_hidden_for_unembed():
     assert slim.logits is None
     chex.assert_shape(policy.unembed(), (32, 64))
     np.testing.assert_allclose(slim.hidden @ policy.unembed(), full.logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_chunked_attention_equals_full_attention_fwd_and_grad():
+    import dataclasses
+
+    from osworld_jax.model import forward
+
+    policy = _policy()
+    params = policy.params()
+    ids = jnp.asarray(np.random.RandomState(4).randint(0, 64, (2, 11)), jnp.int32)
+    seg = jnp.asarray([[1] * 7 + [2] * 4, [1] * 9 + [0] * 2], jnp.int32)
+    pos = jnp.asarray([list(range(7)) + list(range(4)), list(range(11))], jnp.int32)
+
+    def run(runtime):
+        def loss(p):
+            out = forward(p, CFG, runtime, ids, positions=pos, segment_ids=seg)
+            return jnp.mean(out.logits * jnp.cos(out.logits)), out.logits
+
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+    (l1, a), g1 = run(RT)
+    (l2, b), g2 = run(dataclasses.replace(RT, attention_chunk=4))  # 3 blocks, last one padded
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(l2, l1, rtol=1e-5)
+    chex.assert_trees_all_close(g2, g1, rtol=1e-4, atol=1e-5)
