@@ -166,3 +166,58 @@ def test_default_run_ctrl_c_and_resume(tmp_path):
     assert [r["step"] for r in resumed] == [max(steps_done) + 1]
     assert (run_dir / "checkpoints" / str(max(steps_done) + 1)).is_dir()
     assert not _live_processes_mentioning(str(run_dir))
+
+
+@pytest.mark.slow
+def test_evaluate_then_freeze_the_band(learning_run, tmp_path, capsys):
+    """scripts/evaluate.py (pass@8 of the untrained tiny model, served embedded) -> calibration
+    JSONL -> scripts/freeze_band.py -> a verified frozen task set that training can read."""
+    import runpy
+
+    from osworld_jax.data import load_task_refs, verify_sha256sums
+
+    run_dir, _ = learning_run
+    tasks = run_dir.parent / "tasks"
+    calib = tmp_path / "calib.jsonl"
+    argv = [
+        "evaluate.py",
+        "--gin_file=default.gin",
+        *(f"--gin_param={p}" for p in LEARN),
+        f"--model_path={run_dir / 'base_model'}",
+        f"--task_set={tasks}",
+        "--reps=8",
+        f"--out={calib}",
+        f"--run_dir={tmp_path / 'eval'}",
+    ]
+    for script, args in [
+        ("evaluate.py", argv),
+        (
+            "freeze_band.py",
+            [
+                "freeze_band.py",
+                f"--calibration={calib}",
+                f"--task_dir={tasks}",
+                f"--out_dir={tmp_path / 'band'}",
+                "--reps=8",
+                "--num_repeats=2",
+            ],
+        ),
+    ]:
+        old, sys.argv = sys.argv, args
+        try:
+            with pytest.raises(SystemExit) as code:
+                runpy.run_path(str(REPO / "scripts" / script), run_name="__main__")
+        finally:
+            sys.argv = old
+        assert code.value.code == 0, capsys.readouterr()
+    lines = [json.loads(x) for x in calib.read_text().splitlines()]
+    assert sorted(x["task_id"] for x in lines) == [f"vowel-{i}" for i in range(4)]
+    assert all(x["reps"] == 8 and x["failed"] == 0 for x in lines)
+    rate = sum(x["passes"] for x in lines) / 32
+    print("untrained pass rate", rate, [x["passes"] for x in lines])
+    assert rate < 0.5  # the untrained model (cf. the learning test's first steps)
+    band = [x["task_id"] for x in lines if 0 < x["passes"] < 8]
+    assert band, lines
+    verify_sha256sums(tmp_path / "band")
+    refs = load_task_refs(tmp_path / "band")
+    assert sorted({r.task_id for r in refs}) == sorted(band) and len(refs) == 2 * len(band)
