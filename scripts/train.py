@@ -42,7 +42,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="gin binding 'Class.field = value' (repeatable, applied after files)",
     )
     p.add_argument("--run_dir", default=None, help="run directory (default runs/<UTC timestamp>)")
-    p.add_argument("--steps", type=int, default=None, help="override RLConfig.steps")
+    p.add_argument(
+        "--steps", type=int, default=None, help="the last step to run (overrides RLConfig.steps)"
+    )
     return p.parse_args(argv)
 
 

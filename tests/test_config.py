@@ -147,6 +147,6 @@ def test_operative_config_written(tmp_path):
     exp = config.load_experiment(["default.gin"], ["RLConfig.steps = 9"])
     path = config.write_operative_config(tmp_path, exp)
     text = path.read_text()
-    assert "RLConfig.steps = 9" in text and "SamplingParams.max_new_tokens = 32" in text
+    assert "RLConfig.steps = 9" in text and "SamplingParams.max_new_tokens = 24" in text
     resolved = json.loads((tmp_path / config.RESOLVED_CONFIG_NAME).read_text())
-    assert resolved["rl"]["steps"] == 9 and resolved["rollout"]["sampling"]["max_new_tokens"] == 32
+    assert resolved["rl"]["steps"] == 9 and resolved["rollout"]["sampling"]["max_new_tokens"] == 24

@@ -25,6 +25,9 @@ from osworld_jax.trainer.config import TrainerConfig
 class RLConfig:
     """The shape and cadence of the RL loop (one optimizer step per rollout batch).
 
+    The checkpoint cadence is ``CheckpointConfig.save_every`` (every k steps, plus the run's last
+    step); the trainer's config holds it so that it is declared once.
+
     Attributes:
       num_prompts: B, prompt groups (tasks) per step.
       num_owners: N, logical owners (rollouts) per prompt group.
