@@ -120,6 +120,12 @@ def test_two_processes_are_one_job(runs):
 @pytest.mark.slow
 def test_losses_equal_one_process(runs):
     one, two = runs["one"]["metrics"], runs["p0"]["metrics"]
+    for a, b in zip(one, two, strict=True):
+        print(
+            f"step {a['step'] + 1}: loss 1 process {a['loss']:.9g}, 2 processes {b['loss']:.9g}, "
+            f"|diff| {abs(a['loss'] - b['loss']):.3g}; grad_norm |diff| "
+            f"{abs(a['grad_norm'] - b['grad_norm']):.3g}"
+        )
     assert [m["step"] for m in one] == [m["step"] for m in two] == [0, 1]
     for step, (a, b) in enumerate(zip(one, two, strict=True)):
         assert a.keys() == b.keys()
@@ -135,14 +141,22 @@ def test_parameter_updates_equal_one_process(runs):
     assert a.keys() == b.keys()
     params = [k for k in a if k.startswith("init/")]
     assert len(params) > 10
+    worst = {"step1": [0.0, 0.0], "step2": [0.0, 0.0]}  # max |update diff|, max |update|
     for k in params:
         np.testing.assert_array_equal(a[k], b[k], err_msg=f"initial {k}")
         for step in ("step1", "step2"):
             name = k.replace("init/", f"{step}/", 1)
             update_a, update_b = a[name] - a[k], b[name] - b[k]
             assert np.abs(update_a).max() > 0, f"{name}: no update"
+            worst[step][0] = max(worst[step][0], float(np.abs(update_b - update_a).max()))
+            worst[step][1] = max(worst[step][1], float(np.abs(update_a).max()))
             np.testing.assert_allclose(update_b, update_a, err_msg=name, **PARAM_TOL)
             np.testing.assert_allclose(b[name], a[name], err_msg=name, **PARAM_TOL)
+    for step, (diff, size) in worst.items():
+        print(
+            f"{step}: max |update(2 processes) - update(1 process)| {diff:.3g} "
+            f"(max |update| {size:.3g})"
+        )
 
 
 @pytest.mark.slow
