@@ -96,6 +96,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer sweep configs")
     ap.add_argument("--skip-slow", action="store_true", help="skip lax.ragged_dot timing")
     ap.add_argument("--json", type=str, default=None)
+    ap.add_argument("--only", default="", help="comma list of variant-name substrings to run")
     ap.add_argument("--best-out", type=str, default=None, help="write the best configs (JSON)")
     ap.add_argument("--ceiling-n", type=int, default=8192, help="dense matmul size (ceiling)")
     args = ap.parse_args()
@@ -131,6 +132,8 @@ def main() -> None:
         )
 
     def attempt(name, fn):
+        if args.only and not any(o in name for o in args.only.split(",")):
+            return
         try:
             fn()
         except Exception as e:  # keep the remaining variants running

@@ -206,9 +206,7 @@ def _mm_kernel(te_ref, x_ref, w_ref, o_ref, *, bm, bn, bk, nk, nn, trans_rhs):
     """Program (m, n): ``o[m, n] = x[m, :] @ w[te[m]][:, n]`` (``w[e]^T`` if trans_rhs)."""
     pid = pl.program_id(0)
     mi, ni = pid // nn, pid % nn
-    e = te_ref[mi]
-    trips = jnp.where(e >= 0, nk, 0)
-    e = jnp.maximum(e, 0)
+    e = jnp.maximum(te_ref[mi], 0)  # unused tiles: zero rows times expert 0 = zeros
     r0 = pl.multiple_of(mi * bm, bm)
     c0 = pl.multiple_of(ni * bn, bn)
 
@@ -221,7 +219,7 @@ def _mm_kernel(te_ref, x_ref, w_ref, o_ref, *, bm, bn, bk, nk, nn, trans_rhs):
         b = w_ref[e, pl.ds(k0, bk), pl.ds(c0, bn)]  # [bk, bn]
         return acc + _dot(a, b, 1, 0)
 
-    acc = jax.lax.fori_loop(0, trips, body, jnp.zeros((bm, bn), jnp.float32))
+    acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), jnp.float32))
     o_ref[pl.ds(r0, bm), pl.ds(c0, bn)] = acc.astype(o_ref.dtype)
 
 
@@ -251,8 +249,8 @@ def _dw_kernel(gs_ref, gt_ref, x_ref, dy_ref, o_ref, *, bm, bn, bt, nn, per_tile
     """Program (tile, e): ``o[e][m, n] = sum over group e's rows r of x[r, m] dy[r, n]``."""
     pid, e = pl.program_id(0), pl.program_id(1)
     mi, ni = pid // nn, pid % nn
-    start = gs_ref[e] * per_tile
-    count = gt_ref[e] * per_tile
+    start = gs_ref[e].astype(jnp.int32) * per_tile
+    count = gt_ref[e].astype(jnp.int32) * per_tile
     c_m = pl.multiple_of(mi * bm, bm)
     c_n = pl.multiple_of(ni * bn, bn)
 
@@ -262,7 +260,8 @@ def _dw_kernel(gs_ref, gt_ref, x_ref, dy_ref, o_ref, *, bm, bn, bt, nn, per_tile
         b = dy_ref[pl.ds(r0, bt), pl.ds(c_n, bn)]  # [bt, bn]
         return acc + _dot(a, b, 0, 0)
 
-    acc = jax.lax.fori_loop(0, count, body, jnp.zeros((bm, bn), jnp.float32))
+    zero = jnp.zeros((), jnp.int32)  # same-typed scf.for bounds (Triton verifier)
+    acc = jax.lax.fori_loop(zero, count, body, jnp.zeros((bm, bn), jnp.float32))
     o_ref[e, pl.ds(c_m, bm), pl.ds(c_n, bn)] = acc.astype(o_ref.dtype)
 
 
@@ -295,7 +294,8 @@ def gmm(
 ) -> Float[Array, "Mp N"]:
     """Grouped matmul ``out[r] = x[r] @ w[expert(r)]`` over a `TilePlan` layout.
 
-    Rows of unused tiles come out zero; padding rows inside a group are zero when ``x``'s are.
+    Rows of padding (inside a group or in unused tiles) come out zero when ``x``'s are (the
+    layout `dispatch` makes).
     """
     return _gmm_forward(x, w, tile_expert, cfg)
 
