@@ -181,6 +181,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--hf-child", default="", help=argparse.SUPPRESS)
     p.add_argument("--no-ours", action="store_true", help="only the HF peers")
+    p.add_argument("--profile", help="after timing, trace one step into this dir (perfetto json)")
+    p.add_argument(
+        "--logprob-bf16",
+        action="store_true",
+        help="experiment: the token-logprob backward feeds bf16 dz to its two vocab matmuls "
+        "(the trainer's f32 dz promotes them to f32/TF32 GEMMs)",
+    )
     p.add_argument(
         "--gmm-config",
         help="JSON {triton, mosaic} of tuned Pallas grouped-matmul configs (benchmarks/moe_gemm.py"
@@ -227,6 +234,9 @@ def main(argv: list[str] | None = None) -> None:
         router_replay=not args.no_replay,
     )
 
+    if args.logprob_bf16:
+        _patch_logprob_bwd_bf16()
+
     def init_fn() -> Policy:
         return Policy(model, runtime, rngs=nnx.Rngs(0))
 
@@ -246,6 +256,10 @@ def main(argv: list[str] | None = None) -> None:
                 times.append(dt)
             elif i == 0:
                 compile_s = dt
+        if args.profile:
+            with jax.profiler.trace(args.profile, create_perfetto_trace=True):
+                state, _ = trainer.train_step(state, batch, meta)
+                jax.block_until_ready(state)
     jax.block_until_ready(state)
     peak = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.devices())
 
@@ -291,6 +305,38 @@ def main(argv: list[str] | None = None) -> None:
     ours = dict(name=name, step_s=step, tokens=b * s, flops=flops, peak_gib=peak / 2**30)
     _print_table([*peers, ours], peak_flops=args.peak_flops)
     return None
+
+
+def _patch_logprob_bwd_bf16() -> None:
+    """Re-registers the chunked-logprob VJP with bf16 ``dz`` operands (f32 accumulation)."""
+    import jax.numpy as jnp
+
+    from osworld_jax.trainer import logprobs as lp
+
+    def bwd(chunk, residuals, cotangents):
+        hidden, w, targets, lse = residuals
+        g_lp, g_ent = cotangents
+        del g_ent  # the entropy output carries no gradient in the train step
+        vocab = w.shape[1]
+
+        def body(dw, xs):
+            h, tgt, lse_c, g = xs
+            z = lp._chunk_logits(h, w)  # [R, C, V] f32
+            p = jnp.exp(z - lse_c[..., None])
+            onehot = jax.lax.broadcasted_iota(jnp.int32, z.shape, 2) == tgt[..., None]
+            dz = (g[..., None] * (onehot.astype(jnp.float32) - p)).astype(w.dtype)  # bf16
+            dh = jnp.einsum("rcv,hv->rch", dz, w, preferred_element_type=jnp.float32)
+            dw = dw + jnp.einsum("rch,rcv->hv", h, dz, preferred_element_type=jnp.float32)
+            return dw, dh.astype(hidden.dtype)
+
+        xs = tuple(
+            lp._to_chunks(x, chunk) for x in (hidden, targets, lse, g_lp.astype(jnp.float32))
+        )
+        dw0 = jnp.zeros((w.shape[0], vocab), jnp.float32)
+        dw, dh = jax.lax.scan(body, dw0, xs)
+        return lp._from_chunks(dh), dw.astype(w.dtype), None
+
+    lp._chunked_logprobs.defvjp(lp._chunked_logprobs_fwd, bwd)
 
 
 def _print_table(rows: list[dict], peak_flops: float = 790e12) -> None:
