@@ -8,14 +8,14 @@ a resumed run draws exactly the tasks the interrupted run would have drawn next.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import grain
 import jax
 
-from osworld_jax.data.errors import DataError
+from osworld_jax.data.errors import DataError, TaskSetEmptyError
 from osworld_jax.data.tasksets import FROZEN_INDEX, TaskRef, load_task_refs, verify_sha256sums
 from osworld_jax.errors import ConfigError
 
@@ -33,6 +33,9 @@ class DataConfig:
       shard_by_process: give each JAX process a disjoint slice ``[process_index::process_count]``
         of the task set (multi-host); off: every process sees every task.
       verify_checksums: for a frozen dataset directory, check its ``SHA256SUMS`` at start-up.
+      only_runnable: drop the tasks the sandbox backend cannot run here (the RL loop checks
+        ``osworld_jax.env.capabilities`` per task and writes the reasons to
+        ``<run_dir>/skipped_tasks.json``); off: every task is drawn.
     """
 
     task_set: str = "bundled"
@@ -41,6 +44,7 @@ class DataConfig:
     num_epochs: int | None = None
     shard_by_process: bool = True
     verify_checksums: bool = True
+    only_runnable: bool = True
 
     def __post_init__(self) -> None:
         if not self.task_set:
@@ -123,16 +127,22 @@ def make_task_stream(
     *,
     process_index: int | None = None,
     process_count: int | None = None,
+    keep: Callable[[TaskRef], bool] | None = None,
 ) -> TaskStream:
     """The task stream of ``config`` for this process (sharded by ``jax.process_index``).
 
     ``batch_size`` is the global number of prompts B; each of the ``process_count`` processes
-    draws ``B / process_count`` of them (B must divide).
+    draws ``B / process_count`` of them (B must divide). ``keep`` filters the task set first
+    (before sharding, so every process filters alike); nothing kept raises `TaskSetEmptyError`.
     """
     path = resolve_task_set(config.task_set)
     if config.verify_checksums and (Path(path) / FROZEN_INDEX).is_file():
         verify_sha256sums(path)
     refs = load_task_refs(path)
+    if keep is not None:
+        refs = [r for r in refs if keep(r)]
+        if not refs:
+            raise TaskSetEmptyError(f"task set {path!r}: no task passes the filter (0 runnable)")
     if process_index is None or process_count is None:
         process_index, process_count = jax.process_index(), jax.process_count()
     if not config.shard_by_process:

@@ -1,6 +1,7 @@
 """pass@N evaluation of a checkpoint or a server on a task set -> a calibration JSONL.
 
-Each task of the task set (one pass, task-set order) is attempted ``reps`` times by ``reps``
+Each task of the task set (one pass, task-set order; tasks the backend cannot run here are left
+out when ``DataConfig.only_runnable``) is attempted ``reps`` times by ``reps``
 owners on forks of one initialised sandbox (the same AgentEnv path as training, without
 training); ``num_prompts`` tasks run concurrently. One line per task::
 
@@ -49,6 +50,8 @@ def evaluate(
     rl = dataclasses.replace(experiment.rl, num_owners=reps, train_global_batch_size=None)
     exp = experiment.replace(rl=rl)
     refs = load_task_refs(resolve_task_set(exp.data.task_set))
+    if exp.data.only_runnable:
+        refs = [r for r in refs if stages.RunnableFilter(exp.env.backend, exp.env.cache_dir)(r)]
     stream = TaskStream(refs, batch_size=rl.num_prompts, shuffle=False, num_epochs=1)
     lines: list[dict[str, Any]] = []
     with RolloutResources(exp, Path(run_dir)) as res:

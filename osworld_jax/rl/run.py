@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any, Self
 
@@ -28,6 +29,8 @@ from osworld_jax.rl.config import ExperimentConfig
 from osworld_jax.rl.preflight import run_preflight
 from osworld_jax.rollout import SGLangClient
 from osworld_jax.trainer import Trainer
+
+log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 WEIGHTS = "weights"
@@ -138,7 +141,13 @@ class RunResources(RolloutResources):
         )
         self.trainer = Trainer(exp.trainer, policy, mesh=make_mesh(**rl.mesh))  # type: ignore[arg-type]
         self.callback(self.trainer.close)  # waits for an in-flight save: the checkpoint stays whole
-        self.stream = make_task_stream(exp.data, rl.num_prompts)
+        runnable = stages.RunnableFilter(exp.env.backend, exp.env.cache_dir)
+        keep = runnable if exp.data.only_runnable else None
+        self.stream = make_task_stream(exp.data, rl.num_prompts, keep=keep)
+        if runnable.skipped:
+            skipped = self.run_dir / "skipped_tasks.json"
+            skipped.write_text(json.dumps(runnable.skipped, indent=1, sort_keys=True))
+            log.warning("%d not-runnable tasks skipped (see %s)", len(runnable.skipped), skipped)
         norm = rl.norm_length or exp.rollout.sampling.max_new_tokens * exp.env.max_turns
         owners = rl.num_logical_owners
         self.pack_kwargs: dict[str, Any] = dict(

@@ -33,6 +33,7 @@ from osworld_jax.agent import (
 )
 from osworld_jax.batch import Batch
 from osworld_jax.data import TaskRef
+from osworld_jax.env import capabilities, load_task
 from osworld_jax.errors import InfraError, OsworldJaxError
 from osworld_jax.rl.config import ModelSourceConfig, RLConfig
 from osworld_jax.rollout import SamplingParams, SGLangClient
@@ -70,6 +71,26 @@ def prepare_model(config: ModelSourceConfig, run_dir: Path) -> Path:
         make_tiny_checkpoint(tmp, seed=config.tiny_seed, **config.tiny_overrides)
         tmp.rename(path)
     return path
+
+
+class RunnableFilter:
+    """``keep(ref)`` for `make_task_stream`: the tasks ``backend`` can run here; records why not.
+
+    Attributes:
+      skipped: task id -> the reasons (``kind: detail``) it was dropped.
+    """
+
+    def __init__(self, backend: str, cache_dir: str | None = None) -> None:
+        self.backend, self.cache_dir = backend, cache_dir
+        self.skipped: dict[str, list[str]] = {}
+
+    def __call__(self, ref: TaskRef) -> bool:
+        """Whether the backend can run ``ref``'s task (records the reasons when not)."""
+        verdict = capabilities(load_task(ref.path), self.backend, cache_dir=self.cache_dir)
+        if not verdict:
+            reasons = getattr(verdict, "reasons", ())
+            self.skipped[ref.task_id] = [f"{r.kind}: {r.detail}" for r in reasons]
+        return bool(verdict)
 
 
 def owner_seed(seed: int | None, step: int, owner: int) -> int | None:

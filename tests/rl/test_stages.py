@@ -200,3 +200,41 @@ def pack_like(tokens, positions, seg_ids, routes):
         row_weight=np.ones(r, np.float32),
         routed_experts=routes.astype(np.int32),
     )
+
+
+def test_runnable_filter_drops_tasks_the_backend_cannot_run(tmp_path):
+    import json
+
+    from osworld_jax.data import DataConfig, TaskSetEmptyError, make_task_stream
+
+    def task(tid, instruction):
+        ev = {
+            "func": "exact_match",
+            "result": {"type": "vm_command_line", "command": ["true"]},
+            "expected": {"type": "rule", "rules": {"expected": ""}},
+        }
+        (tmp_path / f"{tid}.json").write_text(
+            json.dumps({"id": tid, "instruction": instruction, "config": [], "evaluator": ev})
+        )
+
+    task("web", "Open https://example.com and read the headline.")
+    task("ok", "Type hello.")
+    keep = stages.RunnableFilter("memory")
+    stream = make_task_stream(
+        DataConfig(task_set=str(tmp_path), shuffle=False, num_epochs=1),
+        1,
+        process_index=0,
+        process_count=1,
+        keep=keep,
+    )
+    assert [r.task_id for b in stream for r in b] == ["ok"]
+    assert list(keep.skipped) == ["web"] and "example.com" in keep.skipped["web"][0]
+    (tmp_path / "ok.json").unlink()
+    with pytest.raises(TaskSetEmptyError, match="0 runnable"):
+        make_task_stream(
+            DataConfig(task_set=str(tmp_path)),
+            1,
+            process_index=0,
+            process_count=1,
+            keep=stages.RunnableFilter("memory"),
+        )
