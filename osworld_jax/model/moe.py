@@ -163,7 +163,12 @@ def ragged_experts(x, experts, weights, gate, up, down):
 
 @EXPERT_BACKENDS.register("tokamax")
 def tokamax_experts(x, experts, weights, gate, up, down):
-    """Sort by expert + ``tokamax.ragged_dot`` (Pallas Mosaic-GPU kernel for Hopper)."""
+    """Sort by expert + ``tokamax.ragged_dot`` (Pallas Mosaic-GPU kernel for Hopper).
+
+    Seen on an H200 with jax 0.11.2 (2026-11-30): the PyPI tokamax 0.0.10-0.0.12 kernels fail
+    there (Mosaic: ``plgpu.kernel`` now takes ``out_type``, not ``out_shape``; Triton: ``pl.dot``
+    was removed), so this backend needs a tokamax built against that jax.
+    """
     try:
         import tokamax  # type: ignore[import-not-found]
     except ImportError as e:  # pragma: no cover - GPU installs only
