@@ -265,15 +265,21 @@ def initialize_distributed(config: DistributedConfig) -> ProcessValues | None:
             )
         return values
     jax.config.update("jax_cpu_collectives_implementation", config.cpu_collectives)
-    jax.distributed.initialize(
-        coordinator_address=values.coordinator_address,
-        num_processes=values.num_processes,
-        process_id=values.process_id,
-        local_device_ids=list(values.local_device_ids) if values.local_device_ids else None,
-        cluster_detection_method="deactivate",
-        initialization_timeout=config.initialization_timeout_s,
-        heartbeat_timeout_seconds=config.heartbeat_timeout_s,
-    )
+    try:
+        jax.distributed.initialize(
+            coordinator_address=values.coordinator_address,
+            num_processes=values.num_processes,
+            process_id=values.process_id,
+            local_device_ids=list(values.local_device_ids) if values.local_device_ids else None,
+            cluster_detection_method="deactivate",
+            initialization_timeout=config.initialization_timeout_s,
+            heartbeat_timeout_seconds=config.heartbeat_timeout_s,
+        )
+    except RuntimeError as e:  # jax ran computations already, or the coordinator is unreachable
+        raise DistributedError(
+            f"initialize_distributed: process {values.process_id} of {values.num_processes} "
+            f"could not join {values.coordinator_address}: {e}"
+        ) from e
     _initialized_with = values
     logger.info(
         "jax.distributed: process %d of %d, coordinator %s",

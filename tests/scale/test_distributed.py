@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -192,3 +197,31 @@ def test_host_step_batch_runs_the_rollout_here_in_one_process():
         for x, y in zip(out, a, strict=True):
             np.testing.assert_array_equal(x, y)
     assert calls == list(ROLLOUT_ON)  # exactly once per step
+
+
+def test_joining_after_jax_started_is_a_clear_error(tmp_path):
+    # A fresh interpreter (this one may not join a job): jax computes first, then tries to join.
+    script = tmp_path / "late.py"
+    script.write_text(
+        "import jax.numpy as jnp\n"
+        "from osworld_jax.trainer.distributed import (DistributedConfig, DistributedError,\n"
+        "    initialize_distributed)\n"
+        "jnp.ones(3).block_until_ready()\n"
+        "cfg = DistributedConfig(coordinator_address='127.0.0.1:1', num_processes=2,\n"
+        "    process_id=1, initialization_timeout_s=5)\n"
+        "try:\n"
+        "    initialize_distributed(cfg)\n"
+        "except DistributedError as e:\n"
+        "    print('DistributedError:', e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[2],
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "DistributedError: initialize_distributed: process 1 of 2 could not join" in out.stdout
+    assert "before any JAX" in out.stdout
