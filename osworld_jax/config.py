@@ -38,6 +38,7 @@ from osworld_jax.model.config import ModelRuntimeConfig
 from osworld_jax.rl.config import ExperimentConfig, ModelSourceConfig, RLConfig, ServerConfig
 from osworld_jax.rollout.config import RolloutConfig, SamplingParams
 from osworld_jax.trainer.config import CheckpointConfig, OptimizerConfig, TrainerConfig
+from osworld_jax.trainer.distributed import DistributedConfig
 
 #: Every config class gin can bind (by class name, or ``module.ClassName``).
 CONFIGURABLES: tuple[type, ...] = (
@@ -57,6 +58,7 @@ CONFIGURABLES: tuple[type, ...] = (
     GroupPolicyConfig,
     DataConfig,
     RLConfig,
+    DistributedConfig,
 )
 #: The repository's ``configs/`` directory: ``--gin_file=grpo.gin`` and gin ``include`` find
 #: files there.

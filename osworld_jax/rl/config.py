@@ -19,6 +19,7 @@ from osworld_jax.errors import ConfigError
 from osworld_jax.model.config import ModelRuntimeConfig
 from osworld_jax.rollout.config import RolloutConfig
 from osworld_jax.trainer.config import TrainerConfig
+from osworld_jax.trainer.distributed import DistributedConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,6 +173,8 @@ class ExperimentConfig:
       group: which prompt groups are trained on and the baseline population.
       data: the task set and its order.
       rl: the loop's shape (B, N, steps, estimator).
+      distributed: how this process joins a multi-host job (process 0 rolls out and broadcasts
+        the batch; every process trains, checkpoints and exports).
     """
 
     model: ModelSourceConfig = field(default_factory=ModelSourceConfig)
@@ -185,6 +188,7 @@ class ExperimentConfig:
     group: GroupPolicyConfig = field(default_factory=GroupPolicyConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def replace(self, **changes: Any) -> ExperimentConfig:
         """A copy with ``changes`` applied."""

@@ -20,6 +20,7 @@ from typing import Any
 
 from osworld_jax.data import TaskStream, load_task_refs, resolve_task_set
 from osworld_jax.env import load_task
+from osworld_jax.errors import ConfigError
 from osworld_jax.rl import stages
 from osworld_jax.rl.config import ExperimentConfig
 from osworld_jax.rl.run import RolloutResources
@@ -55,6 +56,8 @@ def evaluate(
     stream = TaskStream(refs, batch_size=rl.num_prompts, shuffle=False, num_epochs=1)
     lines: list[dict[str, Any]] = []
     with RolloutResources(exp, Path(run_dir)) as res:
+        if res.client is None:
+            raise ConfigError("evaluate runs in one process (it drives no trainer)")
         for tasks in stream:
             raw = res.runner.run(
                 stages.rollout_step(

@@ -17,8 +17,9 @@ from typing import Any
 from osworld_jax.agent import pack_batch
 from osworld_jax.rl import stages
 from osworld_jax.rl.config import ExperimentConfig
-from osworld_jax.rl.metrics import MetricsLogger, StageTimer
+from osworld_jax.rl.metrics import StageTimer
 from osworld_jax.rl.run import RunResources
+from osworld_jax.trainer.distributed import broadcast_host_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,27 +52,22 @@ def train(
       steps: the last step to run (default ``experiment.rl.steps``).
     """
     rl, last_step = experiment.rl, steps if steps is not None else experiment.rl.steps
-    with (
-        RunResources(experiment, Path(run_dir)) as run,
-        MetricsLogger(
-            run.metrics_dir,
-            total_steps=last_step,
-            initial_step=run.start_step,
-            progress_bar=rl.progress_bar,
-        ) as log,
-    ):
+    with RunResources(experiment, Path(run_dir)) as run, run.metrics_logger(last_step) as log:
         for step in range(run.start_step + 1, last_step + 1):
-            t = StageTimer()
+            t, batch, meta = StageTimer(), None, None
             with t.stage("data"):
-                tasks = next(run.stream)
-            with t.stage("rollout"):
-                raw = run.runner.run(run.rollout(tasks, step))
-            with t.stage("segments"):
-                rollouts = stages.collect_owners(raw, rl, step)
-            with t.stage("advantages"):
-                kept, adv, dropped = stages.advantages(rollouts, rl, experiment.group)
-            with t.stage("batch"):
-                batch, meta = pack_batch(kept, adv, **run.pack_kwargs)
+                tasks = next(run.stream)  # every process draws: one checkpointed position
+            if run.rolls_out:  # process 0 of a multi-host job; the only process otherwise
+                with t.stage("rollout"):
+                    raw = run.runner.run(run.rollout(tasks, step))
+                with t.stage("segments"):
+                    rollouts = stages.collect_owners(raw, rl, step)
+                with t.stage("advantages"):
+                    kept, adv, dropped = stages.advantages(rollouts, rl, experiment.group)
+                with t.stage("batch"):
+                    batch, meta = pack_batch(kept, adv, **run.pack_kwargs)
+            with t.stage("broadcast"):
+                batch, meta = broadcast_host_batch(batch, meta)  # no-op for one process
             with t.stage("r3"):
                 r3 = stages.route_metrics(run.trainer, run.state, batch, step, rl)
             with t.stage("train"):
@@ -80,8 +76,9 @@ def train(
                 run.refit(step)
             with t.stage("checkpoint"):
                 run.save(step, force=step == last_step)
-            m = stages.step_metrics(rollouts, kept, adv, dropped, batch, tm, rl.success_reward)
-            log.log(step, {**m, **r3, **t.metrics(), **raw.timing()})
-            run.write_owner_records(stages.owner_records(step, rollouts, kept, adv))
-        summary = log.summary()
-    return TrainResult(Path(run_dir), run.start_step + 1, last_step, log.history, summary)
+            if log is not None:
+                m = stages.step_metrics(rollouts, kept, adv, dropped, batch, tm, rl.success_reward)
+                log.log(step, {**m, **r3, **t.metrics(), **raw.timing()})
+                run.write_owner_records(stages.owner_records(step, rollouts, kept, adv))
+        history, summary = (log.history, log.summary()) if log is not None else ([], "")
+    return TrainResult(Path(run_dir), run.start_step + 1, last_step, history, summary)

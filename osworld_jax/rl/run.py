@@ -26,9 +26,11 @@ from osworld_jax.model import Qwen3MoeConfig, load_hf_checkpoint, make_mesh
 from osworld_jax.rl import stages
 from osworld_jax.rl.analysis import ROLLOUTS_FILE
 from osworld_jax.rl.config import ExperimentConfig
+from osworld_jax.rl.metrics import MetricsLogger
 from osworld_jax.rl.preflight import run_preflight
 from osworld_jax.rollout import SGLangClient
 from osworld_jax.trainer import Trainer
+from osworld_jax.trainer.distributed import barrier, initialize_distributed, is_primary
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +73,26 @@ class RolloutResources(contextlib.ExitStack):
 
     def _open(self) -> None:
         exp = self.experiment
+        initialize_distributed(exp.distributed)  # multi-host: join the job (no-op alone)
+        if exp.distributed.rollout_on != "process0":
+            raise ConfigError(
+                "DistributedConfig.rollout_on: the RL loop runs 'process0' (process 0 rolls out "
+                f"and broadcasts the batch), got {exp.distributed.rollout_on!r}"
+            )
+        self.rolls_out = is_primary()  # multi-host: process 0 drives servers and sandboxes
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.model_path = stages.prepare_model(exp.model, self.run_dir)
+        if self.rolls_out:
+            self.model_path = stages.prepare_model(exp.model, self.run_dir)
+        barrier("osworld_jax.rl:model")
+        self.model_path = stages.model_dir(exp.model, self.run_dir)
+        self.runner = self.enter_context(asyncio.Runner())
+        self.client: SGLangClient | None = None
+        if not self.rolls_out:
+            return
         # Backends with their own config section get it; the others take no arguments.
         backend_args = {"local": (exp.local,)}.get(exp.env.backend, ())
         backend = make_backend(exp.env.backend, *backend_args)
         run_preflight(exp, model_path=self.model_path, backend_preflight=backend.preflight)
-
-        self.runner = self.enter_context(asyncio.Runner())
         self.callback(self.runner.run, backend.aclose())  # after the client closes (LIFO)
         urls = self._servers()
         self.client = SGLangClient(urls, exp.rollout)
@@ -143,8 +157,12 @@ class RunResources(RolloutResources):
         self.callback(self.trainer.close)  # waits for an in-flight save: the checkpoint stays whole
         runnable = stages.RunnableFilter(exp.env.backend, exp.env.cache_dir)
         keep = runnable if exp.data.only_runnable else None
-        self.stream = make_task_stream(exp.data, rl.num_prompts, keep=keep)
-        if runnable.skipped:
+        # Every process draws the same stream (process 0 uses the tasks), so the checkpointed
+        # stream position is the same on every process.
+        self.stream = make_task_stream(
+            exp.data, rl.num_prompts, process_index=0, process_count=1, keep=keep
+        )
+        if runnable.skipped and self.rolls_out:
             skipped = self.run_dir / "skipped_tasks.json"
             skipped.write_text(json.dumps(runnable.skipped, indent=1, sort_keys=True))
             log.warning("%d not-runnable tasks skipped (see %s)", len(runnable.skipped), skipped)
@@ -159,7 +177,7 @@ class RunResources(RolloutResources):
             norm_length=norm,
         )
         self.weights_dir = self.run_dir / WEIGHTS
-        self.weights_dir.mkdir(exist_ok=True)
+        self.weights_dir.mkdir(exist_ok=True, parents=True)
         latest = self.trainer.checkpointer.latest_step()
         if latest is None:
             self.state = self.trainer.init_state()
@@ -171,12 +189,26 @@ class RunResources(RolloutResources):
             self.stream.set_state(data_state)
             self.start_step = latest
             self.refit(latest)  # the servers start from the base model; serve the restored one
-        self.metrics_dir.mkdir(parents=True, exist_ok=True)
-        self._records = self.enter_context(open(self.metrics_dir / ROLLOUTS_FILE, "a", buffering=1))
+        if self.rolls_out:
+            self.metrics_dir.mkdir(parents=True, exist_ok=True)
+            records = open(self.metrics_dir / ROLLOUTS_FILE, "a", buffering=1)  # noqa: SIM115
+            self._records = self.enter_context(records)
+
+    def metrics_logger(self, last_step: int) -> contextlib.AbstractContextManager[Any]:
+        """The run's `MetricsLogger` on the process that rolls out; elsewhere None."""
+        if not self.rolls_out:
+            return contextlib.nullcontext(None)
+        return MetricsLogger(
+            self.metrics_dir,
+            total_steps=last_step,
+            initial_step=self.start_step,
+            progress_bar=self.experiment.rl.progress_bar,
+        )
 
     async def rollout(self, tasks: list[TaskRef], step: int) -> stages.RawRollouts:
         """Rolls out the B x N owners of ``step`` (see `stages.rollout_step`)."""
         exp = self.experiment
+        assert self.client is not None, "only the rolling-out process rolls out"
         return await stages.rollout_step(
             self.agent_env,
             self.client,
@@ -199,6 +231,7 @@ class RunResources(RolloutResources):
             step,
             self.experiment.rl.weights_keep,
             self.runner,
+            copy_files_from=self.model_path,
         )
 
     def save(self, step: int, *, force: bool = False) -> bool:

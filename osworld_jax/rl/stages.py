@@ -37,6 +37,7 @@ from osworld_jax.env import capabilities, load_task
 from osworld_jax.errors import InfraError, OsworldJaxError
 from osworld_jax.rl.config import ModelSourceConfig, RLConfig
 from osworld_jax.rollout import SamplingParams, SGLangClient
+from osworld_jax.trainer.distributed import export_hf_all_processes, is_primary
 
 
 class RolloutStepError(OsworldJaxError):
@@ -58,13 +59,18 @@ class StepRollouts:
     turns: tuple[int, ...]
 
 
+def model_dir(config: ModelSourceConfig, run_dir: Path) -> Path:
+    """Where the run's starting HF checkpoint is (``<run_dir>/base_model`` for ``"tiny"``)."""
+    return run_dir / "base_model" if config.path == "tiny" else Path(config.path).expanduser()
+
+
 def prepare_model(config: ModelSourceConfig, run_dir: Path) -> Path:
     """The run's starting HF checkpoint: ``config.path``, or a tiny one built into the run dir."""
     if config.path != "tiny":
-        return Path(config.path).expanduser()
+        return model_dir(config, run_dir)
     from osworld_jax.model.tiny import make_tiny_checkpoint
 
-    path = run_dir / "base_model"
+    path = model_dir(config, run_dir)
     if not (path / "config.json").is_file():
         tmp = run_dir / "base_model.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -283,8 +289,11 @@ def route_agreement(policy: nnx.Module, batch: Batch) -> float:
 def route_metrics(
     trainer: Any, state: Any, batch: Batch, step: int, rl: RLConfig
 ) -> dict[str, float]:
-    """``{"r3/route_agreement": ...}`` on the steps ``rl.route_agreement_every`` selects."""
-    if not rl.route_agreement_every or step % rl.route_agreement_every:
+    """``{"r3/route_agreement": ...}`` on the steps ``rl.route_agreement_every`` selects.
+
+    Single-process runs only (multi-host: the probe's forward would need global input arrays).
+    """
+    if not rl.route_agreement_every or step % rl.route_agreement_every or jax.process_count() > 1:
         return {}
     return {"r3/route_agreement": route_agreement(trainer.policy(state.params), batch)}
 
@@ -292,23 +301,30 @@ def route_metrics(
 def export_and_refit(
     trainer: Any,
     state: Any,
-    client: SGLangClient,
+    client: SGLangClient | None,
     weights_dir: Path,
     step: int,
     keep: int,
-    runner: asyncio.Runner,
+    runner: asyncio.Runner | None,
+    *,
+    copy_files_from: Path,
 ) -> Path:
     """Exports ``state`` as HF weights (atomic) and moves every server to them.
 
-    Older exported directories beyond ``keep`` are deleted (never the one just served).
+    Every process calls it (multi-host: the sharded parameters are gathered and process 0
+    writes); the processes that hold a rollout client refit their servers. Older exported
+    directories beyond ``keep`` are deleted (never the one just served). The tokenizer files come
+    from ``copy_files_from`` so that each exported directory is a complete checkpoint.
     """
     path = weights_dir / f"step_{step:08d}"
     if not path.exists():
-        trainer.export_hf(state, path)
-    runner.run(client.refit(str(path.resolve()), str(step)))
-    for old in sorted(weights_dir.glob("step_*"))[:-keep]:
-        if old != path:
-            shutil.rmtree(old, ignore_errors=True)
+        export_hf_all_processes(trainer, state, path, copy_files_from=copy_files_from)
+    if client is not None and runner is not None:
+        runner.run(client.refit(str(path.resolve()), str(step)))
+    if is_primary():
+        for old in sorted(weights_dir.glob("step_*"))[:-keep]:
+            if old != path:
+                shutil.rmtree(old, ignore_errors=True)
     return path
 
 
