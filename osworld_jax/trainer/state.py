@@ -48,7 +48,7 @@ class TrainState:
 
     Attributes:
       params: the trainable parameters as a nested dict ``{group: {name: array}}`` (the
-        ``nnx.Param`` state of the policy in pure-dict form).
+        ``nnx.Param`` state of the policy in pure-dict form), in ``TrainerConfig.master_dtype``.
       opt_state: the optax state of those parameters.
       step: i32[] optimizer steps taken.
       rng: u32[2] base PRNG key; step ``s`` uses ``fold_in(rng, s)``.

@@ -220,9 +220,12 @@ class Trainer:
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
         self._row_sharding = NamedSharding(self.mesh, PartitionSpec(self._batch_axes or None))
 
+        self._compute_dtypes = jax.tree.map(lambda x: jnp.dtype(x.dtype), self._policy_params)
         abstract_params = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self._policy_params
+            lambda x: jax.ShapeDtypeStruct(x.shape, _master_dtype(x.dtype, config.master_dtype)),
+            self._policy_params,
         )
+        self._abstract_params = abstract_params
         self.param_shardings = policy_shardings(policy, self.mesh, self.rules).to_pure_dict()
         self._labels = router_param_labels(
             abstract_params, freeze_router=config.optimizer.freeze_router
@@ -291,7 +294,7 @@ class Trainer:
         """
         if init_fn is not None:
             params = jax.jit(
-                lambda: nnx.state(init_fn(), nnx.Param).to_pure_dict(),
+                lambda: self._to_master(nnx.state(init_fn(), nnx.Param).to_pure_dict()),
                 out_shardings=self.param_shardings,
             )()
         else:
@@ -300,7 +303,7 @@ class Trainer:
             if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
                 raise TrainerError("Trainer.init_state: abstract policy; pass params= or init_fn=")
             params = jax.jit(
-                lambda p: p,
+                self._to_master,
                 out_shardings=self.param_shardings,
                 donate_argnums=(0,) if donate else (),
             )(params)
@@ -311,8 +314,16 @@ class Trainer:
         return rest.replace(params=params)
 
     def policy(self, params: Params) -> Any:
-        """The policy module viewing ``params`` (e.g. ``state.params``; no copy)."""
+        """The policy module over ``params`` (e.g. ``state.params``) in the policy's own dtype.
+
+        Master weights are cast (differentiably) to the policy's parameter dtypes; parameters
+        already in those dtypes are used as they are.
+        """
+        params = jax.tree.map(lambda p, d: p.astype(d), params, self._compute_dtypes)
         return nnx.merge(self._graphdef, self._as_nnx(params), self._rest)
+
+    def _to_master(self, params: Params) -> Params:
+        return jax.tree.map(lambda p, a: p.astype(a.dtype), params, self._abstract_params)
 
     def _as_nnx(self, params: Params) -> nnx.State:
         return jax.tree.unflatten(self._param_treedef, jax.tree.leaves(params))
@@ -641,6 +652,13 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _master_dtype(dtype: Any, master: str | None) -> Any:
+    """The train-state dtype of a parameter of ``dtype`` (floating parameters only)."""
+    if master is None or not jnp.issubdtype(dtype, jnp.floating):
+        return dtype
+    return jnp.dtype(master)
 
 
 def _follow_params(opt_state: Any, param_shardings: Params, default: NamedSharding) -> Any:

@@ -1,15 +1,26 @@
 """Train-step invariants on the tiny real Policy (CPU, 8 fake devices from tests/conftest.py)."""
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from osworld_jax.algorithms import policy_loss
-from osworld_jax.model import RouterReplayError, make_mesh
+from osworld_jax.model import Policy, RouterReplayError, make_mesh
 from osworld_jax.trainer import NonFiniteError, OptimizerConfig, Trainer, TrainerError
-from tests.trainer._tiny import META, make_batch, make_policy, naive_logprobs, trainer_config
+from tests.trainer._tiny import (
+    META,
+    RUNTIME,
+    TINY,
+    make_batch,
+    make_policy,
+    naive_logprobs,
+    trainer_config,
+)
 
 # Float32 end to end through two layers + Adam: differences are reassociation only.
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -187,6 +198,46 @@ def test_one_device_and_eight_device_mesh_agree(policy, trainer):
     # The optimizer moments live where their parameters live.
     mu = state8.opt_state[1][0].mu["moe"]["gate"]
     assert mu.sharding == state8.params["moe"]["gate"].sharding
+
+
+@pytest.mark.slow
+def test_old_logprobs_from_the_same_policy_give_the_same_step(policy):
+    # pi_old from the forward-only logprobs of the current params == the default
+    # stop_gradient(pi): same coefficients, ratio 1, same update (the second-update path).
+    batch = make_batch(policy)
+    trainer = Trainer(trainer_config(), policy)  # a second trace: not the CountingTrainer
+    state = trainer.init_state()
+    old = trainer.logprobs(state.params, batch)
+    with_old, m_old = trainer.train_step(state, batch, META, old_logprobs=old)
+    default, m = trainer.train_step(trainer.init_state(), batch, META)
+    for k in m:
+        np.testing.assert_allclose(m_old[k], m[k], err_msg=k, **TOL)
+    chex.assert_trees_all_close(with_old.params, default.params, **TOL)
+
+
+@pytest.mark.slow
+def test_float32_master_weights_keep_updates_that_bfloat16_rounds_away():
+    # lr 5e-6: Adam's first step moves each weight by ~5e-6, far below one bf16 ulp of a
+    # weight of size ~0.2 (2^-3 * 2^-7 ~ 1e-3): bf16 state weights do not move at all, f32
+    # master weights move by ~lr, and the bf16 policy view (what SGLang gets) is the rounding.
+    bf16 = Policy(TINY, dataclasses.replace(RUNTIME, dtype="bfloat16"), rngs=nnx.Rngs(0))
+    batch = make_batch(make_policy())
+    opt = OptimizerConfig(learning_rate=5e-6, weight_decay=0.0)
+    moved = {}
+    for master in ("float32", None):
+        trainer = Trainer(trainer_config(optimizer=opt, master_dtype=master), bf16)
+        state = trainer.init_state()
+        before = np.asarray(state.params["moe"]["gate"], np.float32)
+        state, metrics = trainer.train_step(state, batch, META)
+        after = np.asarray(state.params["moe"]["gate"], np.float32)
+        moved[master] = np.mean(after != before)
+        assert state.params["moe"]["gate"].dtype == (jnp.float32 if master else jnp.bfloat16)
+        assert np.isfinite(metrics["loss"])
+        if master:
+            np.testing.assert_allclose(np.abs(after - before).max(), 5e-6, rtol=0.05)
+            view = trainer.policy(state.params).params()["moe"]["gate"]
+            assert view.dtype == jnp.bfloat16
+    assert moved["float32"] > 0.9 and moved[None] < 0.05, moved
 
 
 def test_rows_must_divide_by_micro_batches_times_data_parallel(policy):
