@@ -9,6 +9,11 @@ tokens/s = C * max_new_tokens / wall seconds.
 
   python benchmarks/serve.py                       # tiny model, CPU
   python benchmarks/serve.py --config bench-moe    # mid-size MoE in bf16 (an H200)
+
+Measured 2026-11-30 (prompt 32, 64 new tokens; tokens/s, embedded vs HF generate):
+  tiny, float32, 2 shared CPU cores:  C=1 873 vs 36 | C=16 4950 vs 60 | C=64 6395 vs 77
+  bench-moe, bf16, one H200 (ragged): C=1 192 vs 57 | C=16 2494 vs 863 | C=64 6295 vs 3238
+  bench-moe, bf16, one H200 (--expert-backend dense): C=1 206 | C=16 3269 | C=64 8721
 """
 
 from __future__ import annotations

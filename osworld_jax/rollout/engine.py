@@ -193,7 +193,10 @@ class Engine:
 
         warm.notify = notify
         self.submit(warm)
-        done.result()
+        result = done.result()
+        if result.finish is None or result.finish["type"] == "abort":
+            self.shutdown()
+            raise EngineError(f"warm-up generation failed: {result.finish}")
         self.ready.set()
         return self
 
