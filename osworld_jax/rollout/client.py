@@ -241,9 +241,12 @@ class SGLangClient:
         """Generates one turn for ``input_ids``; returns the validated, stitched `Generation`.
 
         An ``abort`` finish (a pause during a refit, or ``/abort_request``) is resubmitted with
-        the partial output appended to the prompt and ``max_new_tokens`` reduced, up to
-        ``config.max_abort_resubmits`` times; the parts' logprobs and routes are stitched (see
-        `osworld_jax.rollout.wire.stitch`).
+        the partial output appended to the prompt and ``max_new_tokens`` (and
+        ``min_new_tokens``) reduced, up to ``config.max_abort_resubmits`` times; the parts'
+        logprobs and routes are stitched (see `osworld_jax.rollout.wire.stitch`). Limits of a
+        resubmission: the server checks stop strings on each part's own output, so a stop
+        string straddling the abort point is not matched; ``sampling_seed`` restarts the
+        server's random stream for the new part.
 
         Raises:
           ReplyValidationError: a reply broke the contract (names the rid).

@@ -539,8 +539,12 @@ class Engine:
                 text = text[:pos]
         return text
 
-    def response(self, req: GenRequest) -> dict[str, Any]:
-        """The SGLang ``/generate`` reply object of ``req`` (cumulative so far)."""
+    def response(self, req: GenRequest, final: bool = True) -> dict[str, Any]:
+        """The SGLang ``/generate`` reply object of ``req`` (cumulative so far).
+
+        ``final=False`` (intermediate stream events) leaves out ``routed_experts``, which only
+        the last event carries (re-encoding every route row per token would be quadratic).
+        """
         meta: dict[str, Any] = {
             "id": req.rid,
             "finish_reason": req.finish,
@@ -560,7 +564,7 @@ class Engine:
                     [None if np.isnan(lp) else float(lp), t, None]
                     for lp, t in zip(req.input_logprobs[start:], req.input_ids[start:], strict=True)
                 ]
-        if req.return_routed_experts:
+        if req.return_routed_experts and final:
             rows = len(req.input_ids) + len(req.output_ids) - 1
             c = self.model_config
             empty = np.zeros((0, c.num_hidden_layers, c.num_experts_per_tok), np.int32)

@@ -277,7 +277,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     def notifier(i: int):  # called on the engine thread
         def notify(r: GenRequest, done: bool) -> None:
             if done or stream:
-                loop.call_soon_threadsafe(events.put_nowait, (i, engine.response(r), done))
+                loop.call_soon_threadsafe(events.put_nowait, (i, engine.response(r, done), done))
 
         return notify
 

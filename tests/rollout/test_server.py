@@ -234,6 +234,10 @@ def test_batch_text_and_streaming(engine):
             assert [len(c["output_ids"]) for c in chunks] == list(range(1, 13))
             assert chunks[-1]["output_ids"] == single["output_ids"]
             assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+            assert (
+                chunks[-1]["meta_info"]["routed_experts"] == single["meta_info"]["routed_experts"]
+            )
+            assert all("routed_experts" not in c["meta_info"] for c in chunks[:-1])
 
     run(main())
 
