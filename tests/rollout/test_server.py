@@ -448,3 +448,32 @@ def test_precompile_leaves_no_compile_for_traffic(engine):
 
     run(main())
     assert (runner._prefill._cache_size(), runner._decode._cache_size()) == before
+
+
+def test_endpoints_answer_503_until_the_engine_is_ready():
+    from aiohttp import web
+
+    from osworld_jax.rollout.server import ENGINE_KEY, build_app
+
+    async def main():
+        app = build_app(None)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                for path in ("/health", "/model_info"):
+                    async with s.get(url + path) as r:
+                        assert r.status == 503
+                status, _ = await post(url, "/generate", {"input_ids": [1]})
+                assert status == 503
+                app[ENGINE_KEY].error = "engine failed to start: boom"
+                async with s.get(url + "/health") as r:
+                    assert r.status == 500 and "boom" in await r.text()
+        finally:
+            await runner.cleanup()
+
+    run(main())
