@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -48,8 +49,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM (a scheduler stopping the job) shuts down like Ctrl-C: sandboxes and servers are
+    # closed and the last checkpoint stays intact.
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     run_dir = Path(args.run_dir or f"runs/{datetime.datetime.now(datetime.UTC):%Y%m%d-%H%M%S}")
     try:
         experiment = config.load_experiment(args.gin_file or [DEFAULT_GIN], args.gin_param)

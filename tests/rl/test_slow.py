@@ -221,3 +221,49 @@ def test_evaluate_then_freeze_the_band(learning_run, tmp_path, capsys):
     verify_sha256sums(tmp_path / "band")
     refs = load_task_refs(tmp_path / "band")
     assert sorted({r.task_id for r in refs}) == sorted(band) and len(refs) == 2 * len(band)
+
+
+@pytest.mark.slow
+def test_two_process_run_matches_one_process(learning_run, tmp_path):
+    """DistributedConfig with 2 processes x 1 CPU device (gloo): process 0 rolls out and
+    broadcasts; both train their half of the rows (mesh data=2), checkpoint and export."""
+    import socket
+
+    tasks = learning_run[0].parent / "tasks"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        coordinator = f"127.0.0.1:{s.getsockname()[1]}"
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(REPO / "tests" / "rl" / "mp_train_worker.py"),
+                str(run_dir),
+                str(tasks),
+                "3",
+                coordinator,
+                str(i),
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=480)[0].decode() for p in procs]
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0, out[-3000:]
+    w0, w1 = (json.loads((run_dir / f"worker_{i}.json").read_text()) for i in range(2))
+    assert (w0["process_count"], w0["steps"], w1["steps"]) == (2, [1, 2, 3], [])
+    one_process = [h["reward/mean"] for h in learning_run[1].history[:3]]
+    assert w0["rewards"][0] == one_process[0]  # same weights, same sampling seeds
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for r in records:  # the broadcast batch trained both halves; every refit took
+        assert r["gate/rejected_fraction"] == 0.0
+        assert r["logprob/train_rollout_abs_diff"] < 1e-3
+    assert (run_dir / "checkpoints" / "3").is_dir()
+    assert (run_dir / "weights" / "step_00000003" / "tokenizer.json").is_file()
+    assert not _live_processes_mentioning(str(run_dir))

@@ -1,0 +1,50 @@
+"""One process of the 2-process RL run (spawned by tests/rl/test_slow.py).
+
+``python tests/rl/mp_train_worker.py RUN_DIR TASKS STEPS COORDINATOR PROCESS_ID`` trains the
+learnable suite with ``DistributedConfig`` (2 processes x 1 CPU device, mesh ``data=2``):
+process 0 runs the embedded server and the sandboxes and broadcasts each step's batch; both
+processes train on their half of the rows, checkpoint and export.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def main() -> None:
+    run_dir, tasks, steps, coordinator, pid = sys.argv[1:6]
+    from osworld_jax import config
+    from osworld_jax.rl import train
+    from tests.rl import learnable
+    from tests.rl.test_slow import LEARN
+
+    params = [
+        *LEARN,
+        f"DataConfig.task_set = '{tasks}'",
+        "RLConfig.mesh = {'data': 2}",
+        f"DistributedConfig.coordinator_address = '{coordinator}'",
+        "DistributedConfig.num_processes = 2",
+        f"DistributedConfig.process_id = {pid}",
+        "DistributedConfig.initialization_timeout_s = 120",
+    ]
+    assert learnable.BACKEND
+    exp = config.load_experiment(["default.gin"], params)
+    result = train(exp, run_dir, steps=int(steps))
+    import jax
+
+    out = {
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "steps": [h["step"] for h in result.history],
+        "rewards": [h["reward/mean"] for h in result.history],
+    }
+    Path(run_dir, f"worker_{pid}.json").write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
