@@ -150,10 +150,11 @@ class RunResources(RolloutResources):
         super()._open()
         exp, rl = self.experiment, self.experiment.rl
         model_config = Qwen3MoeConfig.from_json(self.model_path / "config.json")
+        mesh = make_mesh(**rl.mesh)  # type: ignore[arg-type]
         policy = load_hf_checkpoint(
-            self.model_path, dtype=jnp.dtype(exp.runtime.dtype), runtime=exp.runtime
+            self.model_path, dtype=jnp.dtype(exp.runtime.dtype), mesh=mesh, runtime=exp.runtime
         )
-        self.trainer = Trainer(exp.trainer, policy, mesh=make_mesh(**rl.mesh))  # type: ignore[arg-type]
+        self.trainer = Trainer(exp.trainer, policy, mesh=mesh)
         self.callback(self.trainer.close)  # waits for an in-flight save: the checkpoint stays whole
         runnable = stages.RunnableFilter(exp.env.backend, exp.env.cache_dir)
         keep = runnable if exp.data.only_runnable else None
