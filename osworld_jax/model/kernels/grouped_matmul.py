@@ -338,7 +338,19 @@ gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
 DEFAULT_CONFIG = GmmConfig()
-MOSAIC_CONFIG = GmmConfig(mosaic_parts=("fwd", "dx", "dw"))
+# Measured best on an H200 (benchmarks/NOTES.md, call 2): fwd 626 / bwd 474 useful TFLOP/s.
+MOSAIC_CONFIG = GmmConfig(
+    mosaic_parts=("fwd", "dx", "dw"),
+    mosaic=MosaicConfig(
+        max_concurrent_steps=3,
+        grid_minor_n=False,
+        grid_tile_width=4,
+        dw_block_m=128,
+        dw_block_n=128,
+        dw_block_k=64,
+        dw_max_concurrent_steps=4,
+    ),
+)
 
 
 def config_to_dict(cfg: GmmConfig) -> dict:
