@@ -181,6 +181,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--hf-child", default="", help=argparse.SUPPRESS)
     p.add_argument("--no-ours", action="store_true", help="only the HF peers")
+    p.add_argument(
+        "--master-dtype",
+        help="override TrainerConfig.master_dtype (float32 | bfloat16 | none = the policy dtype);"
+        " the 04:43 H200 figures in benchmarks/NOTES.md predate float32 masters (bf16 params and"
+        " bf16 AdamW state, like the HF peers)",
+    )
     p.add_argument("--profile", help="after timing, trace one step into this dir (perfetto json)")
     p.add_argument(
         "--logprob-bf16",
@@ -233,6 +239,10 @@ def main(argv: list[str] | None = None) -> None:
         num_micro_batches=args.micro_batches,
         router_replay=not args.no_replay,
     )
+    if args.master_dtype:
+        config = dataclasses.replace(
+            config, master_dtype=None if args.master_dtype == "none" else args.master_dtype
+        )
 
     if args.logprob_bf16:
         _patch_logprob_bwd_bf16()
