@@ -268,6 +268,7 @@ class SGLangClient:
             )
         parts: list[Reply] = []
         produced = 0
+        aborts = 0
         start = routed_experts_start_len
         part_prompt = prompt
         while True:
@@ -277,7 +278,7 @@ class SGLangClient:
                 max_new_tokens=sampling.max_new_tokens - produced,
                 min_new_tokens=max(0, sampling.min_new_tokens - produced),
             )
-            wire_rid = rid if not parts else f"{rid}.resubmit{len(parts)}"
+            wire_rid = rid if not aborts else f"{rid}.resubmit{aborts}"
             payload: dict[str, Any] = {
                 "input_ids": part_prompt,
                 "sampling_params": part_sampling.to_wire(),
@@ -291,34 +292,38 @@ class SGLangClient:
             reply = await self._post_generate(
                 payload, wire_rid, len(part_prompt), start if want_routes else None
             )
-            parts.append(reply)
+            aborted = reply.finish_reason["type"] == "abort"
+            if not (aborted and reply.completion_tokens == 0):  # an empty abort adds nothing
+                parts.append(reply)
             produced += reply.completion_tokens
-            if reply.finish_reason["type"] != "abort":
+            if not aborted:
                 break
             if produced >= sampling.max_new_tokens:
                 # Aborted exactly at the length limit: the turn is complete, not truncated.
                 parts[-1] = _with_finish(reply, {"type": "length", "length": produced})
                 break
-            if len(parts) > self.config.max_abort_resubmits:
+            aborts += 1
+            if aborts > self.config.max_abort_resubmits:
                 raise AbortBudgetExceeded(
                     rid,
-                    f"aborted {len(parts)} times ({reply.finish_reason.get('message', '')!s}); "
+                    f"aborted {aborts} times ({reply.finish_reason.get('message', '')!s}); "
                     f"budget is {self.config.max_abort_resubmits} resubmissions",
                 )
             log.info("request %s aborted after %d tokens; resubmitting", rid, produced)
-            part_prompt = part_prompt + reply.output_ids
-            start = max(routed_experts_start_len, len(part_prompt) - 1)
+            if reply.completion_tokens:
+                part_prompt = part_prompt + reply.output_ids
+                start = max(routed_experts_start_len, len(part_prompt) - 1)
         return stitch(
             parts,
             rid=rid,
             prompt_tokens=len(prompt),
             routed_experts_start_len=routed_experts_start_len,
+            num_resubmits=aborts,
         )
 
     async def _post_generate(
         self, payload: dict[str, Any], rid: str, prompt_len: int, start: int | None
     ) -> Reply:
-        assert self._session is not None
         cfg = self.config
         timeout = aiohttp.ClientTimeout(
             total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s
@@ -328,6 +333,8 @@ class SGLangClient:
                 payload = {**payload, "rid": f"{rid}.retry{attempt}"}
             expected_before = self._expected_version
             server = await self._pick(rid)
+            if self._session is None or self._session.closed:
+                raise ServerUnavailable(f"request {rid!r}: the client was closed")
             server.outstanding += 1
             server.dispatched += 1
             try:

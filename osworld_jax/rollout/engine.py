@@ -564,7 +564,7 @@ class Engine:
                     [None if np.isnan(lp) else float(lp), t, None]
                     for lp, t in zip(req.input_logprobs[start:], req.input_ids[start:], strict=True)
                 ]
-        if req.return_routed_experts and final:
+        if req.return_routed_experts and final and req.num_route_rows:  # never prefilled: none
             rows = len(req.input_ids) + len(req.output_ids) - 1
             c = self.model_config
             empty = np.zeros((0, c.num_hidden_layers, c.num_experts_per_tok), np.int32)

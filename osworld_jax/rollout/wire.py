@@ -141,7 +141,8 @@ def parse_reply(
     Checks: ``completion_tokens == len(output_ids)``, ``prompt_tokens == prompt_len``; with
     logprobs, one ``[logprob, token_id, ...]`` entry per output token whose ids equal
     ``output_ids`` and whose logprobs are finite; with routes (``routed_experts_start_len`` not
-    None), the row count ``prompt + completion - 1 - start_len``; a string ``weight_version``.
+    None), the row count ``prompt + completion - 1 - start_len`` (not checked on an ``abort``
+    with no output: such a part is resubmitted whole); a string ``weight_version``.
 
     Raises:
       ReplyValidationError: naming ``rid`` and the first broken invariant.
@@ -194,7 +195,10 @@ def parse_reply(
             logprobs.append(float(lp))
 
     routes = None
-    if routed_experts_start_len is not None:
+    # An abort before the first token has nothing to stitch (the request may never have been
+    # prefilled, so a server may send no routes): it is resubmitted whole.
+    empty_abort = finish["type"] == "abort" and completion == 0
+    if routed_experts_start_len is not None and not empty_abort:
         if num_layers is None or top_k is None:
             raise ValueError("parse_reply: routes requested without num_layers / top_k")
         if "routed_experts" not in meta:
@@ -218,7 +222,12 @@ def parse_reply(
 
 
 def stitch(
-    parts: list[Reply], *, rid: str, prompt_tokens: int, routed_experts_start_len: int
+    parts: list[Reply],
+    *,
+    rid: str,
+    prompt_tokens: int,
+    routed_experts_start_len: int,
+    num_resubmits: int | None = None,
 ) -> Generation:
     """Joins the parts of a request that was aborted and resubmitted into one `Generation`.
 
@@ -228,7 +237,8 @@ def stitch(
     conditioned first, and the rows concatenate to exactly
     ``prompt_tokens + total_output - 1 - routed_experts_start_len``. Logprobs and ids
     concatenate in order. (When a refit happened between parts, the parts' weight versions
-    differ; ``Generation.weight_versions`` records each.)
+    differ; ``Generation.weight_versions`` records each.) Aborts with no output are not
+    parts; ``num_resubmits`` counts every resubmission (default ``len(parts) - 1``).
     """
     output_ids = [t for p in parts for t in p.output_ids]
     logprobs = [lp for p in parts for lp in p.output_logprobs]
@@ -252,6 +262,6 @@ def stitch(
         weight_version=last.weight_version,
         weight_versions=tuple(p.weight_version for p in parts),
         text="".join(p.text for p in parts),
-        num_resubmits=len(parts) - 1,
+        num_resubmits=len(parts) - 1 if num_resubmits is None else num_resubmits,
         routed_experts_start_len=routed_experts_start_len,
     )

@@ -295,3 +295,17 @@ def test_client_reopens_in_a_new_event_loop():
     client = SGLangClient(["http://127.0.0.1:1"], cfg())
     assert asyncio.run(serve_and(client)) == 6
     assert asyncio.run(serve_and(client)) == 6  # a second loop: fresh session and primitives
+
+
+def test_abort_before_any_token_is_resubmitted_whole():
+    async def body(client: SGLangClient, s: FakeServer) -> None:
+        s.script = ["abort:0", "abort:2", "abort:0", "ok"]
+        g = await client.generate(PROMPT, rid="re", routed_experts_start_len=1)
+        ids, lps, routes = expected_generation(len(PROMPT), 6, start=1)
+        assert g.output_ids == ids and g.output_logprobs == pytest.approx(lps)
+        np.testing.assert_array_equal(g.routed_experts, routes)
+        assert g.num_resubmits == 3 and len(g.weight_versions) == 2
+        assert [len(r["input_ids"]) for r in s.requests] == [10, 10, 12, 12]
+        assert [r["routed_experts_start_len"] for r in s.requests] == [1, 1, 11, 11]
+
+    with_servers(1, body)

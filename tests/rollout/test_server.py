@@ -477,3 +477,52 @@ def test_endpoints_answer_503_until_the_engine_is_ready():
             await runner.cleanup()
 
     run(main())
+
+
+def test_refit_mid_generation_resubmits_and_stitches_exactly(tiny_ckpt):
+    """16 greedy requests in flight, a refit to the same weights under a new version: each
+    aborted request is resubmitted and its stitched ids, logprobs and route rows equal an
+    uninterrupted run's."""
+    eng = start_engine(tiny_ckpt, weight_version="v0")
+    cfg = eng.model_config
+    prompts = [[3 + i, 40, 41, 42 + i] for i in range(16)]
+
+    async def main():
+        async with serving(eng) as url:
+            rc = RolloutConfig(
+                urls=(url,),
+                return_routed_experts=True,
+                num_layers=cfg.num_hidden_layers,
+                num_experts_per_tok=cfg.num_experts_per_tok,
+                max_abort_resubmits=2,
+            )
+            sp = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+            async with SGLangClient(None, rc) as client:
+                ref = await asyncio.gather(
+                    *(client.generate(p, sp, rid=f"ref{i}") for i, p in enumerate(prompts))
+                )
+                tasks = [
+                    asyncio.create_task(client.generate(p, sp, rid=f"live{i}"))
+                    for i, p in enumerate(prompts)
+                ]
+                while sum(len(r.output_ids) for r in eng.slots if r is not None) < 16 * 3:
+                    await asyncio.sleep(0.005)
+                await client.refit(str(tiny_ckpt), "v1")
+                live = await asyncio.gather(*tasks)
+            return ref, live
+
+    try:
+        ref, live = run(main())
+    finally:
+        eng.shutdown()
+    # Running requests come back with partial v0 output; queued ones are resubmitted whole.
+    assert sum(len(g.weight_versions) > 1 for g in live) >= 4
+    for r, g, p in zip(ref, live, prompts, strict=True):
+        assert g.output_ids == r.output_ids and g.completion_tokens == 40
+        np.testing.assert_allclose(g.output_logprobs, r.output_logprobs, atol=1e-5)
+        assert g.routed_experts.shape == (len(p) + 40 - 1, cfg.num_hidden_layers, 2)
+        np.testing.assert_array_equal(g.routed_experts, r.routed_experts)
+        assert g.weight_version == "v1"
+        if len(g.weight_versions) > 1:
+            assert g.weight_versions[0] == "v0" and g.weight_versions[-1] == "v1"
+            assert g.num_resubmits >= 1
