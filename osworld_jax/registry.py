@@ -37,7 +37,7 @@ class Registry(Generic[T]):
         self._items[name] = obj
 
     def get(self, name: str) -> T:
-        """Returns the entry for ``name``; an unknown name raises ``ConfigError`` listing choices."""
+        """Returns the entry for ``name``; an unknown name raises ``ConfigError``."""
         try:
             return self._items[name]
         except KeyError:
@@ -48,7 +48,9 @@ class Registry(Generic[T]):
     def validate(self, name: str, field: str) -> None:
         """Raises ``ConfigError`` naming ``field`` when ``name`` is not registered."""
         if name not in self._items:
-            raise ConfigError(f"{field}: unknown {self.kind} {name!r}; choose one of {self.names()}")
+            raise ConfigError(
+                f"{field}: unknown {self.kind} {name!r}; choose one of {self.names()}"
+            )
 
     def names(self) -> list[str]:
         """The registered names, sorted."""
