@@ -150,3 +150,10 @@ def test_operative_config_written(tmp_path):
     assert "RLConfig.steps = 9" in text and "SamplingParams.max_new_tokens = 24" in text
     resolved = json.loads((tmp_path / config.RESOLVED_CONFIG_NAME).read_text())
     assert resolved["rl"]["steps"] == 9 and resolved["rollout"]["sampling"]["max_new_tokens"] == 24
+
+
+def test_cross_room_consistency_is_checked_at_build():
+    msg = one_line_error([], ["AgentConfig.action_space = 'computer_13'"])
+    assert "AgentConfig.action_space" in msg and "AgentEnvConfig.action_space" in msg
+    msg = one_line_error([], ["DistributedConfig.rollout_on = 'dedicated'"])
+    assert "rollout_on" in msg and "process0" in msg

@@ -190,6 +190,19 @@ class ExperimentConfig:
     rl: RLConfig = field(default_factory=RLConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
+    def __post_init__(self) -> None:
+        if self.agent.action_space != self.env.action_space:
+            raise ConfigError(
+                f"AgentConfig.action_space ({self.agent.action_space!r}) and "
+                f"AgentEnvConfig.action_space ({self.env.action_space!r}) differ: the prompt "
+                "would describe one action space and the parser expect another"
+            )
+        if self.distributed.rollout_on != "process0":
+            raise ConfigError(
+                "DistributedConfig.rollout_on: the RL loop runs 'process0' (process 0 rolls out "
+                f"and broadcasts the batch), got {self.distributed.rollout_on!r}"
+            )
+
     def replace(self, **changes: Any) -> ExperimentConfig:
         """A copy with ``changes`` applied."""
         return dataclasses.replace(self, **changes)

@@ -53,12 +53,6 @@ class RolloutResources(contextlib.ExitStack):
 
     def __init__(self, experiment: ExperimentConfig, run_dir: Path) -> None:
         super().__init__()
-        if experiment.agent.action_space != experiment.env.action_space:
-            raise ConfigError(
-                f"AgentConfig.action_space ({experiment.agent.action_space!r}) and "
-                f"AgentEnvConfig.action_space ({experiment.env.action_space!r}) differ: the "
-                "prompt would describe one action space and the parser expect another"
-            )
         self.experiment = experiment
         self.run_dir = run_dir.resolve()
 
@@ -74,15 +68,10 @@ class RolloutResources(contextlib.ExitStack):
     def _open(self) -> None:
         exp = self.experiment
         initialize_distributed(exp.distributed)  # multi-host: join the job (no-op alone)
-        if exp.distributed.rollout_on != "process0":
-            raise ConfigError(
-                "DistributedConfig.rollout_on: the RL loop runs 'process0' (process 0 rolls out "
-                f"and broadcasts the batch), got {exp.distributed.rollout_on!r}"
-            )
         self.rolls_out = is_primary()  # multi-host: process 0 drives servers and sandboxes
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.rolls_out:
-            self.model_path = stages.prepare_model(exp.model, self.run_dir)
+            stages.prepare_model(exp.model, self.run_dir)
         barrier("osworld_jax.rl:model")
         self.model_path = stages.model_dir(exp.model, self.run_dir)
         self.runner = self.enter_context(asyncio.Runner())
