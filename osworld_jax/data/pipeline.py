@@ -31,7 +31,8 @@ class DataConfig:
       shuffle: shuffle the task order (off: task-set order, epoch after epoch).
       num_epochs: passes over the task set; ``None`` repeats forever.
       shard_by_process: give each JAX process a disjoint slice ``[process_index::process_count]``
-        of the task set (multi-host); off: every process sees every task.
+        of the task set (multi-host); off: every process sees every task. (The RL loop rolls
+        out on process 0 only, so it draws the whole set on every process, in lockstep.)
       verify_checksums: for a frozen dataset directory, check its ``SHA256SUMS`` at start-up.
       only_runnable: drop the tasks the sandbox backend cannot run here (the RL loop checks
         ``osworld_jax.env.capabilities`` per task and writes the reasons to

@@ -35,6 +35,7 @@ from osworld_jax.batch import Batch
 from osworld_jax.data import TaskRef
 from osworld_jax.env import capabilities, load_task
 from osworld_jax.errors import InfraError, OsworldJaxError
+from osworld_jax.model import make_tiny_checkpoint
 from osworld_jax.rl.config import ModelSourceConfig, RLConfig
 from osworld_jax.rollout import SamplingParams, SGLangClient
 from osworld_jax.trainer.distributed import export_hf_all_processes, is_primary
@@ -68,8 +69,6 @@ def prepare_model(config: ModelSourceConfig, run_dir: Path) -> Path:
     """The run's starting HF checkpoint: ``config.path``, or a tiny one built into the run dir."""
     if config.path != "tiny":
         return model_dir(config, run_dir)
-    from osworld_jax.model.tiny import make_tiny_checkpoint
-
     path = model_dir(config, run_dir)
     if not (path / "config.json").is_file():
         tmp = run_dir / "base_model.tmp"
