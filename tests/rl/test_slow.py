@@ -109,14 +109,21 @@ def _train_cmd(run_dir, steps):
 
 
 def _live_processes_mentioning(text):
+    """Live processes whose command line or environment contains ``text``.
+
+    The tests put a marker into the trainer's environment: every process it starts (the
+    embedded server, bwrap jails, desktops) inherits it, so a leftover one is found.
+    """
     out = []
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
             try:
-                cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                environ = (p / "environ").read_bytes().decode(errors="replace")
+                state = (p / "stat").read_text().rsplit(")", 1)[1].split()[0]
             except OSError:
                 continue
-            if text in cmd:
+            if state != "Z" and (text in cmd or text in environ):
                 out.append((int(p.name), cmd))
     return out
 
@@ -126,7 +133,7 @@ def test_default_run_ctrl_c_and_resume(tmp_path):
     """scripts/train.py with no config flags (configs/default.gin: tiny model, embedded server,
     local sandboxes, bundled tasks); Ctrl-C after step 1; the same --run_dir resumes at step 2."""
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OSWORLD_JAX_TEST_RUN": str(run_dir)}
     t0 = time.monotonic()
     proc = subprocess.Popen(
         _train_cmd(run_dir, 3), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
@@ -235,6 +242,7 @@ def test_two_process_run_matches_one_process(learning_run, tmp_path):
         coordinator = f"127.0.0.1:{s.getsockname()[1]}"
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["OSWORLD_JAX_TEST_RUN"] = str(run_dir)
     procs = [
         subprocess.Popen(
             [
