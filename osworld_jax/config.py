@@ -33,6 +33,8 @@ from osworld_jax.agent.config import AgentConfig, CompactionConfig, GroupPolicyC
 from osworld_jax.data import DataConfig
 from osworld_jax.env import AgentEnvConfig
 from osworld_jax.env.local import LocalBackendConfig
+from osworld_jax.env.osworld_adapter import OSWorldBackendConfig
+from osworld_jax.env.remote import RemoteBackendConfig
 from osworld_jax.errors import ConfigError
 from osworld_jax.model.config import ModelRuntimeConfig
 from osworld_jax.rl.config import ExperimentConfig, ModelSourceConfig, RLConfig, ServerConfig
@@ -53,6 +55,8 @@ CONFIGURABLES: tuple[type, ...] = (
     ServerConfig,
     AgentEnvConfig,
     LocalBackendConfig,
+    RemoteBackendConfig,
+    OSWorldBackendConfig,
     AgentConfig,
     CompactionConfig,
     GroupPolicyConfig,

@@ -157,3 +157,25 @@ def test_cross_room_consistency_is_checked_at_build():
     assert "AgentConfig.action_space" in msg and "AgentEnvConfig.action_space" in msg
     msg = one_line_error([], ["DistributedConfig.rollout_on = 'dedicated'"])
     assert "rollout_on" in msg and "process0" in msg
+
+
+def test_remote_backend_section_is_bound_from_gin(tmp_path):
+    gin_file = tmp_path / "remote.gin"
+    gin_file.write_text(
+        'AgentEnvConfig.backend = "remote"\n'
+        "ExperimentConfig.remote = @RemoteBackendConfig()\n"
+        'RemoteBackendConfig.base_url = "https://sandboxes.example:8443"\n'
+        'RemoteBackendConfig.ca_bundle = "/etc/osworld/ca.pem"\n'
+    )
+    exp = config.load_experiment(["default.gin", gin_file])
+    assert exp.env.backend == "remote"
+    assert exp.remote is not None and exp.remote.base_url == "https://sandboxes.example:8443"
+    assert exp.remote.ca_bundle == "/etc/osworld/ca.pem"
+    # the default run has no remote section, and the osworld adapter keeps its defaults
+    default = config.load_experiment(["default.gin"])
+    assert default.remote is None and default.osworld.provider_name == "docker"
+
+
+def test_remote_backend_without_its_section_fails_at_build():
+    with pytest.raises(ConfigError, match="ExperimentConfig.remote"):
+        config.load_experiment(["default.gin"], ['AgentEnvConfig.backend = "remote"'])

@@ -15,6 +15,8 @@ from osworld_jax.algorithms import ESTIMATORS
 from osworld_jax.data import DataConfig
 from osworld_jax.env import AgentEnvConfig
 from osworld_jax.env.local import LocalBackendConfig
+from osworld_jax.env.osworld_adapter import OSWorldBackendConfig
+from osworld_jax.env.remote import RemoteBackendConfig
 from osworld_jax.errors import ConfigError
 from osworld_jax.model.config import ModelRuntimeConfig
 from osworld_jax.rollout.config import RolloutConfig
@@ -169,6 +171,10 @@ class ExperimentConfig:
       server: external servers or the embedded one.
       env: AgentEnv (sandbox backend, turns, timeouts).
       local: the ``local`` sandbox backend's settings (used when ``env.backend == "local"``).
+      remote: the ``remote`` sandbox service's settings (required when ``env.backend ==
+        "remote"``; bind ``ExperimentConfig.remote = @RemoteBackendConfig()``).
+      osworld: the upstream ``desktop_env`` adapter's settings (used when ``env.backend ==
+        "osworld"``).
       agent: prompting and context compaction.
       group: which prompt groups are trained on and the baseline population.
       data: the task set and its order.
@@ -184,6 +190,8 @@ class ExperimentConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     env: AgentEnvConfig = field(default_factory=AgentEnvConfig)
     local: LocalBackendConfig = field(default_factory=LocalBackendConfig)
+    remote: RemoteBackendConfig | None = None
+    osworld: OSWorldBackendConfig = field(default_factory=OSWorldBackendConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     group: GroupPolicyConfig = field(default_factory=GroupPolicyConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -191,6 +199,12 @@ class ExperimentConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
+        if self.env.backend == "remote" and self.remote is None:
+            raise ConfigError(
+                "ExperimentConfig.remote: env.backend is 'remote' but no RemoteBackendConfig is "
+                "bound (bind ExperimentConfig.remote = @RemoteBackendConfig() and its base_url "
+                "and ca_bundle)"
+            )
         if self.agent.action_space != self.env.action_space:
             raise ConfigError(
                 f"AgentConfig.action_space ({self.agent.action_space!r}) and "

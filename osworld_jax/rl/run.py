@@ -79,7 +79,8 @@ class RolloutResources(contextlib.ExitStack):
         if not self.rolls_out:
             return
         # Backends with their own config section get it; the others take no arguments.
-        backend_args = {"local": (exp.local,)}.get(exp.env.backend, ())
+        sections = {"local": exp.local, "remote": exp.remote, "osworld": exp.osworld}
+        backend_args = (sections[exp.env.backend],) if exp.env.backend in sections else ()
         backend = make_backend(exp.env.backend, *backend_args)
         run_preflight(exp, model_path=self.model_path, backend_preflight=backend.preflight)
         self.callback(self.runner.run, backend.aclose())  # after the client closes (LIFO)
