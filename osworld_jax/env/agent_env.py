@@ -163,8 +163,11 @@ class AgentEnv:
         self.metrics = EnvMetrics()
 
     async def _timed(self, aw: Awaitable[Any], limit: float | None, what: str) -> Any:
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation that
+        # lands as the inner awaitable finishes, and the owner then runs on after Ctrl-C.
         try:
-            return await asyncio.wait_for(aw, limit)
+            async with asyncio.timeout(limit):
+                return await aw
         except TimeoutError as e:
             self.metrics.timeouts += 1
             raise SandboxTimeout(f"{what} exceeded {limit:g} s") from e
@@ -172,7 +175,8 @@ class AgentEnv:
     async def _close(self, sandboxes: Sequence[Sandbox]) -> None:
         async def close_one(sb: Sandbox) -> None:
             try:
-                await asyncio.wait_for(sb.close(), self.config.close_timeout_s)
+                async with asyncio.timeout(self.config.close_timeout_s):
+                    await sb.close()
             except Exception:  # noqa: BLE001 - closing is best effort; inventory() tells the truth
                 pass
 

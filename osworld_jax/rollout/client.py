@@ -9,6 +9,7 @@ their partial output appended, and runs the canonical refit sequence on every se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -218,13 +219,10 @@ class SGLangClient:
                 errors = "; ".join(f"{s.url}: {s.last_error}" for s in self.servers)
                 raise ServerUnavailable(f"request {rid!r}: no healthy server ({errors})")
             async with self._server_ready:
-                try:
-                    await asyncio.wait_for(
-                        self._server_ready.wait(),
-                        min(left, self.config.health_check_interval_s),
-                    )
-                except TimeoutError:
-                    pass
+                # asyncio.timeout, not wait_for (which can swallow a cancellation on 3.11)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(left, self.config.health_check_interval_s)):
+                        await self._server_ready.wait()
             if not any(s.usable for s in self.servers):
                 await self.health()
 

@@ -27,6 +27,7 @@ seen on proxy routes), also served as JSON at ``GET /v1/_fake/stats``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import datetime
@@ -378,7 +379,9 @@ class FakeSandboxService:
         r.add_get("/v1/snapshots/{snap}", self._h_get_snapshot)
         r.add_delete("/v1/snapshots/{snap}", self._h_delete_snapshot)
         r.add_route("*", "/v1/sandboxes/{sid}/proxy/{port}/{route:.*}", self._h_proxy)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, shutdown_timeout=2.0
+        )
         await self._runner.setup()
         handler_factory = self._runner.server
         assert handler_factory is not None
@@ -401,7 +404,11 @@ class FakeSandboxService:
             await self._runner.cleanup()
             self._runner = None
         if self._server is not None:
-            await self._server.wait_closed()
+            # Python >= 3.12 (and late 3.11 patch releases) wait here for every accepted
+            # connection to close; a client that was interrupted mid-handshake may never close
+            # its side, so bound the wait rather than hang the owner's shutdown.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._server.wait_closed(), timeout=5.0)
             self._server = None
 
     async def __aenter__(self) -> FakeSandboxService:
