@@ -57,6 +57,7 @@ from osworld_jax.env.backend import (
 )
 from osworld_jax.env.local.desktop import LocalDesktop, build_jail_argv, prepare_shared_dir
 from osworld_jax.env.vm_client import VMClient
+from osworld_jax.env.vm_sandbox import PYAUTOGUI_PREFIX, fetch_observation, perform_action
 
 if TYPE_CHECKING:
     from osworld_jax.env.actions import Action
@@ -66,7 +67,6 @@ __all__ = ["LocalBackend", "LocalBackendConfig", "LocalSandbox"]
 
 _log = logging.getLogger(__name__)
 
-PYAUTOGUI_PREFIX = "import pyautogui; import time; pyautogui.FAILSAFE = False; "
 
 # Binaries the jail needs, with the Debian package that ships each.
 REQUIRED_BINARIES = {
@@ -201,16 +201,10 @@ class LocalSandbox(Sandbox):
 
     async def observe(self) -> Observation:
         """Screenshot, a11y tree and terminal text, fetched concurrently."""
-        client = self.desktop.client
-
-        async def empty() -> str:
-            return ""
-
+        cfg = self._cfg
         try:
-            shot, tree, term = await asyncio.gather(
-                client.screenshot(),
-                client.accessibility() if self._cfg.observe_a11y else empty(),
-                client.terminal() if self._cfg.observe_terminal else empty(),
+            shot, tree, term = await fetch_observation(
+                self.desktop.client, a11y=cfg.observe_a11y, terminal=cfg.observe_terminal
             )
         except SandboxError:
             raise
@@ -234,16 +228,10 @@ class LocalSandbox(Sandbox):
         An action whose code raises (a model error) is not an infrastructure failure: the
         episode goes on and the screen shows what happened; only sandbox failures raise.
         """
-        from osworld_jax.env.actions import ActionKind, to_pyautogui
-
-        if action.kind == ActionKind.PYAUTOGUI:
-            await self.run_code(action.code)
-        elif action.kind == ActionKind.COMPUTER_13:
-            await self.run_code(to_pyautogui(action))
-        elif action.kind == ActionKind.WAIT:
-            await asyncio.sleep(self._cfg.wait_action_s)
-        if self._cfg.settle_s > 0 and action.kind not in (ActionKind.DONE, ActionKind.FAIL):
-            await asyncio.sleep(self._cfg.settle_s)
+        cfg = self._cfg
+        await perform_action(
+            self.run_code, action, wait_action_s=cfg.wait_action_s, settle_s=cfg.settle_s
+        )
         return await self.observe()
 
     async def evaluate(self, last_action: Action | None) -> float:

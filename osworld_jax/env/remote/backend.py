@@ -65,6 +65,7 @@ from osworld_jax.env.remote.api import (
 from osworld_jax.env.remote.config import RemoteBackendConfig
 from osworld_jax.env.remote.tls import CABundleError, check_ca_bundle, pinned_ssl_context
 from osworld_jax.env.vm_client import SandboxRequestError, SandboxTransientError, VMClient
+from osworld_jax.env.vm_sandbox import PYAUTOGUI_PREFIX, fetch_observation, perform_action
 
 if TYPE_CHECKING:
     from osworld_jax.env.actions import Action
@@ -74,7 +75,6 @@ __all__ = ["RemoteBackend", "RemoteMetrics", "RemoteSandbox", "SandboxLost"]
 
 _log = logging.getLogger("osworld_jax.env.remote")
 
-PYAUTOGUI_PREFIX = "import pyautogui; import time; pyautogui.FAILSAFE = False; "
 CLIENT_TAG = "osworld_jax.client"
 RUNNING = "Running"
 DEAD_STATES = frozenset({"Failed", "Terminated", "Stopping", "Error"})
@@ -174,20 +174,9 @@ class RemoteSandbox(Sandbox):
 
     async def observe(self) -> Observation:
         """Screenshot, a11y tree and terminal text, fetched concurrently."""
-        vm = self.vm
-
-        async def empty() -> str:
-            return ""
-
-        async def fetch() -> tuple[bytes, str, str]:
-            shot, tree, term = await asyncio.gather(
-                vm.screenshot(),
-                vm.accessibility() if self._cfg.observe_a11y else empty(),
-                vm.terminal() if self._cfg.observe_terminal else empty(),
-            )
-            return shot, tree, term
-
-        shot, tree, term = await self._vm_call("observe", fetch())
+        cfg = self._cfg
+        fetch = fetch_observation(self.vm, a11y=cfg.observe_a11y, terminal=cfg.observe_terminal)
+        shot, tree, term = await self._vm_call("observe", fetch)
         return Observation(
             screenshot=shot, a11y_tree=tree, terminal=term, instruction=self.task.instruction
         )
@@ -203,16 +192,10 @@ class RemoteSandbox(Sandbox):
 
     async def step(self, action: Action) -> Observation:
         """Runs one action and observes (a failing action is data, not an infra error)."""
-        from osworld_jax.env.actions import ActionKind, to_pyautogui
-
-        if action.kind == ActionKind.PYAUTOGUI:
-            await self.run_code(action.code)
-        elif action.kind == ActionKind.COMPUTER_13:
-            await self.run_code(to_pyautogui(action))
-        elif action.kind == ActionKind.WAIT:
-            await asyncio.sleep(self._cfg.wait_action_s)
-        if self._cfg.settle_s > 0 and action.kind not in (ActionKind.DONE, ActionKind.FAIL):
-            await asyncio.sleep(self._cfg.settle_s)
+        cfg = self._cfg
+        await perform_action(
+            self.run_code, action, wait_action_s=cfg.wait_action_s, settle_s=cfg.settle_s
+        )
         return await self.observe()
 
     async def evaluate(self, last_action: Action | None) -> float:
