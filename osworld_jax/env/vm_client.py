@@ -252,12 +252,7 @@ class VMClient:
         timeout: float | None = None,
     ) -> None:
         """Raises and focuses the window whose title (or class) matches ``window_name``."""
-        await self._request(
-            "POST",
-            "/setup/activate_window",
-            json={"window_name": window_name, "strict": strict, "by_class": by_class},
-            timeout=timeout,
-        )
+        await self._window("/setup/activate_window", window_name, strict, by_class, timeout)
 
     async def close_window(
         self,
@@ -268,12 +263,14 @@ class VMClient:
         timeout: float | None = None,
     ) -> None:
         """Closes the window whose title (or class) matches ``window_name``."""
-        await self._request(
-            "POST",
-            "/setup/close_window",
-            json={"window_name": window_name, "strict": strict, "by_class": by_class},
-            timeout=timeout,
-        )
+        await self._window("/setup/close_window", window_name, strict, by_class, timeout)
+
+    async def _window(
+        self, route: str, window_name: str, strict: bool, by_class: bool, timeout: float | None
+    ) -> None:
+        """POSTs a window-matching request (``activate_window`` / ``close_window``)."""
+        body = {"window_name": window_name, "strict": strict, "by_class": by_class}
+        await self._request("POST", route, json=body, timeout=timeout)
 
     async def screen_size(self, *, timeout: float | None = None) -> tuple[int, int]:
         """The screen's (width, height) in pixels."""
