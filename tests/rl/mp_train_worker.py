@@ -17,6 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def main() -> None:
+    import faulthandler
+
+    # A hang dumps every thread's stack and exits, instead of waiting for the test's timeout.
+    faulthandler.dump_traceback_later(420, exit=True)
     run_dir, tasks, steps, coordinator, pid = sys.argv[1:6]
     from osworld_jax import config
     from osworld_jax.rl import train
