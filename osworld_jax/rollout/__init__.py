@@ -4,7 +4,12 @@ See docs/INTERFACES.md and ../shared/SGLANG_API.md (the wire contract).
 """
 
 from osworld_jax.rollout.client import ServerState, SGLangClient
-from osworld_jax.rollout.config import LOAD_BALANCERS, RolloutConfig, SamplingParams
+from osworld_jax.rollout.config import (
+    LOAD_BALANCERS,
+    RolloutConfig,
+    SamplingParams,
+    logprob_temperature,
+)
 from osworld_jax.rollout.errors import (
     AbortBudgetExceeded,
     EngineError,
@@ -43,6 +48,7 @@ __all__ = [
     "decode_routed_experts",
     "encode_routed_experts",
     "launch_embedded",
+    "logprob_temperature",
     "parse_reply",
     "stitch",
 ]

@@ -15,6 +15,31 @@ LOAD_BALANCERS: Registry[str] = Registry("load balancer")
 LOAD_BALANCERS.add("least_outstanding", "pick the healthy server with the fewest requests")
 LOAD_BALANCERS.add("round_robin", "cycle through the healthy servers")
 
+#: SGLang treats ``0 <= temperature < GREEDY_EPS`` as greedy (``_SAMPLING_EPS``).
+GREEDY_EPS = 1e-6
+
+
+def logprob_temperature(temperature: float, *, return_original_logprob: bool = False) -> float:
+    """The temperature ``T_lp`` of the logprobs SGLang returns for a request sampled at ``T``.
+
+    ``output_token_logprobs[i] = log_softmax(z_i / T_lp)[token_i]`` over the full vocabulary,
+    where ``z_i`` are the logits after penalties / bias / ``min_new_tokens`` suppression and
+    before top-k / top-p / min-p filtering (no renormalisation). ``T_lp = T``, except: greedy
+    requests (``T < 1e-6``, which SGLang turns into ``T = 1, top_k = 1``) and servers started
+    with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (``--return-original-logprob`` on the embedded
+    server) report ``T_lp = 1``. Prompt logprobs (``input_token_logprobs``) are always at 1.
+    Source: SGLang 0.5.23 ``python/sglang/srt/layers/sampler.py`` ``Sampler.forward`` and
+    ``sampling/sampling_params.py`` ``SamplingParams.__post_init__``.
+
+    >>> logprob_temperature(0.6), logprob_temperature(0.0)
+    (0.6, 1.0)
+    >>> logprob_temperature(0.6, return_original_logprob=True)
+    1.0
+    """
+    if temperature < GREEDY_EPS or return_original_logprob:
+        return 1.0
+    return float(temperature)
+
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
@@ -25,7 +50,8 @@ class SamplingParams:
 
     Attributes:
       temperature: softmax temperature; 0 means greedy (SGLang then uses temperature 1 and
-        top_k 1, so the returned logprobs are at temperature 1).
+        top_k 1, so the returned logprobs are at temperature 1). The returned logprobs are at
+        `logprob_temperature` (this temperature, unless greedy or original logprobs).
       top_p: nucleus mass in (0, 1].
       top_k: keep the k most likely tokens; -1 keeps the whole vocabulary.
       min_p: drop tokens whose probability is below ``min_p`` times the top probability.
@@ -86,6 +112,15 @@ class SamplingParams:
         # Tuples keep the dataclass hashable; accept lists from gin/JSON.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    def logprob_temperature(self, *, return_original_logprob: bool = False) -> float:
+        """The temperature of the logprobs a server returns for these parameters.
+
+        See the module function `logprob_temperature` (the single rule the trainer follows).
+        """
+        return logprob_temperature(
+            self.temperature, return_original_logprob=return_original_logprob
+        )
 
     def replace(self, **changes: Any) -> SamplingParams:
         """A copy with ``changes`` applied (validated again)."""

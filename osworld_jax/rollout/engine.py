@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from osworld_jax.rollout.config import GREEDY_EPS, logprob_temperature
 from osworld_jax.rollout.errors import EngineError
 from osworld_jax.rollout.runner import MAX_BANNED, ModelRunner, SlotSampling, next_pow2
 from osworld_jax.rollout.wire import encode_routed_experts
@@ -58,6 +59,9 @@ class EngineConfig:
         slots, ``b`` a power of two >= this and covering every live slot).
       max_prefill_batch: most admitted requests of one length bucket prefilled in one call
         (padded to this many rows; a lone request runs alone; long buckets run one by one).
+      return_original_logprob: report output logprobs at temperature 1 (the model's own
+        distribution) instead of at the request's temperature, as SGLang does under
+        ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (see `osworld_jax.rollout.logprob_temperature`).
     """
 
     model_path: str
@@ -72,6 +76,7 @@ class EngineConfig:
     min_bucket: int = 16
     min_decode_batch: int = 1
     max_prefill_batch: int = 8
+    return_original_logprob: bool = False
 
 
 @dataclass(kw_only=True, eq=False)
@@ -82,6 +87,7 @@ class GenRequest:
       rid: request id.
       input_ids: prompt token ids.
       temperature, top_p, top_k, min_p: normalised sampling (greedy -> T=1, top_k=1).
+      logprob_temperature: temperature of the reported output logprobs.
       max_new_tokens, min_new_tokens: output length bounds.
       stop: stop strings; stop_token_ids: stop ids; ignore_eos: do not stop at EOS.
       skip_special_tokens, no_stop_trim: text decoding options.
@@ -98,6 +104,7 @@ class GenRequest:
     top_p: float
     top_k: int
     min_p: float
+    logprob_temperature: float
     max_new_tokens: int
     min_new_tokens: int
     stop: list[str]
@@ -172,6 +179,7 @@ class Engine:
         self._top_p = np.ones(n, np.float32)
         self._top_k = np.full(n, TOP_K_ALL, np.int32)
         self._min_p = np.zeros(n, np.float32)
+        self._lp_temp = np.ones(n, np.float32)
         self._keys = np.zeros((n, 2), np.uint32)
 
     # ----------------------------------------------------------------- thread
@@ -281,7 +289,10 @@ class Engine:
         """Builds a `GenRequest` from already validated wire values (see ``server.validate``)."""
         temperature = float(sampling.get("temperature", 1.0))
         top_k = int(sampling.get("top_k", -1))
-        if temperature < 1e-6:  # SGLang: greedy == temperature 1 with top_k 1
+        lp_temperature = logprob_temperature(
+            temperature, return_original_logprob=self.config.return_original_logprob
+        )
+        if temperature < GREEDY_EPS:  # SGLang: greedy == temperature 1 with top_k 1
             temperature, top_k = 1.0, 1
         if top_k == -1:
             top_k = TOP_K_ALL
@@ -301,6 +312,7 @@ class Engine:
             top_p=float(sampling.get("top_p", 1.0)),
             top_k=top_k,
             min_p=float(sampling.get("min_p", 0.0)),
+            logprob_temperature=lp_temperature,
             max_new_tokens=min(max_new, self.context_length - len(input_ids)),
             min_new_tokens=int(sampling.get("min_new_tokens", 0)),
             stop=stop,
@@ -437,6 +449,7 @@ class Engine:
             banned=banned,
             keys=self._keys[idx],
             step=step,
+            logprob_temperature=self._lp_temp[idx],
         )
 
     def _admit(self) -> None:
@@ -448,6 +461,7 @@ class Engine:
             req.slot = slot
             self._temp[slot], self._top_p[slot] = req.temperature, req.top_p
             self._top_k[slot], self._min_p[slot] = req.top_k, req.min_p
+            self._lp_temp[slot] = req.logprob_temperature
             self._keys[slot] = req.key
             admitted.append(req)
         # Same prefill bucket -> one batched call (at most max_prefill_batch rows).

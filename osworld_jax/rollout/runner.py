@@ -62,6 +62,7 @@ def _sample(params: Any, hidden: jax.Array, samp: dict[str, jax.Array], config: 
         samp["min_p"],
         samp["banned"],
         step_keys(samp["keys"], samp["step"]),
+        samp["logprob_temperature"],
     )
 
 
@@ -135,6 +136,7 @@ class SlotSampling:
       temperature: f32[b]; top_p: f32[b]; top_k: i32[b]; min_p: f32[b];
       banned: i32[b, MAX_BANNED] (vocab size = unused); keys: u32[b, 2] per-request base keys;
       step: i32[b] tokens generated so far (folded into the key).
+      logprob_temperature: f32[b] temperature of the reported logprobs (see `sample`).
     """
 
     temperature: np.ndarray
@@ -144,6 +146,7 @@ class SlotSampling:
     banned: np.ndarray
     keys: np.ndarray
     step: np.ndarray
+    logprob_temperature: np.ndarray
 
 
 def _dummy_sampling(rows: int, vocab: int) -> SlotSampling:
@@ -155,6 +158,7 @@ def _dummy_sampling(rows: int, vocab: int) -> SlotSampling:
         banned=np.full((rows, MAX_BANNED), vocab, np.int32),
         keys=np.zeros((rows, 2), np.uint32),
         step=np.zeros(rows, np.int32),
+        logprob_temperature=np.ones(rows, np.float32),
     )
 
 
@@ -225,6 +229,7 @@ class ModelRunner:
             "banned": s.banned.astype(np.int32),
             "keys": s.keys.astype(np.uint32),
             "step": s.step.astype(np.int32),
+            "logprob_temperature": s.logprob_temperature.astype(np.float32),
         }
 
     def prefill_bucket(self, length: int) -> int:

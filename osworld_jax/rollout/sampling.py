@@ -1,10 +1,15 @@
 """Token sampling for the embedded server: pure, jitted, batched over request slots.
 
-SGLang semantics (``sglang/srt/layers/sampler.py``, ``sampling_params.py``):
-- the returned logprob of a sampled token is ``log_softmax(logits / T)`` over the full
-  vocabulary, taken *before* top-k / top-p / min-p filtering (not renormalised);
-- ``temperature == 0`` is greedy and is normalised on the host to ``T = 1, top_k = 1``, so greedy
-  requests report temperature-1 logprobs;
+SGLang semantics (0.5.23: ``sglang/srt/layers/sampler.py`` ``Sampler.forward``,
+``sglang/srt/sampling/sampling_params.py`` ``SamplingParams.__post_init__``; see
+docs/INTERFACES.md, rollout):
+- the returned logprob of a sampled token is ``log_softmax(logits / T_lp)`` over the full
+  vocabulary, taken *before* top-k / top-p / min-p filtering (never renormalised), where
+  ``T_lp`` is the request's temperature, or 1 when the server returns original logprobs
+  (SGLang's ``SGLANG_RETURN_ORIGINAL_LOGPROB``); `osworld_jax.rollout.logprob_temperature`
+  is the rule;
+- ``temperature < 1e-6`` is greedy and is normalised on the host to ``T = 1, top_k = 1``, so
+  greedy requests report temperature-1 logprobs;
 - filters act on the sorted, unrenormalised probabilities: keep rank ``< top_k``, keep a token if
   the mass strictly before it is ``<= top_p``, keep ``p >= min_p * p_max``; the top token always
   survives; then sample from the kept tokens in proportion to their probabilities.
@@ -46,8 +51,13 @@ def sample(
     min_p: Float[Array, " B"],
     banned: Int[Array, "B M"],
     keys: UInt32[Array, "B 2"],
+    logprob_temperature: Float[Array, " B"],
 ) -> tuple[Int[Array, " B"], Float[Array, " B"]]:
     """Samples one token per row; returns (token ids i32[B], their logprobs f32[B]).
+
+    ``token ~ softmax(logits / T)`` restricted to the filter's survivors, and the reported
+    logprob is ``log_softmax(logits / T_lp)[token]`` over the whole vocabulary (``T_lp`` =
+    ``logprob_temperature``; the scaled distribution is reused when ``T_lp == T`` on every row).
 
     Args:
       logits: f32[B, V] next-token logits.
@@ -59,6 +69,8 @@ def sample(
         suppression of EOS / stop ids, like SGLang's penalizer: it changes the logprobs too);
         entries ``>= V`` are ignored.
       keys: u32[B, 2] per-row PRNG keys (already folded with the step).
+      logprob_temperature: f32[B] temperature of the reported logprobs (``T`` by default, 1
+        for original logprobs).
     """
     b, v = logits.shape
     rows = jnp.arange(b)[:, None]
@@ -72,7 +84,12 @@ def sample(
     )
     masked = jnp.where(keep, logprobs, _NEG_INF)
     tokens = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)  # [B]
-    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    reported = jax.lax.cond(
+        jnp.all(logprob_temperature == temperature),
+        lambda: logprobs,
+        lambda: jax.nn.log_softmax(logits / logprob_temperature[:, None], axis=-1),
+    )  # [B, V] float32
+    return tokens, jnp.take_along_axis(reported, tokens[:, None], axis=-1)[:, 0]
 
 
 def step_keys(base: UInt32[Array, "B 2"], step: Int[Array, " B"]) -> UInt32[Array, "B 2"]:

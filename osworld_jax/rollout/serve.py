@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import importlib.util
 import logging
+import os
 import signal
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +26,11 @@ from osworld_jax.rollout.engine import Engine, EngineConfig
 from osworld_jax.rollout.server import ENGINE_KEY, build_app
 
 log = logging.getLogger("osworld_jax.rollout.serve")
+
+
+def _env_flag(name: str) -> bool:
+    """SGLang's ``get_bool_env_var``: "true" / "1" (any case) is set, anything else is not."""
+    return os.environ.get(name, "false").lower() in ("true", "1")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -44,6 +50,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-bucket", type=int, default=16)
     p.add_argument("--min-decode-batch", type=int, default=1)
     p.add_argument("--max-prefill-batch", type=int, default=8)
+    p.add_argument(
+        "--return-original-logprob",
+        action="store_true",
+        default=_env_flag("SGLANG_RETURN_ORIGINAL_LOGPROB"),
+        help="output logprobs at temperature 1 instead of the request's temperature (default: "
+        "SGLang's environment variable SGLANG_RETURN_ORIGINAL_LOGPROB, true/1)",
+    )
     p.add_argument("--skip-server-warmup", action="store_true", help="accepted for parity")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
@@ -74,6 +87,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         min_bucket=args.min_bucket,
         min_decode_batch=args.min_decode_batch,
         max_prefill_batch=args.max_prefill_batch,
+        return_original_logprob=args.return_original_logprob,
     )
 
 

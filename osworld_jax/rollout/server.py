@@ -409,6 +409,7 @@ async def server_info(request: web.Request) -> web.Response:
             **request.app[ARGS_KEY],
             "version": VERSION,
             "weight_version": engine.weight_version,
+            "return_original_logprob": engine.config.return_original_logprob,
             "context_length": engine.context_length,
             "max_running_requests": engine.runner.num_slots,
             "max_total_num_tokens": engine.runner.num_slots * engine.runner.slot_len,

@@ -25,8 +25,9 @@ class Generation:
     Attributes:
       rid: the request id the caller gave (resubmissions use ``rid`` + suffix on the wire).
       output_ids: generated token ids (all parts of a resubmitted request, in order).
-      output_logprobs: ``log_softmax(logits / temperature)`` of each output token (SGLang
-        semantics; greedy requests report temperature-1 logprobs).
+      output_logprobs: ``log_softmax(logits / T_lp)`` of each output token over the full
+        vocabulary (SGLang semantics; ``T_lp`` from `logprob_temperature`: the sampling
+        temperature, 1 for greedy requests or a server returning original logprobs).
       routed_experts: i32 ``[prompt_tokens + completion_tokens - 1 - routed_experts_start_len, L,
         K]``: the experts chosen when each token was the model's *input* (the last sampled
         token is never an input, so it has no row); -1 on dense layers; None when not requested.
