@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from osworld_jax.errors import InfraError, OsworldJaxError
 from osworld_jax.registry import Registry
@@ -82,22 +83,49 @@ class Sandbox(abc.ABC):
         """Stops the sandbox and everything it started; idempotent."""
 
 
-class SandboxBackend(abc.ABC):
-    """Creates, forks and tracks sandboxes of one kind."""
+SandboxT = TypeVar("SandboxT", bound=Sandbox)
+
+
+class SandboxBackend(abc.ABC, Generic[SandboxT]):
+    """Creates, forks and tracks sandboxes of one kind (``SandboxT``, ``sandbox_type`` at run time).
+
+    Attributes:
+      name: the backend's ``BACKENDS`` name.
+      sandbox_type: the class of the sandboxes it makes (``fork`` accepts only those).
+    """
 
     name: str
+    sandbox_type: type[Sandbox]
 
     @abc.abstractmethod
     def preflight(self) -> None:
         """Checks binaries, displays, services, certificates; raises ``PreflightError``."""
 
     @abc.abstractmethod
-    async def create(self, task: Task) -> Sandbox:
+    async def create(self, task: Task) -> SandboxT:
         """Creates a sandbox and runs the task's setup once."""
 
-    @abc.abstractmethod
     async def fork(self, sandbox: Sandbox, n: int) -> list[Sandbox]:
-        """Returns n new sandboxes, exact copies of ``sandbox``'s initialised state."""
+        """Returns n new sandboxes, exact copies of ``sandbox``'s initialised state.
+
+        Validates once for every backend (``sandbox`` is a live sandbox of this backend, n >= 0;
+        n == 0 forks nothing), then calls the backend's ``_fork``.
+
+        Raises:
+          SandboxCreateError: ``sandbox`` is not a live sandbox of this backend.
+          ValueError: ``n`` is negative.
+        """
+        if not isinstance(sandbox, self.sandbox_type) or sandbox.id not in self.inventory():
+            raise SandboxCreateError(f"fork: {getattr(sandbox, 'id', sandbox)!r} is not live here")
+        if n < 0:
+            raise ValueError(f"fork: n must be >= 0, got {n}")
+        if n == 0:
+            return []
+        return list(await self._fork(cast(SandboxT, sandbox), n))
+
+    @abc.abstractmethod
+    async def _fork(self, sandbox: SandboxT, n: int) -> Sequence[Sandbox]:
+        """Makes n >= 1 copies of the live ``sandbox`` (all or none: on failure none is left)."""
 
     @abc.abstractmethod
     def inventory(self) -> list[str]:
@@ -107,4 +135,4 @@ class SandboxBackend(abc.ABC):
         """Releases backend-wide resources (connection pools, ...)."""
 
 
-BACKENDS: Registry[type[SandboxBackend]] = Registry("sandbox backend")
+BACKENDS: Registry[type[SandboxBackend[Any]]] = Registry("sandbox backend")

@@ -284,7 +284,7 @@ class OSWorldSandbox(Sandbox):
 
 
 @BACKENDS.register("osworld")
-class OSWorldBackend(SandboxBackend):
+class OSWorldBackend(SandboxBackend[OSWorldSandbox]):
     """Sandboxes on upstream OSWorld ``DesktopEnv``s (see the module docstring).
 
     Attributes:
@@ -293,6 +293,7 @@ class OSWorldBackend(SandboxBackend):
     """
 
     name = "osworld"
+    sandbox_type = OSWorldSandbox
 
     def __init__(self, config: OSWorldBackendConfig | None = None) -> None:
         self.config = config if config is not None else OSWorldBackendConfig()
@@ -390,12 +391,8 @@ class OSWorldBackend(SandboxBackend):
         self.metrics.creates += 1
         return sb
 
-    async def fork(self, sandbox: Sandbox, n: int) -> list[Sandbox]:
+    async def _fork(self, sandbox: OSWorldSandbox, n: int) -> list[OSWorldSandbox]:
         """Returns n fresh ``DesktopEnv``s reset to the same task (upstream cannot clone a VM)."""
-        if not isinstance(sandbox, OSWorldSandbox) or sandbox.id not in self._envs:
-            raise SandboxCreateError(f"fork: {getattr(sandbox, 'id', sandbox)!r} is not live here")
-        if n < 0:
-            raise ValueError(f"fork: n must be >= 0, got {n}")
         tasks = [asyncio.ensure_future(self._new(sandbox.task)) for _ in range(n)]
         try:
             results = await asyncio.gather(*tasks, return_exceptions=True)

@@ -92,7 +92,7 @@ class MemorySandbox(Sandbox):
 
 
 @BACKENDS.register("memory")
-class MemoryBackend(SandboxBackend):
+class MemoryBackend(SandboxBackend[MemorySandbox]):
     """Sandboxes on ``MemoryDesktop`` (see the module docstring); fork = a deep copy.
 
     Attributes:
@@ -101,6 +101,7 @@ class MemoryBackend(SandboxBackend):
     """
 
     name = "memory"
+    sandbox_type = MemorySandbox
 
     def __init__(self, *, cache_dir: str | None = None, screenshot_px: int = 32) -> None:
         self.cache_dir = cache_dir
@@ -141,7 +142,7 @@ class MemoryBackend(SandboxBackend):
         self._live[sid] = sb
         return sb
 
-    async def create(self, task: Task) -> Sandbox:  # noqa: D102
+    async def create(self, task: Task) -> MemorySandbox:  # noqa: D102
         desktop = MemoryDesktop(shot=self.screenshot_px)
         ctx = SetupContext(
             cache_dir=self.cache_dir,
@@ -157,9 +158,7 @@ class MemoryBackend(SandboxBackend):
             raise SandboxCreateError(f"memory create({task.id}): {type(e).__name__}: {e}") from e
         return self._new(task, desktop)
 
-    async def fork(self, sandbox: Sandbox, n: int) -> list[Sandbox]:  # noqa: D102
-        if not isinstance(sandbox, MemorySandbox) or sandbox.id not in self._live:
-            raise SandboxCreateError(f"fork: {sandbox.id} is not a live memory sandbox")
+    async def _fork(self, sandbox: MemorySandbox, n: int) -> list[MemorySandbox]:  # noqa: D102
         return [self._new(sandbox.task, copy.deepcopy(sandbox.desktop)) for _ in range(n)]
 
     def inventory(self) -> list[str]:  # noqa: D102
@@ -256,7 +255,7 @@ class _FaultySandbox(Sandbox):
         await self.inner.close()
 
 
-class FaultInjectingBackend(SandboxBackend):
+class FaultInjectingBackend(SandboxBackend[_FaultySandbox]):
     """Wraps a backend; fails ``fail_rate`` of create/fork/step/evaluate calls with typed errors.
 
     Attributes:
@@ -266,6 +265,7 @@ class FaultInjectingBackend(SandboxBackend):
     """
 
     name = "fault-injecting"
+    sandbox_type = _FaultySandbox
 
     def __init__(
         self,
@@ -291,14 +291,13 @@ class FaultInjectingBackend(SandboxBackend):
     def preflight(self) -> None:  # noqa: D102
         self.inner.preflight()
 
-    async def create(self, task: Task) -> Sandbox:  # noqa: D102
+    async def create(self, task: Task) -> _FaultySandbox:  # noqa: D102
         self._maybe("create", InjectedCreateFault)
         return _FaultySandbox(await self.inner.create(task), self)
 
-    async def fork(self, sandbox: Sandbox, n: int) -> list[Sandbox]:  # noqa: D102
+    async def _fork(self, sandbox: _FaultySandbox, n: int) -> list[_FaultySandbox]:  # noqa: D102
         self._maybe("fork", InjectedCreateFault)
-        inner = sandbox.inner if isinstance(sandbox, _FaultySandbox) else sandbox
-        return [_FaultySandbox(s, self) for s in await self.inner.fork(inner, n)]
+        return [_FaultySandbox(s, self) for s in await self.inner.fork(sandbox.inner, n)]
 
     def inventory(self) -> list[str]:  # noqa: D102
         return self.inner.inventory()

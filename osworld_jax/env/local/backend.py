@@ -45,22 +45,17 @@ from typing import TYPE_CHECKING, Any
 
 from osworld_jax.env.backend import (
     BACKENDS,
-    Observation,
     PreflightError,
-    Sandbox,
     SandboxBackend,
     SandboxCreateError,
     SandboxError,
-    SandboxEvalError,
-    SandboxStepError,
     SandboxTimeout,
 )
 from osworld_jax.env.local.desktop import LocalDesktop, build_jail_argv, prepare_shared_dir
-from osworld_jax.env.vm_client import VMClient
-from osworld_jax.env.vm_sandbox import PYAUTOGUI_PREFIX, fetch_observation, perform_action
+from osworld_jax.env.setup import SetupContext, run_setup
+from osworld_jax.env.vm_sandbox import VMSandbox, setup_context
 
 if TYPE_CHECKING:
-    from osworld_jax.env.actions import Action
     from osworld_jax.env.tasks import Task
 
 __all__ = ["LocalBackend", "LocalBackendConfig", "LocalSandbox"]
@@ -173,81 +168,31 @@ class LocalBackendConfig:
             raise ValueError(f"LocalBackendConfig.warm_pool must be >= 0, got {self.warm_pool}")
 
 
-class LocalSandbox(Sandbox):
-    """A jailed local desktop initialised for one task.
+class LocalSandbox(VMSandbox):
+    """A jailed local desktop initialised for one task (observe/step/evaluate: ``VMSandbox``).
 
     Attributes:
       id: the sandbox id.
       task: the task it was set up for.
       desktop: the running desktop (jail, processes, ``VMClient`` as ``desktop.client``).
+      vm: the desktop's in-VM protocol client.
+      work_dir: host-side directory of setup outputs (``execute`` steps' saved stdout/stderr).
     """
 
     def __init__(self, backend: LocalBackend, desktop: LocalDesktop, task: Task) -> None:
-        self.id = desktop.id
-        self.task = task
+        cfg = backend.config
+        # The server stops an action's code at step_timeout_s (a result, returncode -9); the
+        # request deadline is later so that only an unresponsive sandbox raises SandboxTimeout.
+        super().__init__(
+            desktop.id,
+            task,
+            desktop.client,
+            work_dir=desktop.dir / "work",
+            settings=cfg,
+            execute_timeout_s=cfg.step_timeout_s + 15.0,
+        )
         self.desktop = desktop
         self._backend = backend
-        self._cfg = backend.config
-
-    @property
-    def vm(self) -> VMClient:
-        """The desktop's in-VM protocol client."""
-        return self.desktop.client
-
-    @property
-    def work_dir(self) -> Path:
-        """Host-side directory of setup outputs (``execute`` steps' saved stdout/stderr)."""
-        return self.desktop.dir / "work"
-
-    async def observe(self) -> Observation:
-        """Screenshot, a11y tree and terminal text, fetched concurrently."""
-        cfg = self._cfg
-        try:
-            shot, tree, term = await fetch_observation(
-                self.desktop.client, a11y=cfg.observe_a11y, terminal=cfg.observe_terminal
-            )
-        except SandboxError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any other failure is a step failure
-            raise SandboxStepError(f"sandbox {self.id}: observe failed: {e!r}") from e
-        return Observation(
-            screenshot=shot, a11y_tree=tree, terminal=term, instruction=self.task.instruction
-        )
-
-    async def run_code(self, code: str) -> dict[str, Any]:
-        """Runs pyautogui/python code in the jail; returns the ``/execute`` reply."""
-        # The server stops the code at step_timeout_s (a result, returncode -9); the request
-        # deadline is later so that only an unresponsive sandbox raises SandboxTimeout.
-        return await self.desktop.client.execute(
-            ["python3", "-c", PYAUTOGUI_PREFIX + code], timeout=self._cfg.step_timeout_s + 15.0
-        )
-
-    async def step(self, action: Action) -> Observation:
-        """Runs one action in the jail and observes.
-
-        An action whose code raises (a model error) is not an infrastructure failure: the
-        episode goes on and the screen shows what happened; only sandbox failures raise.
-        """
-        cfg = self._cfg
-        await perform_action(
-            self.run_code, action, wait_action_s=cfg.wait_action_s, settle_s=cfg.settle_s
-        )
-        return await self.observe()
-
-    async def evaluate(self, last_action: Action | None) -> float:
-        """Runs postconfig and the task's evaluator in this sandbox; a reward in [0, 1]."""
-        from osworld_jax.env.evaluators import evaluate_task
-
-        try:
-            return float(
-                await evaluate_task(
-                    self.task, self.desktop.client, last_action, cache_dir=self._cfg.cache_dir
-                )
-            )
-        except SandboxError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise SandboxEvalError(f"sandbox {self.id}: evaluation failed: {e!r}") from e
 
     async def close(self) -> None:
         """Kills the jail's process tree and removes its directory; idempotent."""
@@ -255,10 +200,11 @@ class LocalSandbox(Sandbox):
 
 
 @BACKENDS.register("local")
-class LocalBackend(SandboxBackend):
+class LocalBackend(SandboxBackend[LocalSandbox]):
     """Creates, forks and tracks jailed local desktops (see the module docstring)."""
 
     name = "local"
+    sandbox_type = LocalSandbox
 
     def __init__(self, config: LocalBackendConfig | None = None) -> None:
         self.config = config if config is not None else LocalBackendConfig()
@@ -478,20 +424,11 @@ class LocalBackend(SandboxBackend):
         """
         return await self._start_desktop()
 
-    def _setup_ctx(self, task: Task, desktop: LocalDesktop) -> Any:
-        from osworld_jax.env.setup import SetupContext
-
-        return SetupContext(
-            cache_dir=self.config.cache_dir,
-            task_id=task.id,
-            base_dir=task.path.parent if task.path is not None else None,
-            work_dir=desktop.dir / "work",
-        )
+    def _setup_ctx(self, task: Task, desktop: LocalDesktop) -> SetupContext:
+        return setup_context(task, cache_dir=self.config.cache_dir, work_dir=desktop.dir / "work")
 
     async def create(self, task: Task) -> LocalSandbox:
         """Starts a desktop and runs the task's setup steps in it."""
-        from osworld_jax.env.setup import run_setup
-
         desktop = await self._start_desktop()
         try:
             await run_setup(task.config, desktop.client, ctx=self._setup_ctx(task, desktop))
@@ -521,16 +458,8 @@ class LocalBackend(SandboxBackend):
         await asyncio.to_thread(_drop_session_files, snap / "tmp")
         return snap
 
-    async def fork(self, sandbox: Sandbox, n: int) -> list[Sandbox]:
+    async def _fork(self, sandbox: LocalSandbox, n: int) -> list[LocalSandbox]:
         """Returns n sandboxes started from a copy of ``sandbox``'s files (module doc)."""
-        if not isinstance(sandbox, LocalSandbox) or sandbox.id not in self._live:
-            raise SandboxCreateError(f"fork: {getattr(sandbox, 'id', sandbox)!r} is not live here")
-        if n < 0:
-            raise ValueError(f"fork: n must be >= 0, got {n}")
-        if n == 0:
-            return []
-        from osworld_jax.env.setup import run_setup
-
         snap = await self.snapshot(sandbox)
         task = sandbox.task
 

@@ -36,20 +36,19 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 
 from osworld_jax.env.backend import (
     BACKENDS,
-    Observation,
     PreflightError,
     Sandbox,
     SandboxBackend,
     SandboxCreateError,
     SandboxError,
-    SandboxEvalError,
     SandboxStepError,
     SandboxTimeout,
 )
@@ -64,11 +63,11 @@ from osworld_jax.env.remote.api import (
 )
 from osworld_jax.env.remote.config import RemoteBackendConfig
 from osworld_jax.env.remote.tls import CABundleError, check_ca_bundle, pinned_ssl_context
+from osworld_jax.env.setup import SetupContext, run_setup
 from osworld_jax.env.vm_client import SandboxRequestError, SandboxTransientError, VMClient
-from osworld_jax.env.vm_sandbox import PYAUTOGUI_PREFIX, fetch_observation, perform_action
+from osworld_jax.env.vm_sandbox import VMSandbox, setup_context
 
 if TYPE_CHECKING:
-    from osworld_jax.env.actions import Action
     from osworld_jax.env.tasks import Task
 
 __all__ = ["RemoteBackend", "RemoteMetrics", "RemoteSandbox", "SandboxLost"]
@@ -79,6 +78,8 @@ CLIENT_TAG = "osworld_jax.client"
 RUNNING = "Running"
 DEAD_STATES = frozenset({"Failed", "Terminated", "Stopping", "Error"})
 SNAPSHOT_READY = frozenset({"Ready", "Available", "Succeeded"})
+
+_T = TypeVar("_T")
 
 
 class SandboxLost(RemoteStepError):
@@ -126,14 +127,15 @@ class RemoteMetrics:
         return out
 
 
-class RemoteSandbox(Sandbox):
-    """One remote desktop initialised for one task.
+class RemoteSandbox(VMSandbox):
+    """One remote desktop initialised for one task (observe/step/evaluate: ``VMSandbox``).
 
     Attributes:
       id: the service's sandbox id.
       task: the task it was set up for.
       vm: the ``VMClient`` of its in-VM server endpoint.
       endpoint: the endpoint URL.
+      work_dir: host-side directory of setup outputs (``execute`` steps' saved stdout/stderr).
     """
 
     def __init__(
@@ -145,74 +147,33 @@ class RemoteSandbox(Sandbox):
         session: aiohttp.ClientSession,
         work_dir: Path,
     ) -> None:
-        self.id = sandbox_id
-        self.task = task
-        self.vm = vm
+        cfg = backend.config
+        super().__init__(
+            sandbox_id,
+            task,
+            vm,
+            work_dir=work_dir,
+            settings=cfg,
+            execute_timeout_s=cfg.step_timeout_s,
+        )
         self.endpoint = vm.base_url
-        self.work_dir = work_dir
         self._backend = backend
         self._session = session
-        self._cfg = backend.config
         self._closing: asyncio.Future[None] | None = None
 
-    def __repr__(self) -> str:
-        return f"RemoteSandbox(id={self.id!r}, task={self.task.id!r})"
-
-    async def _vm_call(self, what: str, aw: Any) -> Any:
-        """Awaits an in-VM request; a 404 or dropped connection is checked against the service."""
+    async def _call(
+        self, what: str, aw: Awaitable[_T], error: type[SandboxError] = SandboxStepError
+    ) -> _T:
+        """As ``VMSandbox._call``; a 404 or dropped connection is checked against the service
+        (``SandboxLost`` when the sandbox is gone).
+        """  # noqa: D205
         try:
-            return await aw
+            return await super()._call(what, aw, error)
         except (SandboxRequestError, SandboxTransientError, SandboxTimeout) as e:
             status = getattr(e, "status", None)
             if status == 404 or isinstance(e, SandboxTransientError):
                 await self._backend._check_alive(self.id, f"{what}: {e}")
             raise
-        except SandboxError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any other failure is a step failure
-            raise SandboxStepError(f"sandbox {self.id}: {what} failed: {e!r}") from e
-
-    async def observe(self) -> Observation:
-        """Screenshot, a11y tree and terminal text, fetched concurrently."""
-        cfg = self._cfg
-        fetch = fetch_observation(self.vm, a11y=cfg.observe_a11y, terminal=cfg.observe_terminal)
-        shot, tree, term = await self._vm_call("observe", fetch)
-        return Observation(
-            screenshot=shot, a11y_tree=tree, terminal=term, instruction=self.task.instruction
-        )
-
-    async def run_code(self, code: str) -> dict[str, Any]:
-        """Runs pyautogui/python code in the desktop; returns the ``/execute`` reply."""
-        return await self._vm_call(
-            "execute",
-            self.vm.execute(
-                ["python3", "-c", PYAUTOGUI_PREFIX + code], timeout=self._cfg.step_timeout_s
-            ),
-        )
-
-    async def step(self, action: Action) -> Observation:
-        """Runs one action and observes (a failing action is data, not an infra error)."""
-        cfg = self._cfg
-        await perform_action(
-            self.run_code, action, wait_action_s=cfg.wait_action_s, settle_s=cfg.settle_s
-        )
-        return await self.observe()
-
-    async def evaluate(self, last_action: Action | None) -> float:
-        """Runs postconfig and the task's evaluator in this sandbox; a reward in [0, 1]."""
-        from osworld_jax.env.evaluators import evaluate_task
-
-        try:
-            return float(
-                await self._vm_call(
-                    "evaluate",
-                    evaluate_task(self.task, self.vm, last_action, cache_dir=self._cfg.cache_dir),
-                )
-            )
-        except SandboxError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise SandboxEvalError(f"sandbox {self.id}: evaluation failed: {e!r}") from e
 
     async def close(self) -> None:
         """Deletes the sandbox in the service; idempotent (a second call waits for the first)."""
@@ -230,7 +191,7 @@ class RemoteSandbox(Sandbox):
 
 
 @BACKENDS.register("remote")
-class RemoteBackend(SandboxBackend):
+class RemoteBackend(SandboxBackend[RemoteSandbox]):
     """Creates, forks and tracks sandboxes in a remote sandbox service (module docstring).
 
     Attributes:
@@ -240,6 +201,7 @@ class RemoteBackend(SandboxBackend):
     """
 
     name = "remote"
+    sandbox_type = RemoteSandbox
 
     def __init__(self, config: RemoteBackendConfig) -> None:
         self.config = config
@@ -363,15 +325,8 @@ class RemoteBackend(SandboxBackend):
             raise
         return sandbox
 
-    def _setup_ctx(self, task: Task, sandbox: RemoteSandbox) -> Any:
-        from osworld_jax.env.setup import SetupContext
-
-        return SetupContext(
-            cache_dir=self.config.cache_dir,
-            task_id=task.id,
-            base_dir=task.path.parent if task.path is not None else None,
-            work_dir=sandbox.work_dir,
-        )
+    def _setup_ctx(self, task: Task, sandbox: RemoteSandbox) -> SetupContext:
+        return setup_context(task, cache_dir=self.config.cache_dir, work_dir=sandbox.work_dir)
 
     async def _release(
         self, sandbox_id: str, session: aiohttp.ClientSession | None, work_dir: Path | None
@@ -415,8 +370,6 @@ class RemoteBackend(SandboxBackend):
 
     async def create(self, task: Task) -> RemoteSandbox:
         """Creates a sandbox from the image, waits for it to boot, runs the task's setup."""
-        from osworld_jax.env.setup import run_setup
-
         deadline = asyncio.get_running_loop().time() + self.config.boot_timeout_s
         sid = await self._new_sandbox()
         sandbox: RemoteSandbox | None = None
@@ -432,14 +385,8 @@ class RemoteBackend(SandboxBackend):
             raise SandboxCreateError(f"task {task.id}: setup failed: {e}") from e
         return sandbox
 
-    async def fork(self, sandbox: Sandbox, n: int) -> list[Sandbox]:
+    async def _fork(self, sandbox: RemoteSandbox, n: int) -> list[Sandbox]:
         """Returns n copies of ``sandbox`` (by the service's fork, else by snapshot)."""
-        if not isinstance(sandbox, RemoteSandbox) or sandbox.id not in self._live:
-            raise SandboxCreateError(f"fork: {getattr(sandbox, 'id', sandbox)!r} is not live here")
-        if n < 0:
-            raise ValueError(f"fork: n must be >= 0, got {n}")
-        if n == 0:
-            return []
         if self._fork_supported is not False:
             forks = await self._fork_by_fork(sandbox, n)
             if forks is not None:
@@ -515,8 +462,6 @@ class RemoteBackend(SandboxBackend):
         Each copy also gets the source's host-side setup outputs (``execute`` steps' saved
         stdout/stderr, read back by ``cache_file`` getters).
         """
-        from osworld_jax.env.setup import run_setup
-
         task = source.task
 
         async def one(sid: str) -> RemoteSandbox:
