@@ -26,8 +26,8 @@ from typing import Any
 
 from osworld_jax.env.agent_env import AgentEnv, AgentEnvConfig
 from osworld_jax.env.remote import RemoteBackend, RemoteBackendConfig
-from osworld_jax.env.remote.fake_service import FakeFaults, FakeSandboxService, make_test_pki
-from osworld_jax.env.testing import word_task
+from osworld_jax.testing.memory import word_task
+from osworld_jax.testing.sandbox_service import FakeFaults, FakeSandboxService, make_test_pki
 
 TOKEN_ENV = "OSWORLD_JAX_LOAD_SANDBOX_TOKEN"
 

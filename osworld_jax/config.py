@@ -31,10 +31,7 @@ import gin
 
 from osworld_jax.agent.config import AgentConfig, CompactionConfig, GroupPolicyConfig
 from osworld_jax.data import DataConfig
-from osworld_jax.env import AgentEnvConfig
-from osworld_jax.env.local import LocalBackendConfig
-from osworld_jax.env.osworld_adapter import OSWorldBackendConfig
-from osworld_jax.env.remote import RemoteBackendConfig
+from osworld_jax.env import BACKENDS, AgentEnvConfig
 from osworld_jax.errors import ConfigError
 from osworld_jax.model.config import ModelRuntimeConfig
 from osworld_jax.rl.config import ExperimentConfig, ModelSourceConfig, RLConfig, ServerConfig
@@ -42,7 +39,8 @@ from osworld_jax.rollout.config import RolloutConfig, SamplingParams
 from osworld_jax.trainer.config import CheckpointConfig, OptimizerConfig, TrainerConfig
 from osworld_jax.trainer.distributed import DistributedConfig
 
-#: Every config class gin can bind (by class name, or ``module.ClassName``).
+#: Every config class gin can bind (by class name, or ``module.ClassName``); each sandbox
+#: backend's config class comes from the backend registry.
 CONFIGURABLES: tuple[type, ...] = (
     ExperimentConfig,
     ModelSourceConfig,
@@ -54,9 +52,7 @@ CONFIGURABLES: tuple[type, ...] = (
     SamplingParams,
     ServerConfig,
     AgentEnvConfig,
-    LocalBackendConfig,
-    RemoteBackendConfig,
-    OSWorldBackendConfig,
+    *BACKENDS.config_classes(),
     AgentConfig,
     CompactionConfig,
     GroupPolicyConfig,

@@ -11,3 +11,10 @@ class ConfigError(OsworldJaxError, ValueError):
 
 class InfraError(OsworldJaxError):
     """An infrastructure failure (sandbox, server, timeout): the owner is masked, not trained on."""
+
+
+class PreflightError(ConfigError):
+    """A part of a run cannot work here (a sandbox backend, a server, the model, the tasks).
+
+    Raised before anything starts; the message names each problem, one per line.
+    """

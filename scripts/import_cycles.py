@@ -59,8 +59,8 @@ def _imports(tree: ast.Module, here: str, is_pkg: bool) -> Iterator[tuple[str, b
                 pkg = pkg[: len(pkg) - (node.level - 1)]
                 base = ".".join([*pkg, *([base] if base else [])])
             for alias in node.names:
-                yield f"{base}.{alias.name}", deferred  # a submodule, if one has this name
-            yield base, deferred
+                # ``from pkg import name``: the submodule pkg.name if there is one, else pkg.
+                yield f"{base}\0{alias.name}", deferred
         inner = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Lambda)
         for child in ast.iter_child_nodes(node):
             yield from walk(child, deferred or inner)
@@ -84,7 +84,9 @@ def graph(pkg_dir: Path) -> dict[str, dict[str, bool]]:
                 if isinstance(node, ast.Constant) and node.value in names
             ]
         for target, deferred in found:
-            # "from pkg import name" hits pkg.name when that is a module, else pkg itself.
+            if "\0" in target:
+                base, name = target.split("\0")
+                target = f"{base}.{name}" if f"{base}.{name}" in names else base
             if target in names and target != mod:
                 edges[mod][target] = edges[mod].get(target, True) and deferred
     return edges

@@ -20,7 +20,6 @@ from typing import Any, Protocol
 
 from osworld_jax.env.actions import ACTION_SPACES, Action, parse_action
 from osworld_jax.env.backend import (
-    BACKENDS,
     Observation,
     Sandbox,
     SandboxBackend,
@@ -29,6 +28,7 @@ from osworld_jax.env.backend import (
     SandboxEvalError,
     SandboxTimeout,
 )
+from osworld_jax.env.backends import BACKENDS
 from osworld_jax.env.protocol import is_transient
 from osworld_jax.env.tasks import Task
 from osworld_jax.errors import ConfigError, InfraError
@@ -78,9 +78,6 @@ class AgentEnvConfig:
 
     def validate_backend(self) -> None:
         """Raises ``ConfigError`` when ``backend`` is not a registered backend name."""
-        from osworld_jax.env import load_backends
-
-        load_backends(self.backend)
         BACKENDS.validate(self.backend, "AgentEnvConfig.backend")
 
 

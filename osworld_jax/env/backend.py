@@ -2,7 +2,8 @@
 
 No jax in this room. A backend creates a task's sandbox once (running its setup), forks it into n
 exact copies of the initialised state, and each sandbox is driven through the OSWorld in-VM server
-protocol (``/screenshot``, ``/execute``, ``/accessibility``, ...).
+protocol (``/screenshot``, ``/execute``, ``/accessibility``, ...). The backends themselves are
+listed in ``osworld_jax.env.backends``.
 """
 
 from __future__ import annotations
@@ -10,10 +11,9 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar, cast
 
-from osworld_jax.errors import InfraError, OsworldJaxError
-from osworld_jax.registry import Registry
+from osworld_jax.errors import InfraError, PreflightError
 
 if TYPE_CHECKING:
     from osworld_jax.env.actions import Action
@@ -40,8 +40,17 @@ class SandboxTimeout(SandboxError):
     """A sandbox operation exceeded its configured timeout."""
 
 
-class PreflightError(OsworldJaxError):
-    """A backend cannot run here; the message says what is missing, in one line."""
+__all__ = [
+    "Observation",
+    "PreflightError",
+    "Sandbox",
+    "SandboxBackend",
+    "SandboxCreateError",
+    "SandboxError",
+    "SandboxEvalError",
+    "SandboxStepError",
+    "SandboxTimeout",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,10 +101,16 @@ class SandboxBackend(abc.ABC, Generic[SandboxT]):
     Attributes:
       name: the backend's ``BACKENDS`` name.
       sandbox_type: the class of the sandboxes it makes (``fork`` accepts only those).
+      config_class: the config dataclass the constructor takes as its one argument (gin binds
+        it; ``make_backend(config)`` finds the backend by it), or None.
+      runs_on_host: whether its desktops run on this machine (``capabilities`` then checks the
+        programs tasks run and refuses ``sudo``).
     """
 
-    name: str
-    sandbox_type: type[Sandbox]
+    name: ClassVar[str]
+    sandbox_type: ClassVar[type[Sandbox]]
+    config_class: ClassVar[type | None] = None
+    runs_on_host: ClassVar[bool] = False
 
     @abc.abstractmethod
     def preflight(self) -> None:
@@ -133,6 +148,3 @@ class SandboxBackend(abc.ABC, Generic[SandboxT]):
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Releases backend-wide resources (connection pools, ...)."""
-
-
-BACKENDS: Registry[type[SandboxBackend[Any]]] = Registry("sandbox backend")

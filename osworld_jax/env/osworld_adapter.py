@@ -39,8 +39,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from osworld_jax.env.actions import Action, ActionKind, to_pyautogui
 from osworld_jax.env.backend import (
-    BACKENDS,
     Observation,
     PreflightError,
     Sandbox,
@@ -52,7 +52,6 @@ from osworld_jax.env.backend import (
 from osworld_jax.errors import ConfigError
 
 if TYPE_CHECKING:
-    from osworld_jax.env.actions import Action
     from osworld_jax.env.tasks import Task
 
 __all__ = [
@@ -200,8 +199,6 @@ def task_config_dict(task: Task) -> dict[str, Any]:
 
 
 def _upstream_action(action: Action) -> str:
-    from osworld_jax.env.actions import ActionKind, to_pyautogui
-
     if action.kind == ActionKind.PYAUTOGUI:
         return action.code
     if action.kind == ActionKind.COMPUTER_13:
@@ -283,7 +280,6 @@ class OSWorldSandbox(Sandbox):
         await asyncio.shield(self._closing)
 
 
-@BACKENDS.register("osworld")
 class OSWorldBackend(SandboxBackend[OSWorldSandbox]):
     """Sandboxes on upstream OSWorld ``DesktopEnv``s (see the module docstring).
 
@@ -294,6 +290,7 @@ class OSWorldBackend(SandboxBackend[OSWorldSandbox]):
 
     name = "osworld"
     sandbox_type = OSWorldSandbox
+    config_class = OSWorldBackendConfig
 
     def __init__(self, config: OSWorldBackendConfig | None = None) -> None:
         self.config = config if config is not None else OSWorldBackendConfig()

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+from osworld_jax.env.backend import SandboxTimeout
+from osworld_jax.env.vm_client import SandboxTransientError
+
 
 @runtime_checkable
 class VMProtocol(Protocol):
@@ -72,15 +75,8 @@ class VMProtocol(Protocol):
 
 def is_transient(exc: BaseException) -> bool:
     """Whether ``exc`` is a transient sandbox failure worth retrying (5xx, timeout, connection)."""
-    from osworld_jax.env.backend import SandboxTimeout
-
-    try:
-        from osworld_jax.env.vm_client import SandboxTransientError
-    except ImportError:  # the local room's client is optional for this check
-        pass
-    else:
-        if isinstance(exc, SandboxTransientError):
-            return True
+    if isinstance(exc, SandboxTransientError):
+        return True
     status = getattr(exc, "status", None)
     if isinstance(status, int) and status >= 500:
         return True

@@ -2,12 +2,11 @@
 
 from osworld_jax.rl.config import ExperimentConfig, ModelSourceConfig, RLConfig, ServerConfig
 from osworld_jax.rl.loop import TrainResult, train
-from osworld_jax.rl.preflight import PreflightFailed, run_preflight
+from osworld_jax.rl.preflight import run_preflight
 
 __all__ = [
     "ExperimentConfig",
     "ModelSourceConfig",
-    "PreflightFailed",
     "RLConfig",
     "ServerConfig",
     "TrainResult",

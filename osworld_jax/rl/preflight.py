@@ -3,7 +3,8 @@
 A run needs a model checkpoint, reachable rollout servers (unless embedded), a sandbox backend
 that passes its own preflight, and a non-empty task set; R3 also needs the rollout client's
 route shape to match the model. All problems are collected and raised together as one
-`PreflightFailed` whose message has one line per missing part.
+`PreflightError` (``osworld_jax.errors``, the same class a backend's own preflight raises) whose
+message has one line per missing part.
 """
 
 from __future__ import annotations
@@ -16,12 +17,8 @@ from pathlib import Path
 import aiohttp
 
 from osworld_jax.data import DataError, load_task_refs, resolve_task_set
-from osworld_jax.errors import ConfigError, OsworldJaxError
+from osworld_jax.errors import OsworldJaxError, PreflightError
 from osworld_jax.rl.config import ExperimentConfig
-
-
-class PreflightFailed(ConfigError):
-    """One or more parts of a run are missing; the message lists one per line."""
 
 
 def check_model_path(path: str | Path) -> str | None:
@@ -95,7 +92,7 @@ def run_preflight(
     model_path: str | Path,
     backend_preflight: Callable[[], None],
 ) -> None:
-    """Runs every check; raises `PreflightFailed` listing each problem on its own line.
+    """Runs every check; raises `PreflightError` listing each problem on its own line.
 
     Args:
       experiment: the run's config.
@@ -118,4 +115,4 @@ def run_preflight(
     if task_problem:
         problems.append(task_problem)
     if problems:
-        raise PreflightFailed("preflight failed:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise PreflightError("preflight failed:\n" + "\n".join(f"  - {p}" for p in problems))

@@ -21,9 +21,9 @@ from osworld_jax.agent import (
 from osworld_jax.batch import check_batch
 from osworld_jax.env.agent_env import AgentEnv, AgentEnvConfig, OwnerResult
 from osworld_jax.env.backend import Observation
-from osworld_jax.env.testing import MemoryBackend, word_task
 from osworld_jax.errors import InfraError
 from osworld_jax.rollout import SamplingParams, ServerUnavailable
+from osworld_jax.testing.memory import MemoryBackend, word_task
 
 from .conftest import ScriptedClient
 
@@ -149,9 +149,9 @@ def test_real_client_wire_path_gives_exact_rows(agent_tokenizer):
     # routed_experts_start_len the agent asked for and although call 1 was aborted after 2 tokens
     # and resubmitted (the client stitches the parts).
     from osworld_jax.rollout import RolloutConfig, SGLangClient
-    from tests.rollout.fake_server import FakeServer, logprob_at, routes_for, token_at
-    from tests.rollout.fake_server import K as FK
-    from tests.rollout.fake_server import L as FL
+    from osworld_jax.testing.sglang_server import FakeServer, logprob_at, routes_for, token_at
+    from osworld_jax.testing.sglang_server import K as FK
+    from osworld_jax.testing.sglang_server import L as FL
 
     async def main():
         server = await FakeServer(script=["ok", "abort:2", "ok"]).start()

@@ -6,8 +6,9 @@ import pytest
 
 from osworld_jax.env.agent_env import AgentEnv, AgentEnvConfig
 from osworld_jax.env.backend import SandboxCreateError, SandboxStepError
-from osworld_jax.env.testing import FaultInjectingBackend, MemoryBackend, word_task
 from osworld_jax.errors import ConfigError, InfraError
+from osworld_jax.testing.faults import FaultInjectingBackend
+from osworld_jax.testing.memory import MemoryBackend, word_task
 
 TYPE = "```python\npyautogui.typewrite({!r})\n```"
 

@@ -9,8 +9,9 @@ import pytest
 
 from osworld_jax.env import bundled_task_dir
 from osworld_jax.env.agent_env import AgentEnv, AgentEnvConfig
-from osworld_jax.env.tasks import APP, capabilities, load_tasks
-from osworld_jax.env.testing import MemoryBackend
+from osworld_jax.env.capabilities import APP, capabilities, unknown_types
+from osworld_jax.env.tasks import load_tasks
+from osworld_jax.testing.memory import MemoryBackend
 
 SOLUTIONS = json.loads((Path(__file__).parent / "bundled_solutions.json").read_text())["tasks"]
 TASKS = {t.id: t for t in load_tasks(bundled_task_dir())}
@@ -22,7 +23,7 @@ def test_at_least_20_tasks_with_solutions_and_real_evaluators():
     domains = {t.domain for t in TASKS.values()}
     assert {"os", "text_editor", "spreadsheet_csv"} <= domains
     for t in TASKS.values():
-        assert not t.unknown
+        assert not unknown_types(t)
         # real evaluators: every non-infeasible task reads desktop state through a getter
         if not t.evaluator.is_infeasible:
             assert any(g is not None and g.type.startswith("vm_") for g in t.evaluator.result)

@@ -11,8 +11,8 @@ from osworld_jax.env.evaluators import GETTERS, RetryingVM, evaluate_task
 from osworld_jax.env.evaluators.registry import EvalContext
 from osworld_jax.env.setup import SetupContext, run_setup
 from osworld_jax.env.tasks import SetupStep, load_task
-from osworld_jax.env.testing import MemoryDesktop
 from osworld_jax.env.vm_client import SandboxTransientError
+from osworld_jax.testing.memory_desktop import MemoryDesktop
 
 
 def run(coro):

@@ -3,7 +3,8 @@
 import asyncio
 
 from osworld_jax.env.actions import parse_action
-from osworld_jax.env.testing import MemoryBackend, MemoryDesktop, word_task
+from osworld_jax.testing.memory import MemoryBackend, word_task
+from osworld_jax.testing.memory_desktop import MemoryDesktop
 
 
 def test_commands_and_redirection():

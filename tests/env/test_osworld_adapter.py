@@ -15,18 +15,18 @@ import pytest
 from osworld_jax.env.actions import parse_action
 from osworld_jax.env.agent_env import AgentEnv, AgentEnvConfig
 from osworld_jax.env.backend import (
-    BACKENDS,
     PreflightError,
     SandboxCreateError,
     SandboxEvalError,
     SandboxStepError,
 )
+from osworld_jax.env.backends import BACKENDS
 from osworld_jax.env.osworld_adapter import (
     OSWorldBackend,
     OSWorldBackendConfig,
     task_config_dict,
 )
-from osworld_jax.env.testing import word_task
+from osworld_jax.testing.memory import word_task
 
 TYPE = "```python\npyautogui.typewrite({!r})\n```"
 PNG = b"\x89PNG\r\n\x1a\nfake"

@@ -6,14 +6,26 @@ from pathlib import Path
 import pytest
 
 from osworld_jax.env import tasks as T
-from osworld_jax.env.tasks import (
+from osworld_jax.env.capabilities import (
+    APP,
+    BACKEND,
+    GDRIVE,
+    GETTER,
+    LIVE_WEB,
+    LOGIN,
+    METRIC,
+    REMOTE_FILE,
+    ROOT,
+    SETUP,
     NotRunnable,
+    Reason,
     Runnable,
-    TaskFormatError,
     capabilities,
-    load_task,
-    load_tasks,
+    runnable_tasks,
+    unknown_types,
 )
+from osworld_jax.env.capabilities import main as report_main
+from osworld_jax.env.tasks import TaskFormatError, load_task, load_tasks
 
 
 def _base(**over):
@@ -45,7 +57,7 @@ def test_all_369_load(osworld_examples):
         assert len(t.evaluator.result) == len(t.evaluator.expected) == len(t.evaluator.options) == n
     assert by_domain["os"] == 24 and by_domain["multi_apps"] == 101
     # unknown types are recorded, not crashes: the upstream set uses types we do not implement
-    unknown = {u for t in tasks for u in t.unknown}
+    unknown = {u for t in tasks for u in unknown_types(t)}
     assert "metric:compare_pptx_files" in unknown
     assert "setup:googledrive" in unknown
     assert not any(u.startswith("metric:exact_match") for u in unknown)
@@ -62,7 +74,7 @@ def test_single_and_list_func_normalisation(osworld_examples):
 
 
 def test_report_runs(osworld_examples, capsys):
-    assert T.main(["report", str(osworld_examples), "--backend", "local"]) == 0
+    assert report_main(["report", str(osworld_examples), "--backend", "local"]) == 0
     out = capsys.readouterr().out
     assert "tasks=369" in out
     for domain in ("chrome", "gimp", "os", "vs_code", "ALL"):
@@ -108,13 +120,13 @@ def test_unknown_types_recorded():
             },
         )
     )
-    assert t.unknown == ("setup:teleport", "getter:no_getter", "metric:no_such_metric")
+    assert unknown_types(t) == ("setup:teleport", "getter:no_getter", "metric:no_such_metric")
     cap = capabilities(t, "memory")
     assert isinstance(cap, NotRunnable)
     assert {(r.kind, r.detail) for r in cap.reasons} >= {
-        (T.SETUP, "teleport"),
-        (T.GETTER, "no_getter"),
-        (T.METRIC, "no_such_metric"),
+        (SETUP, "teleport"),
+        (GETTER, "no_getter"),
+        (METRIC, "no_such_metric"),
     }
 
 
@@ -124,7 +136,7 @@ def test_capabilities_remote_file_and_cache(tmp_path):
         _base(config=[{"type": "download", "parameters": {"files": [{"url": url, "path": "/x"}]}}])
     )
     cap = capabilities(t, "memory", cache_dir=tmp_path)
-    assert not cap and cap.reasons == (T.Reason(T.REMOTE_FILE, url),)
+    assert not cap and cap.reasons == (Reason(REMOTE_FILE, url),)
     # cached under the sha256 of the URL -> runnable
     (tmp_path / hashlib.sha256(url.encode()).hexdigest()).write_text("data")
     assert isinstance(capabilities(t, "memory", cache_dir=tmp_path), Runnable)
@@ -166,9 +178,9 @@ def test_capabilities_live_web_gdrive_login_and_options():
         )
     )
     kinds = {r.kind for r in capabilities(t, "memory").reasons}
-    assert {T.LIVE_WEB, T.GDRIVE, T.LOGIN, T.METRIC} <= kinds
+    assert {LIVE_WEB, GDRIVE, LOGIN, METRIC} <= kinds
     # network step types are reported as such, not also as "setup step unsupported"
-    assert T.SETUP not in kinds
+    assert SETUP not in kinds
 
 
 def test_capabilities_app_not_installed(monkeypatch):
@@ -187,26 +199,26 @@ def test_capabilities_app_not_installed(monkeypatch):
     )
     monkeypatch.setattr(shutil, "which", lambda name: None)
     cap = capabilities(t, "local")
-    apps = {r.detail for r in cap.reasons if r.kind == T.APP}
+    apps = {r.detail for r in cap.reasons if r.kind == APP}
     assert apps == {"gimp", "vlc", "soffice|libreoffice"}  # `cd` is a shell builtin
     # app checks are for host backends only
-    assert T.APP not in {r.kind for r in capabilities(t, "memory").reasons}
+    assert APP not in {r.kind for r in capabilities(t, "memory").reasons}
     monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
-    assert T.APP not in {r.kind for r in capabilities(t, "local").reasons}
+    assert APP not in {r.kind for r in capabilities(t, "local").reasons}
 
 
 def test_capabilities_backend_hook():
     # the memory backend reports programs its tiny desktop lacks
     t = load_task(_base(config=[{"type": "execute", "parameters": {"command": ["gsettings"]}}]))
     cap = capabilities(t, "memory")
-    assert cap.reasons == (T.Reason(T.BACKEND, "memory desktop has no program 'gsettings'"),)
+    assert cap.reasons == (Reason(BACKEND, "memory desktop has no program 'gsettings'"),)
 
 
 def test_local_runnable_count_is_reported(osworld_examples):
     runnable = [t for t in load_tasks(osworld_examples) if capabilities(t, "local")]
     # every runnable task has no remote file and only implemented types
     for t in runnable:
-        assert not t.unknown
+        assert not unknown_types(t)
         assert not t.proxy
     infeasible_no_setup = [
         t for t in load_tasks(osworld_examples) if t.evaluator.is_infeasible and not t.config
@@ -256,23 +268,23 @@ def test_capabilities_network_commands_and_sudo(monkeypatch):
         )
     )
     kinds = {r.kind for r in capabilities(t, "local").reasons}
-    assert kinds == {T.LIVE_WEB, T.ROOT}
+    assert kinds == {LIVE_WEB, ROOT}
     # sudo is a host (jail) limit only; a real OSWorld VM has it
-    assert T.ROOT not in {r.kind for r in capabilities(t, "memory").reasons}
+    assert ROOT not in {r.kind for r in capabilities(t, "memory").reasons}
     ok = load_task(_base(config=[{"type": "execute", "parameters": {"command": ["ls", "-l"]}}]))
     assert capabilities(ok, "local")
 
 
 def test_runnable_cli_lists_tasks(tmp_path, capsys):
-    from osworld_jax.env.testing import write_word_tasks
+    from osworld_jax.testing.memory import write_word_tasks
 
     write_word_tasks(tmp_path, ["alpha", "beta"])
-    assert T.main(["runnable", str(tmp_path), "--backend", "memory"]) == 0
+    assert report_main(["runnable", str(tmp_path), "--backend", "memory"]) == 0
     out = capsys.readouterr().out.split()
     assert out == ["memory_word/memory-word-alpha", "memory_word/memory-word-beta"]
-    assert T.main(["runnable", str(tmp_path), "--backend", "local"]) == 0
+    assert report_main(["runnable", str(tmp_path), "--backend", "local"]) == 0
     assert capsys.readouterr().out == ""  # memory-editor is not a host app
-    assert [t.id for t in T.runnable_tasks(tmp_path, "memory")] == [
+    assert [t.id for t in runnable_tasks(tmp_path, "memory")] == [
         "memory-word-alpha",
         "memory-word-beta",
     ]
@@ -283,7 +295,7 @@ def test_module_cli_runs_clean(osworld_examples):
     import sys
 
     r = subprocess.run(
-        [sys.executable, "-m", "osworld_jax.env.tasks", "report", str(osworld_examples)],
+        [sys.executable, "-m", "osworld_jax.env", "report", str(osworld_examples)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -292,7 +304,7 @@ def test_module_cli_runs_clean(osworld_examples):
     assert "tasks=369" in r.stdout
     assert "RuntimeWarning" not in r.stderr
     bad = subprocess.run(
-        [sys.executable, "-m", "osworld_jax.env.tasks", "report", "/nonexistent-dir"],
+        [sys.executable, "-m", "osworld_jax.env", "report", "/nonexistent-dir"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -323,14 +335,14 @@ def test_cache_layout_of_the_hf_file_cache_repo(tmp_path):
 
 
 def test_capabilities_backend_has_app_hook(monkeypatch):
-    from osworld_jax.env.backend import BACKENDS
+    from osworld_jax.env.backends import BACKENDS
 
     t = load_task(_base(config=[{"type": "launch", "parameters": {"command": ["python", "x"]}}]))
     cls = BACKENDS.get("local")
     monkeypatch.setattr(
         cls, "has_app", classmethod(lambda c, name: name != "python"), raising=False
     )
-    assert capabilities(t, "local").reasons == (T.Reason(T.APP, "python"),)
+    assert capabilities(t, "local").reasons == (Reason(APP, "python"),)
     monkeypatch.setattr(cls, "has_app", classmethod(lambda c, name: True), raising=False)
     assert capabilities(t, "local")
 
@@ -338,7 +350,7 @@ def test_capabilities_backend_has_app_hook(monkeypatch):
 def test_instruction_with_web_address_needs_live_web():
     t = load_task(_base(instruction="Download the file from https://example.org/a.png please"))
     assert capabilities(t, "memory").reasons == (
-        T.Reason(T.LIVE_WEB, "instruction names a web address (https://example.org/a.png)"),
+        Reason(LIVE_WEB, "instruction names a web address (https://example.org/a.png)"),
     )
     # an infeasible task is scored by the FAIL answer alone
     inf = load_task(

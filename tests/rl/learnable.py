@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from osworld_jax.env import BACKENDS, Action
-from osworld_jax.env.testing import MemoryBackend, MemorySandbox
+from osworld_jax.testing.memory import MemoryBackend, MemorySandbox
 
 BACKEND = "memory-vowel"
 VOWELS = "aeiou"

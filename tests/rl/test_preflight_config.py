@@ -5,7 +5,7 @@ import pytest
 from osworld_jax.env import PreflightError
 from osworld_jax.errors import ConfigError
 from osworld_jax.model.tiny import make_tiny_checkpoint
-from osworld_jax.rl import ExperimentConfig, PreflightFailed, RLConfig, run_preflight
+from osworld_jax.rl import ExperimentConfig, RLConfig, run_preflight
 from osworld_jax.rl.config import ServerConfig
 from osworld_jax.rollout import RolloutConfig
 
@@ -33,7 +33,7 @@ def test_preflight_lists_every_missing_part(tmp_path):
         rollout=RolloutConfig(urls=(url,), connect_timeout_s=2.0),
     )
     exp = exp.replace(data=exp.data.__class__(task_set=str(empty)))
-    with pytest.raises(PreflightFailed) as info:
+    with pytest.raises(PreflightError) as info:
         run_preflight(exp, model_path=tmp_path / "no-model", backend_preflight=fail_backend)
     lines = str(info.value).splitlines()[1:]
     assert len(lines) == 4, lines
@@ -48,10 +48,10 @@ def test_preflight_r3_shape_must_match_the_model(tiny):
         server=ServerConfig(embedded=True),
         rollout=RolloutConfig(return_routed_experts=True, num_layers=48, num_experts_per_tok=8),
     )
-    with pytest.raises(PreflightFailed, match=r"\(48, 8\).*\(3, 2\)"):
+    with pytest.raises(PreflightError, match=r"\(48, 8\).*\(3, 2\)"):
         run_preflight(exp, model_path=tiny, backend_preflight=lambda: None)
     no_routes = ExperimentConfig(server=ServerConfig(embedded=True))  # router_replay defaults on
-    with pytest.raises(PreflightFailed, match="return_routed_experts"):
+    with pytest.raises(PreflightError, match="return_routed_experts"):
         run_preflight(no_routes, model_path=tiny, backend_preflight=lambda: None)
     ok = ExperimentConfig(
         server=ServerConfig(embedded=True),

@@ -22,8 +22,7 @@ from osworld_jax.rollout import (
     ServerUnavailable,
     SGLangClient,
 )
-
-from .fake_server import FakeServer, K, L, logprob_at, routes_for, token_at
+from osworld_jax.testing.sglang_server import FakeServer, K, L, logprob_at, routes_for, token_at
 
 PROMPT = list(range(100, 110))  # 10 tokens
 SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=6, stop=("\n",))

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from osworld_jax.rollout import ReplyValidationError, RolloutConfig, SamplingParams, SGLangClient
 from osworld_jax.rollout.errors import RefitError
-from tests.rollout.fake_server import FakeServer, K, L
+from osworld_jax.testing.sglang_server import FakeServer, K, L
 
 BROADCAST = (
     "/pause_generation",

@@ -1,6 +1,6 @@
 """The ``local`` sandbox backend: jailed Xvfb desktops on this machine (no jax, no VM).
 
-Importing this package registers ``"local"`` in ``osworld_jax.env.backend.BACKENDS``. See
+Listed as ``"local"`` in ``osworld_jax.env.backends.BACKENDS``. See
 ``backend.py`` (sandboxes, fork semantics), ``desktop.py`` (the bubblewrap jail) and
 ``vmserver.py`` (the in-VM server the jail runs with the system python3).
 """

@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from osworld_jax.env.backend import (
-    BACKENDS,
     PreflightError,
     SandboxBackend,
     SandboxCreateError,
@@ -199,12 +198,13 @@ class LocalSandbox(VMSandbox):
         await self.desktop.close()
 
 
-@BACKENDS.register("local")
 class LocalBackend(SandboxBackend[LocalSandbox]):
     """Creates, forks and tracks jailed local desktops (see the module docstring)."""
 
     name = "local"
     sandbox_type = LocalSandbox
+    config_class = LocalBackendConfig
+    runs_on_host = True
 
     def __init__(self, config: LocalBackendConfig | None = None) -> None:
         self.config = config if config is not None else LocalBackendConfig()

@@ -1,7 +1,7 @@
 """The ``remote`` sandbox backend: OSWorld desktops in an OpenSandbox-style service (no jax).
 
-Importing this package registers ``"remote"`` in ``osworld_jax.env.BACKENDS``. The fake service
-for tests and load tests lives in ``osworld_jax.env.remote.fake_service`` (imported on demand).
+Listed as ``"remote"`` in ``osworld_jax.env.backends.BACKENDS``. The fake service for tests and
+load tests is ``osworld_jax.testing.sandbox_service``.
 """
 
 from osworld_jax.env.remote.api import (

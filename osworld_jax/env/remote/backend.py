@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import aiohttp
 
 from osworld_jax.env.backend import (
-    BACKENDS,
     PreflightError,
     Sandbox,
     SandboxBackend,
@@ -190,7 +189,6 @@ class RemoteSandbox(VMSandbox):
             raise
 
 
-@BACKENDS.register("remote")
 class RemoteBackend(SandboxBackend[RemoteSandbox]):
     """Creates, forks and tracks sandboxes in a remote sandbox service (module docstring).
 
@@ -202,6 +200,7 @@ class RemoteBackend(SandboxBackend[RemoteSandbox]):
 
     name = "remote"
     sandbox_type = RemoteSandbox
+    config_class = RemoteBackendConfig
 
     def __init__(self, config: RemoteBackendConfig) -> None:
         self.config = config

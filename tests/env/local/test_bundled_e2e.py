@@ -16,9 +16,10 @@ import pytest
 
 from osworld_jax.env.actions import parse_action
 from osworld_jax.env.bundled import bundled_task_dir
+from osworld_jax.env.capabilities import capabilities
 from osworld_jax.env.local import LocalBackend
 from osworld_jax.env.local.desktop import pid_namespace_members
-from osworld_jax.env.tasks import capabilities, load_task
+from osworld_jax.env.tasks import load_task
 
 SOLUTIONS = Path(__file__).resolve().parents[1] / "bundled_solutions.json"
 TASK_FILES = sorted(bundled_task_dir().rglob("*.json"))

@@ -8,7 +8,8 @@ import pytest
 from PIL import Image
 
 from osworld_jax.env.actions import parse_action
-from osworld_jax.env.backend import BACKENDS, SandboxCreateError
+from osworld_jax.env.backend import SandboxCreateError
+from osworld_jax.env.backends import BACKENDS
 from osworld_jax.env.local import LocalBackend, LocalSandbox
 from osworld_jax.env.local.desktop import pid_namespace_members
 from osworld_jax.env.tasks import load_task

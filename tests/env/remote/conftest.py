@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from osworld_jax.env.remote import RemoteBackend, RemoteBackendConfig
-from osworld_jax.env.remote.fake_service import FakeFaults, FakeSandboxService, make_test_pki
+from osworld_jax.testing.sandbox_service import FakeFaults, FakeSandboxService, make_test_pki
 
 TOKEN_ENV = "OSWORLD_JAX_TEST_SANDBOX_TOKEN"
 TOKEN = "sbx-" + secrets.token_hex(16)

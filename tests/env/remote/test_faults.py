@@ -8,8 +8,8 @@ import pytest
 from osworld_jax.env.agent_env import AgentEnv, AgentEnvConfig
 from osworld_jax.env.backend import SandboxTimeout
 from osworld_jax.env.remote.api import RateLimiter, RemoteServiceError
-from osworld_jax.env.remote.fake_service import FakeFaults
-from osworld_jax.env.testing import word_task
+from osworld_jax.testing.memory import word_task
+from osworld_jax.testing.sandbox_service import FakeFaults
 
 from .conftest import TYPE, Scripted, service_and_backend
 

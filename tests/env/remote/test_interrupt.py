@@ -17,8 +17,8 @@ SCRIPT = textwrap.dedent(
     import asyncio, json, sys
     from osworld_jax.env.agent_env import AgentEnv, AgentEnvConfig
     from osworld_jax.env.remote import RemoteBackend, RemoteBackendConfig
-    from osworld_jax.env.remote.fake_service import FakeSandboxService, make_test_pki
-    from osworld_jax.env.testing import word_task
+    from osworld_jax.testing.sandbox_service import FakeSandboxService, make_test_pki
+    from osworld_jax.testing.memory import word_task
 
     class Slow:
         async def act(self, obs):

@@ -10,11 +10,11 @@ import aiohttp
 
 from osworld_jax.env.actions import parse_action
 from osworld_jax.env.agent_env import AgentEnv, AgentEnvConfig
-from osworld_jax.env.backend import BACKENDS
+from osworld_jax.env.backends import BACKENDS
 from osworld_jax.env.remote import RemoteBackend, RemoteBackendConfig, pinned_ssl_context
-from osworld_jax.env.remote.fake_service import FakeFaults
 from osworld_jax.env.tasks import load_task
-from osworld_jax.env.testing import word_task, word_task_dict
+from osworld_jax.testing.memory import word_task, word_task_dict
+from osworld_jax.testing.sandbox_service import FakeFaults
 
 from .conftest import TOKEN, TOKEN_ENV, TYPE, Scripted, service_and_backend
 
@@ -142,7 +142,7 @@ def test_fake_service_runs_standalone(tmp_path):
         [
             sys.executable,
             "-m",
-            "osworld_jax.env.remote.fake_service",
+            "osworld_jax.testing.sandbox_service",
             "--pki-dir",
             str(tmp_path),
             "--token-env",

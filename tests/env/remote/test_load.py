@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from osworld_jax.env.remote.fake_service import FakeFaults
+from osworld_jax.testing.sandbox_service import FakeFaults
 
 _PATH = Path(__file__).resolve().parents[3] / "benchmarks" / "sandbox_load.py"
 _spec = importlib.util.spec_from_file_location("sandbox_load", _PATH)

@@ -7,7 +7,7 @@ import pytest
 
 from osworld_jax.env.backend import PreflightError
 from osworld_jax.env.remote import RemoteBackend
-from osworld_jax.env.remote.fake_service import FakeFaults, FakeSandboxService
+from osworld_jax.testing.sandbox_service import FakeFaults, FakeSandboxService
 
 from .conftest import TOKEN, TOKEN_ENV, make_config
 

@@ -16,8 +16,8 @@ from osworld_jax.env.remote import (
     pinned_ssl_context,
 )
 from osworld_jax.env.remote.api import retry_after_s
-from osworld_jax.env.remote.fake_service import FakeFaults, FakeSandboxService
-from osworld_jax.env.testing import word_task
+from osworld_jax.testing.memory import word_task
+from osworld_jax.testing.sandbox_service import FakeFaults, FakeSandboxService
 
 from .conftest import TOKEN, make_config, service_and_backend
 

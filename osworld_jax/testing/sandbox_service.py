@@ -5,8 +5,8 @@
 ``remote`` backend uses (``osworld_jax.env.remote.api``: create, get, list by metadata, delete,
 endpoints, fork, snapshots) under ``/v1``, and serves each sandbox's in-VM server (the OSWorld
 protocol: ``/screenshot``, ``/execute``, ...) under ``/v1/sandboxes/{id}/proxy/5000/`` over an
-in-memory desktop (``osworld_jax.env.testing.MemoryDesktop``). ``python3 -c CODE`` executions
-apply CODE's pyautogui calls to the desktop (read with ``ast``, never executed).
+in-memory desktop (``osworld_jax.testing.memory_desktop.MemoryDesktop``). ``python3 -c CODE``
+executions apply CODE's pyautogui calls to the desktop (read with ``ast``, never executed).
 
 Semantics that the tests lean on:
 
@@ -45,7 +45,7 @@ from typing import Any
 from aiohttp import web
 
 from osworld_jax.env.backend import SandboxError
-from osworld_jax.env.testing import MemoryDesktop
+from osworld_jax.testing.memory_desktop import MemoryDesktop
 
 __all__ = [
     "FakeFaults",
@@ -680,7 +680,7 @@ def _http_error(status: int, code: str, message: str) -> web.HTTPException:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Serves the fake on its own: ``python -m osworld_jax.env.remote.fake_service``.
+    """Serves the fake on its own: ``python -m osworld_jax.testing.sandbox_service``.
 
     Writes the CA to ``--pki-dir/ca.pem``, reads the token from ``--token-env``, prints one line
     ``serving https://127.0.0.1:PORT/v1`` and serves until interrupted (stats at

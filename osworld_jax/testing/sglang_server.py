@@ -1,4 +1,4 @@
-"""A scriptable fake SGLang server for client tests (aiohttp, 127.0.0.1, free port).
+"""A scriptable fake SGLang server for rollout-client tests (aiohttp, 127.0.0.1, free port).
 
 Its outputs are pure functions of the absolute position, so a request that is aborted and
 resubmitted must stitch to exactly the reply of an uninterrupted request:
@@ -18,18 +18,22 @@ from aiohttp import web
 
 from osworld_jax.rollout.wire import encode_routed_experts
 
+#: Route shape of the fake model: layers, experts per token.
 L, K = 3, 2
 
 
 def token_at(pos: int) -> int:
+    """The token the fake model emits at absolute position ``pos``."""
     return (31 * pos + 7) % 1000
 
 
 def logprob_at(pos: int) -> float:
+    """The logprob the fake model reports for the token at ``pos``."""
     return -0.001 * pos - 0.01
 
 
 def routes_for(rows: range) -> np.ndarray:
+    """The routed experts i32[len(rows), L, K] of the input positions ``rows``."""
     r = np.asarray(rows, dtype=np.int32)[:, None, None]
     lay = np.arange(L, dtype=np.int32)[None, :, None]
     k = np.arange(K, dtype=np.int32)[None, None, :]
@@ -38,7 +42,9 @@ def routes_for(rows: range) -> np.ndarray:
 
 @dataclass
 class FakeServer:
-    """Actions for /generate are popped from ``script`` (default ``ok``):
+    """A fake SGLang server whose ``/generate`` acts out a script.
+
+    Actions for /generate are popped from ``script`` (default ``ok``):
     ``ok``, ``500``, ``hang`` (sleeps past the client timeout), ``short_routes``,
     ``bad_logprob_ids``, ``few_logprobs``, ``abort:N`` (abort after N tokens), ``wait`` (generate
     slowly until paused: a pause aborts it with its partial output), ``400``, ``stale``.
@@ -57,9 +63,11 @@ class FakeServer:
 
     @property
     def url(self) -> str:
+        """The server's base URL."""
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self) -> FakeServer:
+        """Listens on a free loopback port (``url``); returns self."""
         self._pause_event = asyncio.Event()
         app = web.Application()
         app.router.add_post("/generate", self.generate)
@@ -80,18 +88,22 @@ class FakeServer:
         return self
 
     async def stop(self) -> None:
+        """Stops listening."""
         assert self._runner is not None
         await self._runner.cleanup()
 
     async def ok(self, request: web.Request) -> web.Response:
+        """``GET /health``."""
         self.calls.append("health")
         return web.Response(text="ok")
 
     async def model_info(self, request: web.Request) -> web.Response:
+        """``GET /model_info`` (the current weight version)."""
         self.calls.append("model_info")
         return web.json_response({"model_path": "/fake", "weight_version": self.version})
 
     async def pause(self, request: web.Request) -> web.Response:
+        """``POST /pause_generation``: ``wait`` requests return aborted."""
         self.calls.append("pause")
         self.paused = True
         assert self._pause_event is not None
@@ -99,12 +111,14 @@ class FakeServer:
         return web.json_response({"status": "ok"})
 
     async def cont(self, request: web.Request) -> web.Response:
+        """``POST /continue_generation``."""
         self.calls.append("continue")
         self.paused = False
         self._pause_event = asyncio.Event()
         return web.json_response({"status": "ok"})
 
     async def flush(self, request: web.Request) -> web.Response:
+        """``POST /flush_cache``: 400 "busy" ``flush_busy`` times, then 200."""
         self.calls.append("flush")
         if self.flush_busy > 0:
             self.flush_busy -= 1
@@ -112,6 +126,7 @@ class FakeServer:
         return web.Response(text="flushed")
 
     async def update(self, request: web.Request) -> web.Response:
+        """``POST /update_weights_from_disk``: takes the new weight version (or fails)."""
         body = await request.json()
         self.calls.append("update")
         if self.fail_update:
@@ -120,15 +135,17 @@ class FakeServer:
         return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
 
     async def abort_request(self, request: web.Request) -> web.Response:
+        """``POST /abort_request`` (recorded in ``calls``)."""
         body = await request.json()
         self.calls.append(f"abort_request:{body['rid']}")
         return web.Response()
 
     def reply(self, body: dict[str, Any], n: int, finish: dict[str, Any], **bad: Any) -> Any:
+        """The ``/generate`` reply of ``n`` tokens for ``body``, corrupted as ``bad`` says."""
         prompt = body["input_ids"]
         p = len(prompt)
         out = [token_at(p + i) for i in range(n)]
-        lps = [[logprob_at(p + i), t, None] for i, t in enumerate(out)]
+        lps: list[list[Any]] = [[logprob_at(p + i), t, None] for i, t in enumerate(out)]
         meta: dict[str, Any] = {
             "id": body["rid"],
             "finish_reason": finish,
@@ -150,6 +167,7 @@ class FakeServer:
         return {"text": f"<{n} tokens>", "output_ids": out, "meta_info": meta}
 
     async def generate(self, request: web.Request) -> web.Response:
+        """``POST /generate``: acts out the next ``script`` entry."""
         body = await request.json()
         self.requests.append(body)
         action = self.script.pop(0) if self.script else "ok"
@@ -171,7 +189,7 @@ class FakeServer:
             return web.json_response(
                 self.reply(body, n, {"type": "abort", "message": "pause_generation"})
             )
-        bad = (
+        bad: dict[str, Any] = (
             {action: True} if action in ("short_routes", "bad_logprob_ids", "few_logprobs") else {}
         )
         if action == "stale":

@@ -1,16 +1,13 @@
-"""In-process test backends: a tiny simulated desktop ("memory") and a fault injector (no X).
+"""The ``memory`` sandbox backend: a tiny simulated desktop in this process (no X, no jail).
 
-``MemoryBackend`` (registered as ``"memory"``) implements the sandbox interface over
-``MemoryDesktop`` (``osworld_jax.env.memory_desktop``: a dict filesystem, a small command
+``MemoryBackend`` (``BACKENDS`` name ``"memory"``) implements the sandbox interface over
+``MemoryDesktop`` (``osworld_jax.testing.memory_desktop``: a dict filesystem, a small command
 interpreter, a text editor; agent code is read, never executed), so AgentEnv, the agent room and
 the RL loop run fast and deterministically, with tasks scored through the normal
 setup/getter/metric path.
 
 ``word_task(word)`` builds the learnable task family: "type WORD"; the reward is 1 iff the text
 typed into the (auto-saving) editor equals ``word`` (``vm_command_line`` + ``exact_match``).
-
-``FaultInjectingBackend(inner, fail_rate, seed)`` wraps any backend and fails that fraction of
-create/fork/step/evaluate calls with typed errors (evaluate failures are transient, HTTP 503).
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ import copy
 import itertools
 import json
 import os
-import random
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,19 +24,17 @@ from typing import Any
 
 from osworld_jax.env.actions import Action, ActionKind, to_pyautogui
 from osworld_jax.env.backend import (
-    BACKENDS,
     Observation,
     Sandbox,
     SandboxBackend,
     SandboxCreateError,
     SandboxError,
-    SandboxEvalError,
     SandboxStepError,
 )
 from osworld_jax.env.evaluators import evaluate_task
-from osworld_jax.env.memory_desktop import EDITORS, HOME, MemoryDesktop
 from osworld_jax.env.setup import SetupContext, run_setup
 from osworld_jax.env.tasks import Task, load_task
+from osworld_jax.testing.memory_desktop import EDITORS, HOME, MemoryDesktop
 
 
 async def _no_sleep(seconds: float) -> None:
@@ -91,7 +85,6 @@ class MemorySandbox(Sandbox):
         self._backend._live.pop(self.id, None)
 
 
-@BACKENDS.register("memory")
 class MemoryBackend(SandboxBackend[MemorySandbox]):
     """Sandboxes on ``MemoryDesktop`` (see the module docstring); fork = a deep copy.
 
@@ -175,7 +168,7 @@ def word_task_dict(word: str, *, task_id: str | None = None) -> dict[str, Any]:
         "id": task_id or f"memory-word-{word}",
         "snapshot": "memory",
         "instruction": f"Type the word {word} into the open editor.",
-        "source": "osworld_jax.env.testing.word_task",
+        "source": "osworld_jax.testing.memory.word_task",
         "config": [{"type": "launch", "parameters": {"command": ["memory-editor", path]}}],
         "evaluator": {
             "func": "exact_match",
@@ -209,98 +202,3 @@ def word_task(word: str, *, task_id: str | None = None) -> Task:
     ``vm_command_line`` (``cat`` of the auto-saved file) + ``exact_match``.
     """
     return load_task(word_task_dict(word, task_id=task_id))
-
-
-# ------------------------------------------------------------------------------- faults
-
-
-class InjectedFault(SandboxError):
-    """Raised by ``FaultInjectingBackend``; ``status`` is 503 for injected transient faults."""
-
-    def __init__(self, message: str, *, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class InjectedCreateFault(InjectedFault, SandboxCreateError):
-    """An injected create/fork failure."""
-
-
-class InjectedStepFault(InjectedFault, SandboxStepError):
-    """An injected step failure."""
-
-
-class InjectedEvalFault(InjectedFault, SandboxEvalError):
-    """An injected (transient, HTTP 503) evaluation failure."""
-
-
-class _FaultySandbox(Sandbox):
-    def __init__(self, inner: Sandbox, owner: FaultInjectingBackend) -> None:
-        self.inner = inner
-        self.id = inner.id
-        self._owner = owner
-
-    async def observe(self) -> Observation:
-        return await self.inner.observe()
-
-    async def step(self, action: Action) -> Observation:
-        self._owner._maybe("step", InjectedStepFault)
-        return await self.inner.step(action)
-
-    async def evaluate(self, last_action: Action | None) -> float:
-        self._owner._maybe("evaluate", InjectedEvalFault, status=503)
-        return await self.inner.evaluate(last_action)
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-
-class FaultInjectingBackend(SandboxBackend[_FaultySandbox]):
-    """Wraps a backend; fails ``fail_rate`` of create/fork/step/evaluate calls with typed errors.
-
-    Attributes:
-      inner: the wrapped backend (its inventory is this backend's inventory).
-      fail_rate: the probability that a call fails.
-      injected: how many faults were injected per operation.
-    """
-
-    name = "fault-injecting"
-    sandbox_type = _FaultySandbox
-
-    def __init__(
-        self,
-        inner: SandboxBackend,
-        fail_rate: float,
-        seed: int = 0,
-        *,
-        ops: Sequence[str] = ("create", "fork", "step", "evaluate"),
-    ) -> None:
-        if not 0.0 <= fail_rate <= 1.0:
-            raise ValueError(f"fail_rate must be in [0, 1], got {fail_rate}")
-        self.inner = inner
-        self.fail_rate = fail_rate
-        self.ops = frozenset(ops)
-        self.injected: dict[str, int] = {op: 0 for op in self.ops}
-        self._rng = random.Random(seed)
-
-    def _maybe(self, op: str, exc: type[InjectedFault], status: int | None = None) -> None:
-        if op in self.ops and self._rng.random() < self.fail_rate:
-            self.injected[op] += 1
-            raise exc(f"injected {op} fault", status=status)
-
-    def preflight(self) -> None:  # noqa: D102
-        self.inner.preflight()
-
-    async def create(self, task: Task) -> _FaultySandbox:  # noqa: D102
-        self._maybe("create", InjectedCreateFault)
-        return _FaultySandbox(await self.inner.create(task), self)
-
-    async def _fork(self, sandbox: _FaultySandbox, n: int) -> list[_FaultySandbox]:  # noqa: D102
-        self._maybe("fork", InjectedCreateFault)
-        return [_FaultySandbox(s, self) for s in await self.inner.fork(sandbox.inner, n)]
-
-    def inventory(self) -> list[str]:  # noqa: D102
-        return self.inner.inventory()
-
-    async def aclose(self) -> None:  # noqa: D102
-        await self.inner.aclose()
