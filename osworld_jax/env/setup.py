@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -19,9 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from osworld_jax.env import cache
-from osworld_jax.env.backend import SandboxCreateError
-from osworld_jax.env.protocol import VMProtocol
+from osworld_jax.env.backend import SandboxCreateError, SandboxStepError
+from osworld_jax.env.protocol import VMProtocol, is_transient
 from osworld_jax.registry import Registry
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -88,13 +91,14 @@ async def _launch(vm: VMProtocol, params: Mapping[str, Any], ctx: SetupContext) 
 
 
 def _until_met(result: Mapping[str, Any], until: Mapping[str, Any]) -> bool:
-    if "returncode" in until and result.get("returncode") != until["returncode"]:
-        return False
-    if "stdout" in until and str(until["stdout"]) not in str(result.get("output", "")):
-        return False
-    if "stderr" in until and str(until["stderr"]) not in str(result.get("error", "")):
-        return False
-    return True
+    """Upstream's ``until``: met when ANY listed condition holds (returncode equal, or the
+    ``stdout`` / ``stderr`` string contained in the command's output / error).
+    """  # noqa: D205
+    return (
+        ("returncode" in until and result.get("returncode") == until["returncode"])
+        or ("stdout" in until and str(until["stdout"]) in str(result.get("output") or ""))
+        or ("stderr" in until and str(until["stderr"]) in str(result.get("error") or ""))
+    )
 
 
 def _save_outputs(params: Mapping[str, Any], result: Mapping[str, Any], ctx: SetupContext) -> None:
@@ -133,32 +137,54 @@ async def _sleep(vm: VMProtocol, params: Mapping[str, Any], ctx: SetupContext) -
     await ctx.sleep(float(_require(params, "seconds", "sleep")))
 
 
+async def _window_step(
+    vm: VMProtocol, params: Mapping[str, Any], step: str, activate: bool
+) -> None:
+    """``activate_window`` / ``close_window``: a window that is not there is logged, not fatal.
+
+    Upstream logs any non-200 reply of these routes (e.g. 404 "window not found") and goes on;
+    only a transient failure (5xx after the caller's retries, a dropped connection) raises.
+    """
+    name = _require(params, "window_name", step)
+    if not name:
+        raise SetupStepError(f"setup step {step!r}: empty window_name")
+    fn = vm.activate_window if activate else vm.close_window
+    try:
+        await fn(
+            name,
+            strict=bool(params.get("strict", False)),
+            by_class=bool(params.get("by_class", False)),
+        )
+    except SandboxStepError as e:
+        if is_transient(e) or not isinstance(getattr(e, "status", None), int):
+            raise
+        log.warning("setup step %s %r: %s (ignored, as upstream)", step, name, e)
+
+
 @SETUP_STEPS.register("activate_window")
 async def _activate(vm: VMProtocol, params: Mapping[str, Any], ctx: SetupContext) -> None:
-    await vm.activate_window(
-        _require(params, "window_name", "activate_window"),
-        strict=bool(params.get("strict", False)),
-        by_class=bool(params.get("by_class", False)),
-    )
+    await _window_step(vm, params, "activate_window", True)
 
 
 @SETUP_STEPS.register("close_window")
 async def _close(vm: VMProtocol, params: Mapping[str, Any], ctx: SetupContext) -> None:
-    await vm.close_window(
-        _require(params, "window_name", "close_window"),
-        strict=bool(params.get("strict", False)),
-        by_class=bool(params.get("by_class", False)),
-    )
+    await _window_step(vm, params, "close_window", False)
 
 
 @SETUP_STEPS.register("upload_file")
 async def _upload_file(vm: VMProtocol, params: Mapping[str, Any], ctx: SetupContext) -> None:
-    # Upstream: ``{local_path, path}``; here the local path goes through the cache resolver too.
-    src = _require(params, "local_path", "upload_file")
-    local = cache.resolve(src, ctx.cache_dir, ctx.task_id, ctx.base_dir)
-    if local is None:
-        raise SetupStepError(f"setup step 'upload_file': {src} not found")
-    await vm.upload(_require(params, "path", "upload_file"), Path(local).read_bytes())
+    # Upstream: ``files: [{local_path, path}]``; the local path resolves like a download URL
+    # (an absolute path, ``file://``, or relative to the task file's directory).
+    for f in _require(params, "files", "upload_file"):
+        src, dest = f.get("local_path"), f.get("path")
+        if not src or not dest:
+            raise SetupStepError(
+                f"setup step 'upload_file': each file needs local_path and path, got {f}"
+            )
+        local = cache.resolve(src, ctx.cache_dir, ctx.task_id, ctx.base_dir)
+        if local is None:
+            raise SetupStepError(f"setup step 'upload_file': {src} not found")
+        await vm.upload(dest, Path(local).read_bytes())
 
 
 _PLACEHOLDER = re.compile(

@@ -45,9 +45,33 @@ def test_vm_file_getter(tmp_path):
     assert p == str(tmp_path / "a.txt") and (tmp_path / "a.txt").read_bytes() == b"A"
     assert run(g(vm, {"path": "/home/user/missing", "dest": "m"}, ctx)) is None
     multi = {"path": ["/home/user/a.txt", "/nope"], "dest": ["x", "y"], "multi": True, "gives": [1]}
-    assert run(g(vm, multi, ctx)) == [None]
+    assert run(g(vm, multi, ctx)) is None  # one index gives the value itself, not a list
     with pytest.raises(SandboxEvalError, match="escapes"):
         run(g(vm, {"path": "/home/user/a.txt", "dest": "../evil"}, ctx))
+
+
+def test_multi_file_getters_give_the_first_file_by_default(tmp_path):
+    # Upstream's gives defaults to [0]: a multi getter without gives returns the first path
+    # (a str); the other files are still fetched beside it (sheet_print reads the CSV there).
+    vm = MemoryDesktop()
+    vm.files["/home/user/b.xlsx"] = b"X"
+    vm.files["/home/user/b-Sheet1.csv"] = b"C"
+    vm.files["/home/user/c.txt"] = b"T"
+    ctx = EvalContext(work_dir=tmp_path)
+    g = GETTERS.get("vm_file")
+    params = {
+        "path": ["/home/user/b.xlsx", "/home/user/b-Sheet1.csv", "/home/user/c.txt"],
+        "dest": ["b.xlsx", "b-Sheet1.csv", "c.txt"],
+        "multi": True,
+    }
+    assert run(g(vm, params, ctx)) == str(tmp_path / "b.xlsx")
+    assert (tmp_path / "b-Sheet1.csv").read_bytes() == b"C"
+    # several indices give a list in file order, whatever order gives lists them in
+    assert run(g(vm, {**params, "gives": [2, 0]}, ctx)) == [
+        str(tmp_path / "b.xlsx"),
+        str(tmp_path / "c.txt"),
+    ]
+    assert run(g(vm, {**params, "gives": []}, ctx)) == []
 
 
 def test_command_getters_rule_and_terminal(tmp_path):
@@ -61,10 +85,6 @@ def test_command_getters_rule_and_terminal(tmp_path):
     vm.terminal_text = "$ ls\n"
     assert run(GETTERS.get("vm_terminal_output")(vm, {}, ctx)) == "$ ls\n"
     assert run(GETTERS.get("vm_screen_size")(vm, {}, ctx)) == {"width": 1920, "height": 1080}
-    assert run(GETTERS.get("list_directory")(vm, {"path": "/home/user"}, ctx)) == [
-        "Desktop",
-        "Documents",
-    ]
     assert "<desktop-frame" in run(GETTERS.get("accessibility_tree")(vm, {}, ctx))
 
 

@@ -173,7 +173,7 @@ def test_capabilities_live_web_gdrive_login_and_options():
                 "func": "compare_table",
                 "result": {"type": "vm_file", "path": "/a.xlsx", "dest": "a.xlsx"},
                 "expected": {"type": "rule", "rules": {}},
-                "options": {"rules": [{"type": "chart"}]},
+                "options": {"rules": [{"type": "hologram"}]},
             },
         )
     )

@@ -6,6 +6,9 @@ iff the agent's last action is FAIL; otherwise a FAIL answer scores 0; each metr
 getter); with several metrics ``conj="and"`` returns 0 at the first 0 and else the mean,
 ``conj="or"`` returns 1 at the first 1 and else the maximum.
 
+A ``FileNotFoundError`` from a ``result`` getter scores that metric 0 (upstream does the same);
+a 4xx reply to a postconfig ``activate_window`` / ``close_window`` is logged and scoring goes on.
+
 Transient sandbox errors (HTTP 5xx, timeouts, dropped connections: ``protocol.is_transient``)
 are retried per call with exponential back-off, so a blip never scores a solved task 0; what
 still fails raises ``SandboxEvalError`` (the owner is masked, not scored).
@@ -144,13 +147,18 @@ async def evaluate_task(
                 if name == "infeasible":
                     score = float(failed)
                 else:
-                    _, result = await _get(ev.result[i], rvm, ctx, "result")
-                    has_exp, expected = await _get(ev.expected[i], rvm, ctx, "expected")
-                    metric = METRICS.get(name)
-                    opts = dict(ev.options[i])
-                    score = float(
-                        metric(result, expected, **opts) if has_exp else metric(result, **opts)
-                    )
+                    try:
+                        _, result = await _get(ev.result[i], rvm, ctx, "result")
+                    except FileNotFoundError:
+                        # Upstream: a result file that is not there scores the metric 0.
+                        result, score = None, 0.0
+                    else:
+                        has_exp, expected = await _get(ev.expected[i], rvm, ctx, "expected")
+                        metric = METRICS.get(name)
+                        opts = dict(ev.options[i])
+                        score = float(
+                            metric(result, expected, **opts) if has_exp else metric(result, **opts)
+                        )
                 if not 0.0 <= score <= 1.0:
                     raise SandboxEvalError(f"task {task.id}: metric {name} returned {score}")
                 if ev.conj == "and" and score == 0.0:

@@ -1,13 +1,20 @@
 """OSWorld getters: fetch the observed (``result``) or reference (``expected``) state.
 
-Semantics follow upstream ``desktop_env/evaluators/getters``: file getters copy a file to the
-evaluation's scratch directory and return its local path (``None`` when the file does not exist;
-with ``multi`` a list, narrowed by ``gives``); command getters return the command's stdout
-(``vm_command_line``) or stderr (``vm_command_error``); ``rule`` returns its ``rules`` object.
+Semantics follow upstream ``desktop_env/evaluators/getters`` (``file.py``, ``general.py``,
+``info.py``, ``misc.py``): file getters copy a file to the evaluation's scratch directory and
+return its local path (``None`` when the file does not exist); with ``multi`` they take parallel
+``path``/``dest`` lists and return the files picked by ``gives`` (default ``[0]``: one index gives
+a path, several a list); command getters return the command's stdout (``vm_command_line``) or
+stderr (``vm_command_error``); ``rule`` returns its ``rules`` object.
+
+Getters that need more than the in-VM protocol's routes run a short Python program inside the
+desktop (``run_python``; both OSWorld's VM and the local jail have ``python3``) and read its JSON
+output, so they work the same on every backend.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,10 +40,14 @@ def _multi(params: Mapping[str, Any]) -> tuple[list[Any], list[str], bool]:
 
 
 def _gives(params: Mapping[str, Any], out: list[Any]) -> Any:
-    gives = params.get("gives")
-    if gives is None:
-        return out
-    return [out[i] for i in gives] if isinstance(gives, list) else out[gives]
+    """Upstream's ``gives`` (default ``[0]``): the listed indices, in file order.
+
+    One index gives that file's path itself, several a list (``[]`` an empty list).
+    """
+    gives = params.get("gives", [0])
+    wanted = set(gives if isinstance(gives, list) else [gives])
+    picked = [x for i, x in enumerate(out) if i in wanted]
+    return picked[0] if len(picked) == 1 else picked
 
 
 def _scratch(ctx: EvalContext, dest: str) -> Path:
@@ -75,7 +86,7 @@ async def vm_file(vm: VMProtocol, params: Mapping[str, Any], ctx: EvalContext) -
         target = _scratch(ctx, d)
         target.write_bytes(data)
         out.append(str(target))
-    return _gives(params, out) if multi else out[0]
+    return _gives(params, out)
 
 
 @GETTERS.register("cloud_file")
@@ -90,7 +101,7 @@ async def cloud_file(vm: VMProtocol, params: Mapping[str, Any], ctx: EvalContext
         target = _scratch(ctx, d)
         target.write_bytes(local.read_bytes())
         out.append(str(target))
-    return _gives(params, out) if multi else out[0]
+    return _gives(params, out)
 
 
 @GETTERS.register("cache_file")
@@ -146,10 +157,63 @@ async def rule(vm: VMProtocol, params: Mapping[str, Any], ctx: EvalContext) -> A
     return params["rules"]
 
 
+_LIST_TREE = """
+import json, os, sys
+def tree(d):
+    node = {"type": "directory", "name": os.path.basename(d), "children": []}
+    try:
+        for e in os.listdir(d):
+            full = os.path.join(d, e)
+            leaf = {"type": "file", "name": e}
+            node["children"].append(tree(full) if os.path.isdir(full) else leaf)
+    except OSError as err:
+        return {"error": str(err)}
+    return node
+p = os.path.expanduser(sys.argv[1])
+print(json.dumps(tree(p) if os.path.isdir(p) else None))
+"""
+
+
+async def run_python(vm: VMProtocol, code: str, *args: str) -> Any:
+    """Runs ``python3 -c code args...`` in the desktop and returns its stdout parsed as JSON.
+
+    Raises:
+      SandboxEvalError: the program failed or printed something that is not JSON.
+    """
+    r = await vm.execute(["python3", "-c", code, *args])
+    out = str(r.get("output") or "").strip()
+    if r.get("returncode") not in (0, None) or not out:
+        err = str(r.get("error") or "").strip().splitlines()[-1:] or [f"rc={r.get('returncode')}"]
+        raise SandboxEvalError(f"python in the desktop failed: {err[0][:200]}")
+    try:
+        return json.loads(out.splitlines()[-1])
+    except json.JSONDecodeError as e:
+        raise SandboxEvalError(f"python in the desktop printed no JSON: {out[:200]!r}") from e
+
+
 @GETTERS.register("list_directory")
 async def list_directory(vm: VMProtocol, params: Mapping[str, Any], ctx: EvalContext) -> Any:
-    """The sorted names of the entries of directory ``path`` in the desktop (None if absent)."""
-    r = await vm.execute(["ls", "-1A", str(params["path"])])
-    if r.get("returncode") not in (0, None):
-        return None
-    return sorted(line for line in str(r.get("output") or "").splitlines() if line)
+    """The directory tree at ``path`` in the desktop, as upstream's ``/list_directory`` gives it.
+
+    ``{"type": "directory", "name": basename, "children": [...]}`` with files as ``{"type":
+    "file", "name": ...}`` and subdirectories nested (``os.listdir`` order); None when ``path``
+    is not a directory.
+    """
+    return await run_python(vm, _LIST_TREE, str(params["path"]))
+
+
+@GETTERS.register("content_from_vm_file")
+async def content_from_vm_file(vm: VMProtocol, params: Mapping[str, Any], ctx: EvalContext) -> Any:
+    """Part of a desktop file: ``file_type: xlsx`` with ``file_content: last_row`` gives the
+    sheet's last row (first sheet, header row excluded) as a list of strings (pandas' ``str``).
+    """  # noqa: D205
+    kind, what = params.get("file_type"), params.get("file_content")
+    if kind != "xlsx" or what != "last_row":
+        raise SandboxEvalError(f"getter content_from_vm_file: {kind}/{what} is not supported")
+    path = str(params["path"])
+    local = await vm_file(vm, {"path": path, "dest": Path(path).name}, ctx)
+    if local is None:
+        raise FileNotFoundError(path)
+    import pandas as pd
+
+    return pd.read_excel(local).iloc[-1].astype(str).tolist()
