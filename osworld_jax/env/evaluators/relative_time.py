@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from osworld_jax.env.backend import SandboxEvalError
+from osworld_jax.env.evaluators.getters import run_python
 from osworld_jax.env.evaluators.registry import GETTERS, EvalContext
 from osworld_jax.env.protocol import VMProtocol
 
@@ -148,8 +149,6 @@ async def desktop_now(vm: VMProtocol, timezone: str | None = None) -> dt.datetim
             return dt.datetime.now(zoneinfo.ZoneInfo(timezone))
         except (zoneinfo.ZoneInfoNotFoundError, ValueError):
             return dt.datetime.now(dt.UTC)
-    from osworld_jax.env.evaluators.getters import run_python
-
     return dt.datetime.fromisoformat(str(await run_python(vm, _NOW)))
 
 

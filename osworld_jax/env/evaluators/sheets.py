@@ -18,6 +18,8 @@ from typing import Any
 
 from lxml import etree
 
+from osworld_jax.env.evaluators.rules import read_lines_any_encoding
+
 _MAIN = "http://schemas.openxmlformats.org/spreadsheetml/2006/main"
 _NS = {"oo": _MAIN}
 
@@ -457,8 +459,6 @@ def sheet_csv_lines(book_path: str | Path, sheet: str) -> list[str] | None:
     """The printed sheet: ``<book stem>-<sheet>.csv`` beside the book (written by LibreOffice's
     CSV export in the task's postconfig), stripped lines without trailing blank ones, or None.
     """  # noqa: D205
-    from osworld_jax.env.evaluators.rules import read_lines_any_encoding
-
     p = Path(book_path)
     csv_path = p.with_name(f"{p.with_suffix('').name}-{sheet}.csv")
     try:
