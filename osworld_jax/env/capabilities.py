@@ -19,7 +19,7 @@ import re
 import shlex
 import shutil
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -123,17 +123,7 @@ def _shell_builtin(prog: str) -> bool:
 
 
 def _files_needed(task: Task) -> list[str]:
-    urls: list[Any] = []
-    for s in (*task.config, *task.evaluator.postconfig):
-        if s.type == "download":
-            for f in s.parameters.get("files", []) or []:
-                if isinstance(f, Mapping) and isinstance(f.get("url"), str):
-                    urls.append(f["url"])
-    for g in (*task.evaluator.result, *task.evaluator.expected):
-        if g is not None and g.type == "cloud_file":
-            paths = g.params.get("path")
-            urls.extend(paths if isinstance(paths, list) else [paths])
-    return [u for u in urls if isinstance(u, str)]
+    return cache.remote_files(task)
 
 
 # Commands that reach the network (package managers, downloads): not runnable offline.

@@ -1,19 +1,4 @@
-"""The local file cache that stands in for OSWorld's remote file cache (no network here).
-
-A task's ``download`` steps and ``cloud_file`` getters name URLs. Machines here cannot reach them,
-so a URL resolves to a file of a local cache directory, found under one of these keys (first hit
-wins):
-
-1. ``<cache_dir>/<sha256(url) hex>`` — exact, collision free;
-2. ``<cache_dir>/<repo path>`` — for a Hugging Face ``.../resolve/<rev>/<path>`` URL, the path
-   inside the repository, so a local copy of ``xlangai/ubuntu_osworld_file_cache`` works as the
-   cache directory as is (``<domain>/<task id>/<file>``);
-3. ``<cache_dir>/<task id>/<url basename>`` — the layout OSWorld's own ``cache/`` uses;
-4. ``<cache_dir>/<url basename>``.
-
-A URL that resolves to nothing is reported by ``capabilities`` (task not runnable here) and, if a
-setup step needs it anyway, raises ``SandboxCreateError`` naming the URL.
-"""
+"""Where a task's remote file lives in the local cache (see ``osworld_jax.env.cache``)."""
 
 from __future__ import annotations
 
@@ -21,9 +6,18 @@ import hashlib
 import os
 import re
 import urllib.parse
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
+
+from osworld_jax.env.tasks import Task
 
 CACHE_ENV_VAR = "OSWORLD_JAX_FILE_CACHE"
+# The empty Chrome history upstream's ``update_browse_history`` step fills in.
+HISTORY_EMPTY_URL = (
+    "https://huggingface.co/datasets/xlangai/ubuntu_osworld_file_cache/resolve/main/chrome/"
+    "44ee5668-ecd5-4366-a6ce-c1c9b8d4e938/history_empty.sqlite?download=true"
+)
 
 
 def default_cache_dir() -> Path:
@@ -52,6 +46,11 @@ def cache_keys(url: str, task_id: str | None = None) -> list[str]:
             keys.append(f"{task_id}/{base}")
         keys.append(base)
     return keys
+
+
+def is_remote(url: str) -> bool:
+    """Whether ``url`` names a file on the network (http/https), not a local or bundled one."""
+    return urllib.parse.urlsplit(url).scheme in ("http", "https")
 
 
 def resolve(
@@ -84,3 +83,25 @@ def resolve(
         if p.is_file():
             return p
     return None
+
+
+def remote_files(task: Task) -> list[str]:
+    """The URLs of the files ``task`` needs from the file cache, in task order, no repeats.
+
+    ``download`` steps (setup and postconfig), ``cloud_file`` getters, and the empty history
+    database of ``update_browse_history`` steps. Bundled tasks' relative paths are included (they
+    resolve beside the task file); ``fetch`` skips them.
+    """
+    urls: list[Any] = []
+    for s in (*task.config, *task.evaluator.postconfig):
+        if s.type == "download":
+            for f in s.parameters.get("files", []) or []:
+                if isinstance(f, Mapping):
+                    urls.append(f.get("url"))
+        elif s.type == "update_browse_history":
+            urls.append(HISTORY_EMPTY_URL)
+    for g in (*task.evaluator.result, *task.evaluator.expected):
+        if g is not None and g.type == "cloud_file":
+            paths = g.params.get("path")
+            urls.extend(paths if isinstance(paths, list) else [paths])
+    return list(dict.fromkeys(u for u in urls if isinstance(u, str) and u))
