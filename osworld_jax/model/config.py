@@ -161,9 +161,17 @@ class Qwen3MoeConfig:
     # ---- HF dict I/O -----------------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, d: Mapping[str, Any]) -> Qwen3MoeConfig:
-        """Reads a HF ``config.json`` dict; unsupported values raise `ModelConfigError`."""
+        """Reads a HF ``config.json`` dict; unsupported values raise `ModelConfigError`.
+
+        A ``qwen3_vl_moe`` dict gives a `Qwen3VLMoeConfig` (a subclass: its text fields are
+        these), so code that reads a checkpoint's config keeps working on VL checkpoints.
+        """
         d = dict(d)
         model_type = d.get("model_type", "qwen3_moe")
+        if model_type == "qwen3_vl_moe" and cls is Qwen3MoeConfig:
+            from osworld_jax.model.vl_config import Qwen3VLMoeConfig
+
+            return Qwen3VLMoeConfig.from_hf_dict(d)
         if model_type != "qwen3_moe":
             raise ModelConfigError(f"config.json model_type: {model_type!r} is not 'qwen3_moe'")
         for key, want in (("hidden_act", "silu"), ("attention_bias", False)):
@@ -323,6 +331,8 @@ class ModelRuntimeConfig:
       activation_batch_axes: mesh axes the residual stream's batch dim is constrained to when the
         call runs under ``jax.set_mesh(mesh)`` (no-op without a mesh context or when they do not
         divide the batch); keeps GSPMD from resharding activations onto parameter axes.
+      vision_attention_chunk: query block size of the ViT attention (0: one block). Bounds its
+        f32 score buffer to [heads, chunk, N patches] (blocks are rematerialised).
     """
 
     expert_backend: str = "dense"
@@ -334,6 +344,7 @@ class ModelRuntimeConfig:
     activation_batch_axes: tuple[str, ...] = ("data", "fsdp", "expert")
     attention: str = "xla"
     attention_chunk: int = 0
+    vision_attention_chunk: int = 1024
 
     def __post_init__(self) -> None:
         from osworld_jax.model.moe import EXPERT_BACKENDS
@@ -348,10 +359,11 @@ class ModelRuntimeConfig:
             raise ModelConfigError(
                 f"ModelRuntimeConfig.attention: {self.attention!r}; choose 'xla' or 'cudnn'"
             )
-        if self.attention_chunk < 0:
-            raise ModelConfigError(
-                f"ModelRuntimeConfig.attention_chunk: {self.attention_chunk} must be >= 0"
-            )
+        for key in ("attention_chunk", "vision_attention_chunk"):
+            if getattr(self, key) < 0:
+                raise ModelConfigError(
+                    f"ModelRuntimeConfig.{key}: {getattr(self, key)} must be >= 0"
+                )
         if self.dtype not in ("float32", "bfloat16"):
             raise ModelConfigError(
                 f"ModelRuntimeConfig.dtype: {self.dtype!r}; choose 'float32' or 'bfloat16'"

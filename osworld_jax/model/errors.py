@@ -13,3 +13,7 @@ class RouterReplayError(OsworldJaxError, ValueError):
 
 class CheckpointError(OsworldJaxError, ValueError):
     """An HF checkpoint on disk is malformed: missing files or tensors, wrong shapes."""
+
+
+class ImageInputError(OsworldJaxError, ValueError):
+    """An image given to the `ImageProcessor` cannot be used (undecodable, wrong shape/dtype)."""
