@@ -259,10 +259,10 @@ class SGLangClient:
         if not prompt:
             raise ValueError(f"request {rid!r}: empty prompt")
         want_routes = self.config.return_routed_experts
-        if want_routes and not 0 <= routed_experts_start_len < len(prompt):
+        if want_routes and not 0 <= routed_experts_start_len <= len(prompt):
             raise ValueError(
                 f"request {rid!r}: routed_experts_start_len={routed_experts_start_len} outside "
-                f"[0, {len(prompt)})"
+                f"[0, {len(prompt)}]"
             )
         parts: list[Reply] = []
         produced = 0

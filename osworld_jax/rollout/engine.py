@@ -27,6 +27,11 @@ import numpy as np
 
 from osworld_jax.rollout.config import GREEDY_EPS, logprob_temperature
 from osworld_jax.rollout.errors import EngineError
+from osworld_jax.rollout.refit_check import (
+    CheckpointMismatch,
+    checkpoint_signature,
+    first_difference,
+)
 from osworld_jax.rollout.runner import MAX_BANNED, ModelRunner, SlotSampling, next_pow2
 from osworld_jax.rollout.wire import encode_routed_experts
 
@@ -42,7 +47,8 @@ class EngineConfig:
     """Settings of the embedded engine (the ``serve`` flags).
 
     Attributes:
-      model_path: HF checkpoint directory (config.json, safetensors, tokenizer.json).
+      model_path: HF checkpoint directory (config.json, safetensors, and tokenizer.json unless
+        ``skip_tokenizer_init``).
       max_running_requests: KV-cache slots, i.e. requests decoded together (rounded up to a
         power of two); more requests wait in a queue.
       context_length: most tokens (prompt + output) per request; default
@@ -62,6 +68,9 @@ class EngineConfig:
       return_original_logprob: report output logprobs at temperature 1 (the model's own
         distribution) instead of at the request's temperature, as SGLang does under
         ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (see `osworld_jax.rollout.logprob_temperature`).
+      skip_tokenizer_init: serve token ids only, without loading a tokenizer (SGLang's
+        ``--skip-tokenizer-init``): ``text`` prompts, ``stop`` strings and ``min_new_tokens``
+        are refused, replies carry no ``text`` and logprob entries no token text.
     """
 
     model_path: str
@@ -77,6 +86,7 @@ class EngineConfig:
     min_decode_batch: int = 1
     max_prefill_batch: int = 8
     return_original_logprob: bool = False
+    skip_tokenizer_init: bool = False
 
 
 @dataclass(kw_only=True, eq=False)
@@ -93,6 +103,7 @@ class GenRequest:
       skip_special_tokens, no_stop_trim: text decoding options.
       key: u32[2] the request's PRNG key.
       return_logprob, logprob_start_len: logprob options (start -1 = output only).
+      return_text_in_logprobs: put each token's text in its logprob entries.
       return_routed_experts, routed_experts_start_len: route options.
       notify: ``notify(request, done)`` called on the engine thread after progress.
       output_ids, output_logprobs, routes, input_logprobs, finish: progress.
@@ -115,6 +126,7 @@ class GenRequest:
     key: np.ndarray
     return_logprob: bool
     logprob_start_len: int
+    return_text_in_logprobs: bool
     return_routed_experts: bool
     routed_experts_start_len: int
     notify: Callable[[GenRequest, bool], None] = lambda r, d: None
@@ -123,6 +135,7 @@ class GenRequest:
     routes: list[np.ndarray] = field(default_factory=list)
     num_route_rows: int = 0
     input_logprobs: np.ndarray | None = None
+    token_texts: dict[str, list[str]] = field(default_factory=dict)
     finish: dict[str, Any] | None = None
     slot: int | None = None
     created: float = field(default_factory=time.monotonic)
@@ -134,7 +147,13 @@ class Engine:
 
     Args:
       config: `EngineConfig`.
-      tokenizer: a ``tokenizers.Tokenizer`` (default: ``model_path/tokenizer.json``).
+      tokenizer: a ``tokenizers.Tokenizer`` (default: ``model_path/tokenizer.json``; none with
+        ``config.skip_tokenizer_init``).
+
+    Attributes:
+      tokenizer: the tokenizer, or None (``skip_tokenizer_init``).
+      max_token_chars: characters of the longest vocabulary entry (a text longer than
+        ``context_length * max_token_chars`` cannot fit the context).
     """
 
     def __init__(self, config: EngineConfig, tokenizer: Any = None) -> None:
@@ -159,8 +178,17 @@ class Engine:
         )
         self.model_config = self.runner.config
         self.model_path = str(path)
+        self.signature = checkpoint_signature(path)  # what a refit may not change
         self.weight_version = config.weight_version
-        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
+        if config.skip_tokenizer_init:
+            self.tokenizer = None
+        else:
+            self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
+        self.max_token_chars = (
+            max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
+            if self.tokenizer is not None
+            else 1
+        )
         self.eos_ids = _eos_ids(path, self.model_config)
         self.vocab_size = self.model_config.vocab_size
         self._rng = np.random.default_rng(config.seed)
@@ -300,8 +328,8 @@ class Engine:
         if seed is None:
             key = self._rng.integers(0, 2**32, size=2, dtype=np.uint32)
         else:
-            seed = int(seed)
-            key = np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32)
+            seed = int(seed) & 0xFFFFFFFFFFFFFFFF  # SGLang seeds are int64; negatives wrap
+            key = np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
         stop = sampling.get("stop") or []
         stop = [stop] if isinstance(stop, str) else list(stop)
         max_new = int(sampling.get("max_new_tokens", 128))
@@ -323,10 +351,11 @@ class Engine:
             key=key,
             return_logprob=bool(opts.get("return_logprob", False)),
             logprob_start_len=int(opts.get("logprob_start_len", -1)),
+            return_text_in_logprobs=bool(opts.get("return_text_in_logprobs", False)),
             return_routed_experts=bool(opts.get("return_routed_experts", False)),
             routed_experts_start_len=int(opts.get("routed_experts_start_len", 0)),
         )
-        if stop:
+        if stop and self.tokenizer is not None:
             req.stop_window = 2 + max(len(self.tokenizer.encode(s).ids) for s in stop)
         return req
 
@@ -382,22 +411,43 @@ class Engine:
     def update_weights(
         self, model_path: str, weight_version: str | None, abort_all: bool
     ) -> concurrent.futures.Future[tuple[bool, str, int]]:
-        """Loads ``model_path`` between steps; returns (success, message, running requests)."""
+        """Loads ``model_path`` between steps; returns (success, message, running requests).
+
+        A checkpoint whose config or tensor names / shapes differ from the served one is
+        refused before anything is aborted or loaded (the message names the first
+        difference); on any failure the served weights stay as they were.
+        """
 
         def run() -> tuple[bool, str, int]:
+            running = sum(r is not None for r in self.slots)
+            try:
+                signature = checkpoint_signature(model_path)
+            except CheckpointMismatch as e:
+                return False, f"refused {model_path}: {e}", running
+            diff = first_difference(self.signature, signature)
+            if diff is not None:
+                return False, f"refused {model_path}: {diff} (still serving the old weights)", 0
             if abort_all:
                 self._abort_matching(lambda r: True, "aborted by /update_weights_from_disk")
-            running = sum(r is not None for r in self.slots)
             try:
                 self.runner.load_weights(model_path)
             except Exception as e:
                 return False, f"failed to load {model_path}: {type(e).__name__}: {e}", running
-            self.model_path = str(model_path)
+            self.model_path, self.signature = str(model_path), signature
             if weight_version is not None:
                 self.weight_version = weight_version
             return True, "Succeeded to update model weights.", running
 
         return self._call(run)
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Runs ``fn`` on the engine thread between steps (e.g. to read a consistent state)."""
+        return self._call(fn)
+
+    def cancel(self, reqs: list[GenRequest], message: str) -> concurrent.futures.Future[int]:
+        """Aborts exactly ``reqs`` (not other requests sharing an rid prefix); returns how many."""
+        ids = {id(r) for r in reqs}
+        return self._call(lambda: self._abort_matching(lambda r: id(r) in ids, message))
 
     # ----------------------------------------------------------------- scheduling
 
@@ -482,7 +532,8 @@ class Engine:
         samp = self._sampling(slots, list(reqs))  # type: ignore[arg-type]
         results = self.runner.prefill(slots, prompts, samp, max_rows)  # type: ignore[arg-type]
         for req, prompt, (tok, lp, routes, hidden) in zip(reqs, prompts, results, strict=True):
-            if req.return_logprob and req.logprob_start_len >= 0 and req.input_logprobs is None:
+            wants_input = 0 <= req.logprob_start_len < len(req.input_ids)
+            if req.return_logprob and wants_input and req.input_logprobs is None:
                 req.input_logprobs = self.runner.prompt_logprobs(hidden, req.input_ids)
             req.routes.append(routes[req.num_route_rows :])
             req.num_route_rows = len(prompt)
@@ -523,7 +574,7 @@ class Engine:
         reason: dict[str, Any] | None = None
         if tok in req.stop_token_ids or (not req.ignore_eos and tok in self.eos_ids):
             reason = {"type": "stop", "matched": tok}
-        if reason is None and req.stop:
+        if reason is None and req.stop and self.tokenizer is not None:
             tail = self.tokenizer.decode(
                 req.output_ids[-req.stop_window :], skip_special_tokens=req.skip_special_tokens
             )
@@ -542,6 +593,7 @@ class Engine:
 
     def text_of(self, req: GenRequest) -> str:
         """Decoded output text with SGLang's stop trimming (unless ``no_stop_trim``)."""
+        assert self.tokenizer is not None, "text_of needs a tokenizer"
         ids = req.output_ids
         matched = (req.finish or {}).get("matched")
         if isinstance(matched, int) and not req.no_stop_trim and ids and ids[-1] == matched:
@@ -569,14 +621,21 @@ class Engine:
             "e2e_latency": time.monotonic() - req.created,
         }
         if req.return_logprob:
+            texts = req.return_text_in_logprobs and self.tokenizer is not None
+            out_texts = self._token_texts(req, "output") if texts else None
             meta["output_token_logprobs"] = [
-                [lp, t, None] for lp, t in zip(req.output_logprobs, req.output_ids, strict=True)
+                [lp, t, out_texts[i] if out_texts else None]
+                for i, (lp, t) in enumerate(zip(req.output_logprobs, req.output_ids, strict=True))
             ]
+            meta["input_token_logprobs"] = []
             if req.logprob_start_len >= 0 and req.input_logprobs is not None:
                 start = req.logprob_start_len
+                in_texts = self._token_texts(req, "input")[start:] if texts else None
                 meta["input_token_logprobs"] = [
-                    [None if np.isnan(lp) else float(lp), t, None]
-                    for lp, t in zip(req.input_logprobs[start:], req.input_ids[start:], strict=True)
+                    [None if np.isnan(lp) else float(lp), t, in_texts[i] if in_texts else None]
+                    for i, (lp, t) in enumerate(
+                        zip(req.input_logprobs[start:], req.input_ids[start:], strict=True)
+                    )
                 ]
         if req.return_routed_experts and final and req.num_route_rows:  # never prefilled: none
             rows = len(req.input_ids) + len(req.output_ids) - 1
@@ -584,7 +643,22 @@ class Engine:
             empty = np.zeros((0, c.num_hidden_layers, c.num_experts_per_tok), np.int32)
             routes = np.concatenate([empty, *req.routes], axis=0)[: max(rows, 0)]
             meta["routed_experts"] = encode_routed_experts(routes[req.routed_experts_start_len :])
+        if self.tokenizer is None:  # SGLang's token-only reply (--skip-tokenizer-init)
+            return {"output_ids": list(req.output_ids), "meta_info": meta}
         return {"text": self.text_of(req), "output_ids": list(req.output_ids), "meta_info": meta}
+
+    def _token_texts(self, req: GenRequest, which: str) -> list[str]:
+        """Each token's own text (special tokens kept), as SGLang's ``return_text_in_logprobs``.
+
+        Decoded once per token and cached on the request (stream events are cumulative).
+        """
+        ids = req.input_ids if which == "input" else req.output_ids
+        cache = req.token_texts.setdefault(which, [])
+        if len(cache) < len(ids):
+            assert self.tokenizer is not None
+            new = [[t] for t in ids[len(cache) :]]
+            cache.extend(self.tokenizer.decode_batch(new, skip_special_tokens=False))
+        return cache
 
 
 def _load_tokenizer(path: Path) -> Any:
@@ -592,7 +666,10 @@ def _load_tokenizer(path: Path) -> Any:
 
     file = path / "tokenizer.json"
     if not file.exists():
-        raise EngineError(f"{path}: no tokenizer.json (the embedded server decodes with it)")
+        raise EngineError(
+            f"{path}: no tokenizer.json (the embedded server decodes with it; serve token ids "
+            "only with --skip-tokenizer-init)"
+        )
     return Tokenizer.from_file(str(file))
 
 

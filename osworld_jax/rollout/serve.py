@@ -23,6 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from osworld_jax.rollout.engine import Engine, EngineConfig
+from osworld_jax.rollout.protocol import ServerLimits
 from osworld_jax.rollout.server import ENGINE_KEY, build_app
 
 log = logging.getLogger("osworld_jax.rollout.serve")
@@ -57,9 +58,40 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="output logprobs at temperature 1 instead of the request's temperature (default: "
         "SGLang's environment variable SGLANG_RETURN_ORIGINAL_LOGPROB, true/1)",
     )
+    p.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="token ids in, token ids out; no tokenizer files needed (as SGLang's flag)",
+    )
+    p.add_argument("--served-model-name", default=None, help="the id in /v1/models")
+    limits = ServerLimits()
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=limits.max_request_bytes,
+        help="larger bodies get HTTP 413",
+    )
+    p.add_argument(
+        "--max-json-depth",
+        type=int,
+        default=limits.max_json_depth,
+        help="deeper-nested bodies get HTTP 400",
+    )
+    p.add_argument("--max-stop-strings", type=int, default=limits.max_stop_strings)
+    p.add_argument(
+        "--max-stop-length",
+        type=int,
+        default=limits.max_stop_length,
+        help="longest stop string in characters",
+    )
     p.add_argument("--skip-server-warmup", action="store_true", help="accepted for parity")
     p.add_argument("--log-level", default="info")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        server_limits(args)
+    except ValueError as e:
+        p.error(str(e))
+    return args
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -88,6 +120,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         min_decode_batch=args.min_decode_batch,
         max_prefill_batch=args.max_prefill_batch,
         return_original_logprob=args.return_original_logprob,
+        skip_tokenizer_init=args.skip_tokenizer_init,
+    )
+
+
+def server_limits(args: argparse.Namespace) -> ServerLimits:
+    """The `ServerLimits` of parsed flags."""
+    return ServerLimits(
+        max_request_bytes=args.max_request_bytes,
+        max_json_depth=args.max_json_depth,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_length=args.max_stop_length,
     )
 
 
@@ -101,7 +144,7 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    app = build_app(None, {k: v for k, v in vars(args).items()})
+    app = build_app(None, dict(vars(args)), server_limits(args))
     holder = app[ENGINE_KEY]
     runner = web.AppRunner(app)
     await runner.setup()

@@ -204,7 +204,7 @@ def parse_reply(
             raise ValueError("parse_reply: routes requested without num_layers / top_k")
         if "routed_experts" not in meta:
             raise ReplyValidationError(rid, "routed_experts requested but missing from the reply")
-        rows = prompt + completion - 1 - routed_experts_start_len
+        rows = max(0, prompt + completion - 1 - routed_experts_start_len)  # as SGLang
         routes = decode_routed_experts(
             meta["routed_experts"], rows=rows, num_layers=num_layers, top_k=top_k, rid=rid
         )
@@ -246,7 +246,7 @@ def stitch(
     routes = None
     if parts[0].routed_experts is not None:
         routes = np.concatenate([p.routed_experts for p in parts], axis=0)  # type: ignore[misc]
-        expected = prompt_tokens + len(output_ids) - 1 - routed_experts_start_len
+        expected = max(0, prompt_tokens + len(output_ids) - 1 - routed_experts_start_len)
         if routes.shape[0] != expected:
             raise ReplyValidationError(
                 rid, f"stitched routed_experts has {routes.shape[0]} rows, expected {expected}"

@@ -54,13 +54,13 @@ def engine(tiny_ckpt):
 
 
 @contextlib.asynccontextmanager
-async def serving(engine) -> AsyncIterator[str]:
+async def serving(engine, limits=None) -> AsyncIterator[str]:
     """Serves ``engine`` over HTTP on 127.0.0.1:<free port> for the duration of the block."""
     from aiohttp import web
 
     from osworld_jax.rollout.server import build_app
 
-    runner = web.AppRunner(build_app(engine, {"model_path": engine.model_path}))
+    runner = web.AppRunner(build_app(engine, {"model_path": engine.model_path}, limits))
     await runner.setup()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -260,8 +260,10 @@ def test_malformed_bodies_get_400(engine):
         json.dumps({"input_ids": [1], "sampling_params": {"bogus": 1}}).encode(),
         json.dumps({"input_ids": [1], "sampling_params": {"repetition_penalty": 1.3}}).encode(),
         json.dumps({"input_ids": [1], "sampling_params": {"stop": 5}}).encode(),
-        json.dumps({"input_ids": [1, 2], "logprob_start_len": 2}).encode(),
-        json.dumps({"input_ids": [1, 2], "routed_experts_start_len": 5}).encode(),
+        json.dumps({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 3}).encode(),
+        json.dumps(
+            {"input_ids": [1, 2], "return_routed_experts": True, "routed_experts_start_len": 3}
+        ).encode(),
         json.dumps({"input_ids": [[1], [2]], "rid": ["only-one"]}).encode(),
         json.dumps({"input_ids": [1], "image_data": "abc"}).encode(),
         json.dumps({"input_ids": [1], "stream": "yes"}).encode(),

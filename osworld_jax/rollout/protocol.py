@@ -1,0 +1,363 @@
+"""Validation of the embedded server's request bodies: SGLang's ``/generate`` rules plus limits.
+
+Everything here is pure (no aiohttp): `parse_body` turns raw bytes into JSON within the
+`ServerLimits`, and `parse_generate` turns a ``/generate`` body into `GenRequest`s, raising
+`BadRequest` (HTTP 400) with a one-line message naming the field. The rules follow SGLang 0.5.23
+(``srt/managers/io_struct.py`` ``GenerateReqInput``, ``srt/sampling/sampling_params.py``,
+``srt/managers/scheduler.py`` request checks): ``None`` and empty lists / objects / strings are
+the neutral value of every optional parameter, ``logprob_start_len`` is ignored without
+``return_logprob`` and ``routed_experts_start_len`` without ``return_routed_experts``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from osworld_jax.rollout.runner import MAX_BANNED
+
+if TYPE_CHECKING:
+    from osworld_jax.rollout.engine import Engine, GenRequest
+
+#: SGLang's ``MAX_STOP_COUNT`` (``sampling_params.py``).
+SGLANG_MAX_STOP_COUNT = 32
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerLimits:
+    """Size and shape limits of one request (hostile bodies get 413 / 400, never a stall).
+
+    Attributes:
+      max_request_bytes: largest body; a bigger one is answered 413 before it is read (parsing
+        JSON holds the GIL, about 16 ms per MB of integers, so this also bounds how long one
+        body can hold up the event loop).
+      max_json_depth: deepest nesting of arrays / objects in a body (SGLang's deepest body is 4).
+      max_stop_strings: most ``stop`` strings per request (SGLang's own limit is 32).
+      max_stop_length: longest ``stop`` string, in characters (each is tokenized and searched
+        for after every generated token).
+    """
+
+    max_request_bytes: int = 32 << 20
+    max_json_depth: int = 32
+    max_stop_strings: int = SGLANG_MAX_STOP_COUNT
+    max_stop_length: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_bytes", "max_json_depth", "max_stop_strings", "max_stop_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ServerLimits.{name} must be >= 1, got {getattr(self, name)}")
+
+
+class BadRequest(ValueError):
+    """A malformed request body (HTTP 400)."""
+
+
+SAMPLING_KEYS = {
+    "max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
+    "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval",
+    "logit_bias", "sampling_seed", "stop_regex", "beam_width", "watermark",
+}  # fmt: skip
+# Keys the embedded engine does not implement: accepted only at their neutral value (None and
+# empty containers / strings are neutral too, as in SGLang's ``SamplingParams``).
+NEUTRAL: dict[str, Any] = {
+    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "n": 1,
+    "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None, "logit_bias": None,
+    "stop_regex": None, "beam_width": None, "watermark": None,
+}  # fmt: skip
+REQUEST_NEUTRAL: dict[str, Any] = {
+    "image_data": None, "audio_data": None, "video_data": None, "input_embeds": None,
+    "top_logprobs_num": 0, "token_ids_logprob": None, "lora_path": None,
+    "custom_logit_processor": None, "return_hidden_states": False,
+}  # fmt: skip
+
+
+def _is_neutral(value: Any, neutral: Any) -> bool:
+    """None, an empty list / object / string, or ``neutral`` itself (bools only equal bools)."""
+    if value is None or (isinstance(value, list | dict | str) and not value):
+        return True
+    if isinstance(value, bool) != isinstance(neutral, bool):
+        return False
+    return bool(value == neutral)
+
+
+def json_depth_exceeds(obj: Any, limit: int) -> bool:
+    """True when ``obj`` nests arrays / objects deeper than ``limit`` (iterative, no recursion).
+
+    Lists are scanned with ``map(type, ...)`` (C speed), so a long list of numbers costs
+    little; only containers are descended into.
+    """
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        kinds = set(map(type, children))
+        if list in kinds or dict in kinds:
+            stack.extend((c, depth + 1) for c in children if isinstance(c, list | dict))
+    return False
+
+
+def parse_body(raw: bytes, limits: ServerLimits, *, optional: bool = False) -> Any:
+    """The JSON of a request body within ``limits`` (``{}`` for an empty optional body).
+
+    Raises:
+      BadRequest: empty, not UTF-8 JSON, or nested deeper than ``limits.max_json_depth``.
+    """
+    if not raw.strip():
+        if optional:
+            return {}
+        raise BadRequest("empty body")
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise BadRequest(f"the body nests deeper than {limits.max_json_depth} levels") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"invalid JSON: {e}") from None
+    if isinstance(body, list | dict) and json_depth_exceeds(body, limits.max_json_depth):
+        raise BadRequest(f"the body nests deeper than {limits.max_json_depth} levels")
+    return body
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _num(d: dict[str, Any], key: str, default: float) -> float:
+    v = d.get(key, default)
+    v = default if v is None else v
+    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
+        raise BadRequest(f"sampling_params.{key} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _check_stop(sp: dict[str, Any], engine: Engine, limits: ServerLimits) -> list[str]:
+    stop = sp.get("stop")
+    stop = [] if stop is None else stop
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise BadRequest("sampling_params.stop must be a string or a list of strings")
+    if len(stop) > limits.max_stop_strings:
+        raise BadRequest(
+            f"sampling_params.stop has {len(stop)} strings, at most {limits.max_stop_strings} "
+            "are allowed"
+        )
+    for s in stop:
+        if not s:
+            raise BadRequest("sampling_params.stop strings must be non-empty")
+        if len(s) > limits.max_stop_length:
+            raise BadRequest(
+                f"sampling_params.stop string of {len(s)} characters exceeds the limit of "
+                f"{limits.max_stop_length}"
+            )
+    if stop and engine.tokenizer is None:
+        raise BadRequest(
+            f"sampling_params.stop={stop[:3]!r} is unavailable with --skip-tokenizer-init (it "
+            "needs the tokenizer to decode the output)"
+        )
+    return stop
+
+
+def check_sampling(sp: Any, engine: Engine, limits: ServerLimits) -> dict[str, Any]:
+    """SGLang's ``SamplingParams`` normalisation and ``verify`` plus the engine's limits."""
+    if sp is None:
+        sp = {}
+    if not isinstance(sp, dict):
+        raise BadRequest(f"sampling_params must be an object, got {type(sp).__name__}")
+    unknown = sorted(set(sp) - SAMPLING_KEYS)
+    if unknown:
+        raise BadRequest(f"unknown sampling_params keys {unknown}")
+    for key, neutral in NEUTRAL.items():
+        if key in sp and not _is_neutral(sp[key], neutral):
+            raise BadRequest(f"sampling_params.{key}={sp[key]!r} is not supported by this server")
+    t = _num(sp, "temperature", 1.0)
+    if t < 0:
+        raise BadRequest(f"sampling_params.temperature must be non-negative, got {t}")
+    top_p = _num(sp, "top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:
+        raise BadRequest(f"sampling_params.top_p must be in (0, 1], got {top_p}")
+    min_p = _num(sp, "min_p", 0.0)
+    if not 0.0 <= min_p <= 1.0:
+        raise BadRequest(f"sampling_params.min_p must be in [0, 1], got {min_p}")
+    top_k = sp.get("top_k", -1)
+    top_k = -1 if top_k is None else top_k
+    if not _is_int(top_k) or (top_k != -1 and top_k < 1):
+        raise BadRequest(f"sampling_params.top_k must be -1 (disable) or >= 1, got {top_k!r}")
+    max_new = sp.get("max_new_tokens", 128)
+    max_new = 128 if max_new is None else max_new
+    if not _is_int(max_new) or max_new < 0:
+        raise BadRequest(f"sampling_params.max_new_tokens must be at least 0, got {max_new!r}")
+    min_new = sp.get("min_new_tokens") or 0
+    if not _is_int(min_new) or not 0 <= min_new <= max_new:
+        raise BadRequest(
+            f"sampling_params.min_new_tokens must be in [0, max_new_tokens], got {min_new!r}"
+        )
+    if min_new and engine.tokenizer is None:
+        raise BadRequest(
+            "sampling_params.min_new_tokens is unavailable with --skip-tokenizer-init (as in "
+            "SGLang)"
+        )
+    stop = _check_stop(sp, engine, limits)
+    stop_ids = sp.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
+        raise BadRequest("sampling_params.stop_token_ids must be a list of ints")
+    if min_new and len(set(stop_ids) | set(engine.eos_ids)) > MAX_BANNED:
+        raise BadRequest(f"min_new_tokens supports at most {MAX_BANNED} stop + EOS ids")
+    seed = sp.get("sampling_seed")
+    if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**63):
+        raise BadRequest(f"sampling_params.sampling_seed must be a 64-bit int, got {seed!r}")
+    for key in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+        if key in sp and sp[key] is not None and not isinstance(sp[key], bool):
+            raise BadRequest(f"sampling_params.{key} must be a bool")
+    return {
+        "temperature": t,
+        "top_p": top_p,
+        "top_k": top_k,
+        "min_p": min_p,
+        "max_new_tokens": max_new,
+        "min_new_tokens": min_new,
+        "stop": stop,
+        "stop_token_ids": stop_ids,
+        "ignore_eos": bool(sp.get("ignore_eos") or False),
+        "skip_special_tokens": sp.get("skip_special_tokens") is not False,
+        "no_stop_trim": bool(sp.get("no_stop_trim") or False),
+        "sampling_seed": seed,
+    }
+
+
+def _per_item(body: dict[str, Any], key: str, n: int, batch: bool, default: Any) -> list[Any]:
+    v = body.get(key, default)
+    v = default if v is None else v
+    if batch and isinstance(v, list):
+        if len(v) != n:
+            raise BadRequest(f"{key} has {len(v)} entries for a batch of {n}")
+        return v
+    return [v] * n
+
+
+def prompt_texts(body: Any, engine: Engine) -> list[str] | None:
+    """The ``text`` prompts of a ``/generate`` body (None when it sends ``input_ids``).
+
+    Validates the input keys only; tokenizing is left to the caller (off the event loop).
+    Texts longer than ``context_length * longest token`` characters cannot fit the context and
+    are refused without tokenizing them.
+    """
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
+    if has_text == has_ids:
+        raise BadRequest("exactly one of 'text' or 'input_ids' is required")
+    if has_ids:
+        return None
+    if engine.tokenizer is None:
+        raise BadRequest(
+            "text prompts are unavailable with --skip-tokenizer-init: send input_ids instead"
+        )
+    text = body["text"]
+    texts = text if isinstance(text, list) else [text]
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise BadRequest("text must be a string or a non-empty list of strings")
+    longest = engine.context_length * engine.max_token_chars
+    for i, t in enumerate(texts):
+        if len(t) > longest:
+            where = f"text[{i}]" if isinstance(text, list) else "text"
+            raise BadRequest(
+                f"{where}: the input ({len(t)} characters) is longer than the model's context "
+                f"length ({engine.context_length} tokens)"
+            )
+    return texts
+
+
+def _check_prompt(p: Any, where: str, engine: Engine) -> None:
+    if not isinstance(p, list) or not p:
+        raise BadRequest(f"{where} must be a non-empty list of ints")
+    if len(p) >= engine.context_length:
+        raise BadRequest(
+            f"{where}: the input ({len(p)} tokens) is longer than the model's context "
+            f"length ({engine.context_length} tokens)"
+        )
+    if set(map(type, p)) != {int}:  # C-speed scan: bools, floats, strings are refused
+        raise BadRequest(f"{where} must be a non-empty list of ints")
+    if min(p) < 0 or max(p) >= engine.vocab_size:
+        bad = [t for t in p if not 0 <= t < engine.vocab_size]
+        raise BadRequest(f"{where} holds token ids outside [0, {engine.vocab_size}): {bad[:5]}")
+
+
+def parse_generate(
+    body: Any,
+    engine: Engine,
+    limits: ServerLimits,
+    tokenized: list[list[int]] | None = None,
+) -> tuple[list[GenRequest], bool, bool]:
+    """Validates a ``/generate`` body; returns (requests, is_batch, stream).
+
+    ``tokenized`` holds the token ids of the body's ``text`` prompts (see `prompt_texts`).
+    """
+    texts = prompt_texts(body, engine)
+    for key, neutral in REQUEST_NEUTRAL.items():
+        if key in body and not _is_neutral(body[key], neutral):
+            raise BadRequest(f"{key} is not supported by this server (text-only Qwen3-MoE)")
+    if texts is None:
+        ids = body["input_ids"]
+        if not isinstance(ids, list) or not ids:
+            raise BadRequest("input_ids must be a non-empty list of ints or of lists")
+        batch = isinstance(ids[0], list)
+        prompts = ids if batch else [ids]
+    else:
+        if tokenized is None or len(tokenized) != len(texts):
+            raise ValueError("parse_generate: text prompts need their token ids")
+        batch, prompts = isinstance(body["text"], list), tokenized
+    n = len(prompts)
+    for i, p in enumerate(prompts):
+        _check_prompt(p, f"input_ids[{i}]" if batch else "input_ids", engine)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("stream must be a bool")
+    text_lp = body.get("return_text_in_logprobs") or False
+    if not isinstance(text_lp, bool):
+        raise BadRequest("return_text_in_logprobs must be a bool")
+    sps = _per_item(body, "sampling_params", n, batch, {})
+    rids = _per_item(body, "rid", n, batch, None)
+    lps = _per_item(body, "return_logprob", n, batch, False)
+    lp_starts = _per_item(body, "logprob_start_len", n, batch, -1)
+    routed = _per_item(body, "return_routed_experts", n, batch, False)
+    r_starts = _per_item(body, "routed_experts_start_len", n, batch, 0)
+    reqs = []
+    for i, prompt in enumerate(prompts):
+        sampling = check_sampling(sps[i], engine, limits)
+        rid = rids[i]
+        if rid is not None and not isinstance(rid, str):
+            raise BadRequest(f"rid must be a string, got {rid!r}")
+        if not isinstance(lps[i], bool) or not isinstance(routed[i], bool):
+            raise BadRequest("return_logprob / return_routed_experts must be bools")
+        # As SGLang's scheduler: each start is checked only when its output is requested.
+        lp_start = lp_starts[i] if lps[i] else -1
+        if not _is_int(lp_start) or not -1 <= lp_start <= len(prompt):
+            raise BadRequest(
+                f"logprob_start_len must be -1 or in [0, {len(prompt)}], got {lp_start!r}"
+            )
+        r_start = r_starts[i] if routed[i] else 0
+        if not _is_int(r_start) or not 0 <= r_start <= len(prompt):
+            raise BadRequest(
+                f"routed_experts_start_len must be in [0, {len(prompt)}] (the prompt length), "
+                f"got {r_start!r}"
+            )
+        if routed[i] and not engine.config.enable_return_routed_experts:
+            raise BadRequest("return_routed_experts needs --enable-return-routed-experts")
+        reqs.append(
+            engine.make_request(
+                rid=rid,
+                input_ids=prompt,
+                sampling=sampling,
+                return_logprob=lps[i],
+                logprob_start_len=lp_start,
+                return_text_in_logprobs=text_lp,
+                return_routed_experts=routed[i],
+                routed_experts_start_len=r_start,
+            )
+        )
+    return reqs, batch, stream
