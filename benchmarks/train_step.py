@@ -74,7 +74,7 @@ CONFIGS = {
             num_experts_per_tok=2,
             norm_topk_prob=True,
         ),
-        runtime=ModelRuntimeConfig(dtype="float32", expert_backend="ragged", remat="none"),
+        runtime=ModelRuntimeConfig(dtype="float32", expert_backend="auto", remat="none"),
         batch=4,
         seq=128,
         logprob_chunk=64,
@@ -98,7 +98,11 @@ CONFIGS = {
             max_position_embeddings=40960,
         ),
         runtime=ModelRuntimeConfig(
-            dtype="bfloat16", expert_backend="ragged", remat="full", scan_layers=True
+            dtype="bfloat16",
+            expert_backend="auto",
+            remat="none",
+            scan_layers=True,
+            attention="cudnn",
         ),
         batch=4,
         seq=4096,
@@ -189,10 +193,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--profile", help="after timing, trace one step into this dir (perfetto json)")
     p.add_argument(
-        "--logprob-bf16",
+        "--save-probs-bytes",
+        type=int,
+        help="override logprobs.DEFAULT_SAVE_BYTES (0: recompute the logits in the backward)",
+    )
+    p.add_argument("--unroll", action="store_true", help="scan_layers=False (unrolled layers)")
+    p.add_argument(
+        "--memory-only",
         action="store_true",
-        help="experiment: the token-logprob backward feeds bf16 dz to its two vocab matmuls "
-        "(the trainer's f32 dz promotes them to f32/TF32 GEMMs)",
+        help="compile the step and print XLA's memory analysis (no run)",
+    )
+    p.add_argument(
+        "--host-batch",
+        action="store_true",
+        help="pass the numpy batch every step (upload + host checks inside the timing); by "
+        "default the batch is put on the device once, as the HF peers' input ids are",
     )
     p.add_argument(
         "--gmm-config",
@@ -216,6 +231,12 @@ def main(argv: list[str] | None = None) -> None:
         runtime = dataclasses.replace(runtime, expert_backend=args.expert_backend)
     if args.remat:
         runtime = dataclasses.replace(runtime, remat=args.remat)
+    if args.unroll:
+        runtime = dataclasses.replace(runtime, scan_layers=False)
+    if args.save_probs_bytes is not None:
+        from osworld_jax.trainer import logprobs
+
+        logprobs.DEFAULT_SAVE_BYTES = args.save_probs_bytes
     if args.attention:
         runtime = dataclasses.replace(runtime, attention=args.attention)
     if args.gmm_config:
@@ -244,16 +265,19 @@ def main(argv: list[str] | None = None) -> None:
             config, master_dtype=None if args.master_dtype == "none" else args.master_dtype
         )
 
-    if args.logprob_bf16:
-        _patch_logprob_bwd_bf16()
-
     def init_fn() -> Policy:
         return Policy(model, runtime, rngs=nnx.Rngs(0))
 
     trainer = Trainer(config, nnx.eval_shape(init_fn), mesh=mesh)
-    state = trainer.init_state(init_fn=init_fn)
     batch = random_batch(model, b, s)
     meta = BatchMeta(num_owners=b, num_groups=1, norm_length=s)
+    if args.memory_only:
+        _memory_report(trainer, batch, meta, args)
+        return None
+    state = trainer.init_state(init_fn=init_fn)
+    if not args.host_batch:
+        trainer._check_batch(batch)  # once, as the loop below would on every step
+        batch = trainer._device_batch(batch)
 
     times = []
     ctx = jax.set_mesh(mesh) if args.mesh_context else contextlib.nullcontext()
@@ -308,45 +332,42 @@ def main(argv: list[str] | None = None) -> None:
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     trainer.close()
+    from osworld_jax.model.moe import auto_expert_backend
+    from osworld_jax.trainer import logprobs
+
+    backend = runtime.expert_backend
+    if backend == "auto":
+        backend = f"auto={auto_expert_backend(runtime.dtype)}"
+    save = logprobs.saves_probs(b, s, model.vocab_size, runtime.dtype, None)
     name = (
-        f"osworld_jax ({runtime.expert_backend}, attn={runtime.attention}, remat={runtime.remat}"
-        f", {jax.device_count()} dev)"
+        f"osworld_jax ({backend}, attn={runtime.attention}, remat={runtime.remat}, "
+        f"{'scan' if runtime.scan_layers else 'unrolled'}, master={config.master_dtype}, "
+        f"logprob bwd={'saved' if save else 'recompute'}, {jax.device_count()} dev)"
     )
     ours = dict(name=name, step_s=step, tokens=b * s, flops=flops, peak_gib=peak / 2**30)
     _print_table([*peers, ours], peak_flops=args.peak_flops)
     return None
 
 
-def _patch_logprob_bwd_bf16() -> None:
-    """Re-registers the chunked-logprob VJP with bf16 ``dz`` operands (f32 accumulation)."""
-    import jax.numpy as jnp
-
-    from osworld_jax.trainer import logprobs as lp
-
-    def bwd(chunk, residuals, cotangents):
-        hidden, w, targets, lse = residuals
-        g_lp, g_ent = cotangents
-        del g_ent  # the entropy output carries no gradient in the train step
-        vocab = w.shape[1]
-
-        def body(dw, xs):
-            h, tgt, lse_c, g = xs
-            z = lp._chunk_logits(h, w)  # [R, C, V] f32
-            p = jnp.exp(z - lse_c[..., None])
-            onehot = jax.lax.broadcasted_iota(jnp.int32, z.shape, 2) == tgt[..., None]
-            dz = (g[..., None] * (onehot.astype(jnp.float32) - p)).astype(w.dtype)  # bf16
-            dh = jnp.einsum("rcv,hv->rch", dz, w, preferred_element_type=jnp.float32)
-            dw = dw + jnp.einsum("rch,rcv->hv", h, dz, preferred_element_type=jnp.float32)
-            return dw, dh.astype(hidden.dtype)
-
-        xs = tuple(
-            lp._to_chunks(x, chunk) for x in (hidden, targets, lse, g_lp.astype(jnp.float32))
-        )
-        dw0 = jnp.zeros((w.shape[0], vocab), jnp.float32)
-        dw, dh = jax.lax.scan(body, dw0, xs)
-        return lp._from_chunks(dh), dw.astype(w.dtype), None
-
-    lp._chunked_logprobs.defvjp(lp._chunked_logprobs_fwd, bwd)
+def _memory_report(trainer, batch, meta, args) -> None:
+    """Compiles the step on abstract state (no run) and prints XLA's memory analysis, in GiB."""
+    fn = trainer._compiled_step(meta, False)
+    t0 = time.perf_counter()
+    with jax.set_mesh(trainer.mesh):
+        compiled = fn.lower(trainer.abstract_state, trainer._device_batch(batch), None).compile()
+    ma = compiled.memory_analysis()
+    gib = {
+        k: getattr(ma, f"{k}_size_in_bytes") / 2**30
+        for k in ("argument", "output", "alias", "temp", "generated_code")
+    }
+    peak = gib["argument"] + gib["output"] - gib["alias"] + gib["temp"]
+    line = ", ".join(f"{k} {v:.2f}" for k, v in gib.items())
+    print(
+        f"MEMORY {args.config} master={trainer.config.master_dtype} "
+        f"remat={args.remat} micro={args.micro_batches}: {line}; "
+        f"args+out-alias+temp {peak:.2f} GiB (compile {time.perf_counter() - t0:.0f} s)",
+        flush=True,
+    )
 
 
 def _print_table(rows: list[dict], peak_flops: float = 790e12) -> None:

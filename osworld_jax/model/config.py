@@ -313,9 +313,12 @@ class ModelRuntimeConfig:
     ``dtype="float32"`` is the exact mode the parity tests use.
 
     Attributes:
-      expert_backend: "dense" (every expert on every token; the reference), "ragged"
-        (sort by expert + ``jax.lax.ragged_dot``; CPU/TPU) or "tokamax" (``tokamax.ragged_dot``,
-        the Mosaic-GPU kernel for Hopper; imported lazily).
+      expert_backend: "auto" (resolved per platform when traced, see
+        `osworld_jax.model.moe.auto_expert_backend`: the Pallas grouped matmuls on GPU, "ragged"
+        on TPU/CPU), "dense" (every expert on every token; the reference), "ragged" (sort by
+        expert + ``jax.lax.ragged_dot``; CPU/TPU: on a GPU it is a dense masked matmul and warns
+        once), "pallas_gmm" / "pallas_gmm_mosaic" (`osworld_jax.model.kernels`: Triton / Mosaic
+        GPU grouped matmuls) or "tokamax" (``tokamax.ragged_dot``; imported lazily).
       dtype: parameter and compute dtype name, "float32" or "bfloat16".
       remat: rematerialisation policy per decoder layer: "none", "full" (save nothing),
         "dots" (save matmul outputs without batch dims) or "dots_with_batch" (save all matmuls).
@@ -335,7 +338,7 @@ class ModelRuntimeConfig:
         f32 score buffer to [heads, chunk, N patches] (blocks are rematerialised).
     """
 
-    expert_backend: str = "dense"
+    expert_backend: str = "auto"
     dtype: str = "float32"
     remat: str = "none"
     scan_layers: bool = False

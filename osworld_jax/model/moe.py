@@ -10,11 +10,13 @@ A row of all -1 routes live. Rows are validated on the host (`osworld_jax.model.
 
 Expert backends (registry `EXPERT_BACKENDS`) all compute
 ``y_t = sum_k w_tk * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with ``e = experts[t, k]``; no
-token is ever dropped.
+token is ever dropped. ``"auto"`` (the default) picks one per platform at trace time
+(`auto_expert_backend`): the Pallas grouped matmuls on a GPU, ``ragged_dot`` on TPU and CPU.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -151,9 +153,27 @@ def _grouped_experts(
     return jnp.einsum("tkh,tk->th", y, weights.astype(y.dtype))  # [T, H]
 
 
+_RAGGED_GPU_WARNED = False
+
+
 @EXPERT_BACKENDS.register("ragged")
 def ragged_experts(x, experts, weights, gate, up, down):
-    """Sort by expert + ``jax.lax.ragged_dot`` (CPU/TPU; a dense fallback on GPU)."""
+    """Sort by expert + ``jax.lax.ragged_dot`` (CPU/TPU).
+
+    On a GPU XLA expands ``ragged_dot`` into a dense masked matmul whose buffer grows with
+    ``routed rows x experts x hidden`` (a 128 GiB request was seen for 20k tokens of a
+    128-expert layer on an H200), so tracing it there warns once, naming ``"auto"``.
+    """
+    global _RAGGED_GPU_WARNED
+    if jax.default_backend() == "gpu" and not _RAGGED_GPU_WARNED:
+        _RAGGED_GPU_WARNED = True
+        warnings.warn(
+            "expert_backend='ragged' on a GPU runs a dense masked matmul (memory ~ routed rows x "
+            "experts x hidden); use expert_backend='auto' (the Pallas grouped matmul, "
+            "'pallas_gmm_mosaic' on Hopper, 'pallas_gmm' elsewhere)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     def matmul(lhs, rhs, sizes):
         return jax.lax.ragged_dot(lhs, rhs, sizes)
@@ -197,6 +217,32 @@ def pallas_gmm_mosaic_experts(x, experts, weights, gate, up, down):
 
     config = grouped_matmul.MOSAIC_CONFIG
     return grouped_matmul.gmm_experts(x, experts, weights, gate, up, down, config=config)
+
+
+def auto_expert_backend(dtype: jnp.dtype | str, platform: str | None = None) -> str:
+    """The backend ``"auto"`` resolves to for ``dtype`` on ``platform`` (default: JAX's).
+
+    - GPU: the Pallas grouped matmuls: ``"pallas_gmm_mosaic"`` (TMA + wgmma forward, the
+      measured-best kernel per part, `grouped_matmul.HOPPER_CONFIG`) on Hopper (compute
+      capability 9.x) with 16-bit weights, else ``"pallas_gmm"`` (Triton, any CUDA GPU/dtype);
+    - TPU: ``"ragged"`` (``ragged_dot`` lowers to the TPU's grouped matmul);
+    - CPU: ``"ragged"`` (XLA's masked fallback; fine at test sizes).
+    """
+    platform = platform or jax.default_backend()
+    if platform in ("gpu", "cuda", "rocm"):
+        kind = str(getattr(jax.devices()[0], "compute_capability", ""))
+        hopper = platform != "rocm" and kind.startswith("9")
+        if hopper and jnp.dtype(dtype).itemsize == 2:
+            return "pallas_gmm_mosaic"
+        return "pallas_gmm"
+    return "ragged"
+
+
+@EXPERT_BACKENDS.register("auto")
+def auto_experts(x, experts, weights, gate, up, down):
+    """The platform's best backend (`auto_expert_backend`), resolved when traced."""
+    fn = EXPERT_BACKENDS.get(auto_expert_backend(gate.dtype))
+    return fn(x, experts, weights, gate, up, down)
 
 
 def swiglu_mlp(

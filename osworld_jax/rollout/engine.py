@@ -56,7 +56,7 @@ class EngineConfig:
       max_total_tokens: KV-cache token budget; when set, the slot count is capped at
         ``max_total_tokens // slot_len``.
       dtype: "float32" or "bfloat16" (parameters, activations, KV cache).
-      expert_backend: `osworld_jax.model` expert backend ("dense", "ragged", "tokamax").
+      expert_backend: `osworld_jax.model` expert backend ("auto", "dense", "ragged", ...).
       weight_version: the initial weight version reported in every reply.
       enable_return_routed_experts: allow ``return_routed_experts`` (as SGLang's flag).
       seed: seeds the server's randomness for requests without ``sampling_seed``.
@@ -78,7 +78,7 @@ class EngineConfig:
     context_length: int | None = None
     max_total_tokens: int | None = None
     dtype: str = "float32"
-    expert_backend: str = "ragged"
+    expert_backend: str = "auto"
     weight_version: str = "default"
     enable_return_routed_experts: bool = False
     seed: int = 0

@@ -170,7 +170,7 @@ class ModelRunner:
       num_slots: concurrent requests (``--max-running-requests``); rounded up to a power of two.
       slot_len: tokens per slot (the context length); rounded up to a power of two.
       dtype: "float32" or "bfloat16" (parameters, activations and KV cache).
-      expert_backend: the model's expert backend ("dense", "ragged", "tokamax").
+      expert_backend: the model's expert backend ("auto", "dense", "ragged", ...).
       min_bucket: smallest prefill / attention-length bucket.
     """
 
@@ -181,7 +181,7 @@ class ModelRunner:
         num_slots: int,
         slot_len: int,
         dtype: str = "float32",
-        expert_backend: str = "ragged",
+        expert_backend: str = "auto",
         min_bucket: int = 16,
     ) -> None:
         self.runtime = ModelRuntimeConfig(expert_backend=expert_backend, dtype=dtype)

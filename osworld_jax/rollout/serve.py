@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import logging
 import os
 import signal
@@ -46,7 +45,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default="auto")
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--max-total-tokens", type=int, default=None)
-    p.add_argument("--expert-backend", default=None, help="dense | ragged | tokamax")
+    p.add_argument(
+        "--expert-backend", default=None, help="auto | dense | ragged | pallas_gmm | tokamax"
+    )
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--min-bucket", type=int, default=16)
     p.add_argument("--min-decode-batch", type=int, default=1)
@@ -97,15 +98,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The `EngineConfig` of parsed flags.
 
-    ``--dtype auto``: bfloat16 on GPU, else float32. The expert backend defaults to tokamax on
-    a GPU where it is installed, else ragged.
+    ``--dtype auto``: bfloat16 on GPU, else float32. The expert backend defaults to ``auto``
+    (the Pallas grouped matmul on a GPU, ``ragged`` elsewhere; `osworld_jax.model.moe`).
     """
     import jax
 
     on_gpu = jax.default_backend() == "gpu"
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
-    has_tokamax = importlib.util.find_spec("tokamax") is not None
-    backend = args.expert_backend or ("tokamax" if on_gpu and has_tokamax else "ragged")
+    backend = args.expert_backend or "auto"
     return EngineConfig(
         model_path=args.model_path,
         max_running_requests=args.max_running_requests,

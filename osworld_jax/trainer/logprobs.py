@@ -11,6 +11,17 @@ Math (per position, logits ``z = h W``, target ``y``):
   ``dh = g (onehot(y) - p) W^T``;  ``dW = sum_positions h^T g (onehot(y) - p)``.
 Logits and the softmax are float32 whatever the parameter dtype: bf16 log-softmax over 150k
 entries loses the small probabilities the policy gradient and the off-policy gate depend on.
+The two backward matmuls take ``dz = g (onehot - p)`` rounded to the parameter dtype (f32
+accumulation): with bf16 parameters they run as bf16 GEMMs (a float32 ``dz`` would promote
+``W`` and both GEMMs to float32) at one bf16 rounding of ``dz``, the precision of the bf16
+activations' own gradients.
+
+Two backward strategies, chosen from static shapes (``save_bytes``):
+- *save* (``R * T * V * itemsize(W) <= save_bytes``): the forward also writes
+  ``q = onehot(y) - p`` in ``W``'s dtype; the backward is two plain GEMMs with the per-position
+  cotangent ``g`` applied as a row scale, ``dh = g * (q W^T)``, ``dW = (g h)^T q``: no logits
+  are recomputed and no ``[R, T, V]`` elementwise pass runs in the backward;
+- *recompute* (otherwise): only ``lse`` is kept and each chunk's logits are recomputed.
 """
 
 from __future__ import annotations
@@ -55,33 +66,66 @@ def _forward(hidden, w, targets, chunk):
     return _from_chunks(lp), _from_chunks(ent), _from_chunks(lse)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _chunked_logprobs(hidden, w, targets, chunk):
+def _onehot_minus_p(z, lse, y, dtype):
+    """``onehot(y) - exp(z - lse)`` in ``dtype``: [R, C, V]."""
+    p = jnp.exp(z - lse[..., None])
+    onehot = jax.lax.broadcasted_iota(jnp.int32, z.shape, 2) == y[..., None]
+    return (onehot.astype(jnp.float32) - p).astype(dtype)
+
+
+def _forward_saving(hidden, w, targets, chunk):
+    """`_forward` that also returns ``q = onehot - p`` [N, R, C, V] in ``w.dtype``."""
+
+    def body(_, xs):
+        h, y = xs
+        z = _chunk_logits(h, w)  # [R, C, V] f32
+        lse = jax.nn.logsumexp(z, axis=-1)
+        z_y = jnp.take_along_axis(z, y[..., None], axis=-1)[..., 0]
+        p = jnp.exp(z - lse[..., None])
+        entropy = lse - jnp.sum(p * z, axis=-1)
+        return None, (z_y - lse, entropy, _onehot_minus_p(z, lse, y, w.dtype))
+
+    _, (lp, ent, q) = jax.lax.scan(
+        body, None, (_to_chunks(hidden, chunk), _to_chunks(targets, chunk))
+    )
+    return _from_chunks(lp), _from_chunks(ent), q
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunked_logprobs(hidden, w, targets, chunk, save):
     lp, ent, _ = _forward(hidden, w, targets, chunk)
     return lp, ent
 
 
-def _chunked_logprobs_fwd(hidden, w, targets, chunk):
+def _chunked_logprobs_fwd(hidden, w, targets, chunk, save):
+    if save:
+        lp, ent, q = _forward_saving(hidden, w, targets, chunk)
+        return (lp, ent), (hidden, w, None, q)
     lp, ent, lse = _forward(hidden, w, targets, chunk)
     return (lp, ent), (hidden, w, targets, lse)
 
 
-def _chunked_logprobs_bwd(chunk, residuals, cotangents):
-    hidden, w, targets, lse = residuals
+def _chunked_logprobs_bwd(chunk, save, residuals, cotangents):
+    hidden, w, targets, saved = residuals
     g_lp, _ = cotangents  # the entropy output is a metric: its cotangent is ignored (see below)
+    g_lp = g_lp.astype(jnp.float32)
+    if save:  # saved q = onehot - p [N, R, C, V]: two GEMMs, g as a row scale
+        q = _from_chunks(saved)  # [R, T, V]
+        dh = g_lp[..., None] * jnp.einsum("rtv,hv->rth", q, w, preferred_element_type=jnp.float32)
+        gh = (g_lp[..., None] * hidden.astype(jnp.float32)).astype(q.dtype)  # [R, T, H]
+        dw = jnp.einsum("rth,rtv->hv", gh, q, preferred_element_type=jnp.float32)
+        return dh.astype(hidden.dtype), dw.astype(w.dtype), None
     vocab = w.shape[-1]
 
     def body(dw, xs):
         h, y, lse_c, g = xs  # [R, C, H], [R, C], [R, C], [R, C]
         z = _chunk_logits(h, w)  # [R, C, V] f32, recomputed
-        p = jnp.exp(z - lse_c[..., None])
-        onehot = jax.lax.broadcasted_iota(jnp.int32, z.shape, 2) == y[..., None]
-        dz = g[..., None] * (onehot.astype(jnp.float32) - p)  # [R, C, V]
+        dz = (g[..., None] * _onehot_minus_p(z, lse_c, y, jnp.float32)).astype(w.dtype)
         dh = jnp.einsum("rcv,hv->rch", dz, w, preferred_element_type=jnp.float32)
         dw = dw + jnp.einsum("rch,rcv->hv", h, dz, preferred_element_type=jnp.float32)
         return dw, dh.astype(hidden.dtype)
 
-    xs = tuple(_to_chunks(x, chunk) for x in (hidden, targets, lse, g_lp.astype(jnp.float32)))
+    xs = tuple(_to_chunks(x, chunk) for x in (hidden, targets, saved, g_lp))
     dw0 = jnp.zeros((w.shape[0], vocab), jnp.float32)
     dw, dh = jax.lax.scan(body, dw0, xs)
     return _from_chunks(dh), dw.astype(w.dtype), None
@@ -90,12 +134,24 @@ def _chunked_logprobs_bwd(chunk, residuals, cotangents):
 _chunked_logprobs.defvjp(_chunked_logprobs_fwd, _chunked_logprobs_bwd)
 
 
+# Default cap of the saved ``onehot - p`` residual (bytes, per call): about 5 GB for 16k
+# positions of a 152k vocabulary in bf16.
+DEFAULT_SAVE_BYTES = 8 << 30
+
+
+def saves_probs(rows: int, positions: int, vocab: int, dtype, save_bytes: int | None) -> bool:
+    """Whether `token_logprobs` keeps ``onehot - p`` for its backward (see module doc)."""
+    limit = DEFAULT_SAVE_BYTES if save_bytes is None else save_bytes
+    return rows * positions * vocab * jnp.dtype(dtype).itemsize <= limit
+
+
 def token_logprobs(
     hidden: Float[Array, "R T H"],
     unembed: Float[Array, "H V"],
     tokens: Int[Array, "R T"],
     *,
     chunk: int = 1024,
+    save_bytes: int | None = None,
 ) -> tuple[Float[Array, "R T"], Float[Array, "R T"]]:
     """Logprob of each token under the logits of the previous position, and the entropy there.
 
@@ -104,16 +160,20 @@ def token_logprobs(
     ``tokens`` as the ``Batch`` contract requires. ``entropy[r, t]`` is the entropy of that same
     predictive distribution, ``H = lse(z) - sum softmax(z) z`` (0 at ``t = 0``).
 
-    The sequence is processed ``chunk`` positions at a time (forward and backward, via a
-    ``custom_vjp``), so peak extra memory is one float32 ``[R, chunk, V]`` block; the sequence is
-    padded up to a multiple of ``chunk``. Gradients flow to ``hidden`` and ``unembed`` through the
-    logprobs only: the entropy is a stop-gradient metric.
+    The sequence is processed ``chunk`` positions at a time (via a ``custom_vjp``), so at most
+    one float32 ``[R, chunk, V]`` logit block exists at a time; the sequence is padded up to a
+    multiple of ``chunk``. When differentiated, the backward either reuses a saved
+    ``onehot - p`` in ``unembed``'s dtype (``[R, T, V]``, when it fits in ``save_bytes``) or
+    recomputes the logits chunk by chunk (see the module doc). Gradients flow to ``hidden`` and
+    ``unembed`` through the logprobs only: the entropy is a stop-gradient metric.
 
     Args:
       hidden: [R, T, H] final normed hidden states (any float dtype).
       unembed: [H, V] output projection (lm head, or the embedding transposed when tied).
       tokens: i32[R, T] token ids.
       chunk: sequence positions per chunk.
+      save_bytes: most bytes the saved ``onehot - p`` residual may take (None:
+        `DEFAULT_SAVE_BYTES`; 0: always recompute).
 
     Returns:
       ``(logprobs, entropy)``, both f32[R, T].
@@ -125,7 +185,8 @@ def token_logprobs(
     if pad:
         hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
         targets = jnp.pad(targets, ((0, 0), (0, pad)))
-    lp, ent = _chunked_logprobs(hidden, unembed, targets.astype(jnp.int32), chunk)
+    save = saves_probs(r, hidden.shape[1], unembed.shape[-1], unembed.dtype, save_bytes)
+    lp, ent = _chunked_logprobs(hidden, unembed, targets.astype(jnp.int32), chunk, save)
     zero = jnp.zeros((r, 1), jnp.float32)
     lp = jnp.concatenate([zero, lp[:, : t - 1]], axis=1)
     ent = jnp.concatenate([zero, jax.lax.stop_gradient(ent[:, : t - 1])], axis=1)

@@ -396,19 +396,23 @@ class Trainer:
         old = None if old_logprobs is None else split(old_logprobs)
         micro = (jax.tree.map(split, batch), split(weights), old)
         grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
+        # Differentiate w.r.t. the policy-dtype copy the forward computes with (cast once, out
+        # of the micro-batch loop): the same values as through the master->compute cast, but
+        # every per-micro-batch gradient tree is in the compute dtype (bf16), not the master's.
+        compute = jax.tree.map(lambda p, d: p.astype(d), params, self._compute_dtypes)
 
-        if m == 1:  # no accumulator: gradients stay in the parameter dtype
-            (_, out), grads = grad_fn(params, *jax.tree.map(lambda x: x[0], micro))
+        if m == 1:  # no accumulator
+            (_, out), grads = grad_fn(compute, *jax.tree.map(lambda x: x[0], micro))
             pls, auxs, lps, ents = jax.tree.map(lambda x: x[None], out)
         else:
 
             def body(acc: Params, xs: Any) -> tuple[Params, Any]:
-                (_, out), g = grad_fn(params, *xs)
+                (_, out), g = grad_fn(compute, *xs)
                 return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g), out
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
             grads, (pls, auxs, lps, ents) = jax.lax.scan(body, zeros, micro)
-            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         return grads, (pls, auxs, _merge_micro(lps), _merge_micro(ents))
 
     def _gradients_impl(

@@ -38,31 +38,43 @@ def test_values_match_naive(chunk):
     assert np.all(np.asarray(lp) <= 0.0) and np.all(np.asarray(ent) >= -1e-6)
 
 
+@pytest.mark.parametrize("save_bytes", [0, None])  # recompute the logits / save onehot - p
 @pytest.mark.parametrize("chunk", [4, 13])
-def test_gradient_matches_naive(chunk):
+def test_gradient_matches_naive(chunk, save_bytes):
     hidden, w, tokens = _inputs(seed=1)
     g = jax.random.normal(jax.random.key(7), tokens.shape)  # arbitrary cotangent
 
     def f(fn):
         return lambda a, b: jnp.sum(g * fn(a, b)[0])
 
-    got = jax.jit(jax.grad(f(lambda a, b: token_logprobs(a, b, tokens, chunk=chunk)), (0, 1)))(
-        hidden, w
-    )
+    ours = lambda a, b: token_logprobs(a, b, tokens, chunk=chunk, save_bytes=save_bytes)  # noqa: E731
+    got = jax.jit(jax.grad(f(ours), (0, 1)))(hidden, w)
     ref = jax.grad(f(lambda a, b: _naive(a, b, tokens)), (0, 1))(hidden, w)
     chex.assert_trees_all_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_bf16_params_give_f32_logprobs_and_grads_in_param_dtype():
-    hidden, w, tokens = _inputs(dtype=jnp.bfloat16, seed=2)
+@pytest.mark.parametrize("save_bytes", [0, None])
+def test_bf16_params_give_f32_logprobs_and_grads_in_param_dtype(save_bytes):
+    hidden, w, tokens = _inputs(r=4, t=40, h=64, v=300, dtype=jnp.bfloat16, seed=2)
     lp, _ = token_logprobs(hidden, w, tokens, chunk=4)
     ref, _ = _naive(hidden, w, tokens)  # same bf16 inputs, f32 accumulation
     assert lp.dtype == jnp.float32
     chex.assert_trees_all_close(lp, ref, atol=1e-4, rtol=1e-4)
-    gh, gw = jax.grad(lambda a, b: token_logprobs(a, b, tokens, chunk=4)[0].sum(), (0, 1))(
-        hidden, w
-    )
+    g = jax.random.normal(jax.random.key(8), tokens.shape)
+
+    def loss(fn):
+        return lambda a, b: jnp.sum(g * fn(a, b)[0])
+
+    ours = lambda a, b: token_logprobs(a, b, tokens, chunk=4, save_bytes=save_bytes)  # noqa: E731
+    gh, gw = jax.grad(loss(ours), (0, 1))(hidden, w)
     assert gh.dtype == jnp.bfloat16 and gw.dtype == jnp.bfloat16
+    # Against the f32 gradient of the same bf16 inputs: one bf16 rounding of dz (and of the
+    # result), so within bf16 precision, ||d - ref|| / ||ref|| ~ 2^-8.
+    f32 = lambda a, b: _naive(a, b, tokens)  # noqa: E731
+    rh, rw = jax.grad(loss(f32), (0, 1))(hidden.astype(jnp.float32), w.astype(jnp.float32))
+    for got, want in ((gh, rh), (gw, rw)):
+        err = jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want)
+        assert float(err) < 1e-2, float(err)
 
 
 def test_no_full_vocab_logits_in_compiled_backward():
@@ -71,10 +83,32 @@ def test_no_full_vocab_logits_in_compiled_backward():
     r, t, h, v, chunk = 2, 64, 8, 512, 8
     hidden, w, tokens = _inputs(r, t, h, v)
     grad = jax.jit(
-        jax.grad(lambda a, b: token_logprobs(a, b, tokens, chunk=chunk)[0].sum(), (0, 1))
+        jax.grad(
+            lambda a, b: token_logprobs(a, b, tokens, chunk=chunk, save_bytes=0)[0].sum(), (0, 1)
+        )
     )
     hlo = grad.lower(hidden, w).compile().as_text()
     assert f"f32[{r},{t},{v}]" not in hlo and f"f32[{r},{t - 1},{v}]" not in hlo
     assert f"f32[{r},{chunk},{v}]" in hlo
     naive = jax.jit(jax.grad(lambda a, b: _naive(a, b, tokens)[0].sum(), (0, 1)))
     assert f"f32[{r},{t},{v}]" in naive.lower(hidden, w).compile().as_text()
+
+
+def test_saved_residual_is_bf16_and_needs_no_f32_vocab_buffer_or_recompute():
+    # Save mode with bf16 weights: the only [R, T, V] buffer is the bf16 onehot - p, and the
+    # backward runs no logits matmul (only dh and dW).
+    r, t, h, v, chunk = 2, 64, 8, 512, 8
+    hidden, w, tokens = _inputs(r, t, h, v, dtype=jnp.bfloat16)
+
+    def lowered(save_bytes):
+        fn = lambda a, b: token_logprobs(a, b, tokens, chunk=chunk, save_bytes=save_bytes)  # noqa: E731
+        return jax.jit(jax.grad(lambda a, b: fn(a, b)[0].sum(), (0, 1))).lower(hidden, w)
+
+    hlo = lowered(None).compile().as_text()
+    assert f"f32[{r},{t},{v}]" not in hlo
+    assert f"bf16[{t // chunk},{r},{chunk},{v}]" in hlo  # the saved residual
+    # StableHLO before optimisation: one dot in the forward scan body, two in the backward;
+    # the recompute mode has one more (the logits) inside its backward scan.
+    text = lowered(None).as_text()
+    assert text.count("stablehlo.dot_general") == 3
+    assert lowered(0).as_text().count("stablehlo.dot_general") == 4

@@ -56,15 +56,15 @@ class GmmConfig:
 
     align: int = 128
     block_m: int = 128
-    block_n: int = 128
+    block_n: int = 256
     block_k: int = 64
-    num_warps: int = 4
-    num_stages: int = 4
+    num_warps: int = 8
+    num_stages: int = 3
     dw_block_m: int = 128
-    dw_block_n: int = 128
+    dw_block_n: int = 256
     dw_block_t: int = 64
-    dw_num_warps: int = 4
-    dw_num_stages: int = 4
+    dw_num_warps: int = 8
+    dw_num_stages: int = 3
     interpret: bool | None = None
     mosaic_parts: tuple[str, ...] = ()
     mosaic: MosaicConfig = MosaicConfig()
@@ -313,8 +313,8 @@ def _gmm_fwd(x, w, tile_expert, group_start, group_tiles, cfg):
 
 def _gmm_dx(dy, w, tile_expert, cfg: GmmConfig) -> jax.Array:
     """``dx[r] = dy[r] @ w[expert(r)]^T``: [Mp, K]."""
-    if cfg.mosaic_for("dx"):  # one transpose of w, then the forward kernel
-        return mgpu.mm_nn(dy, jnp.swapaxes(w, 1, 2), tile_expert, cfg.align, cfg.mosaic)
+    if cfg.mosaic_for("dx"):  # wgmma reads w[e] tiles transposed from shared memory
+        return mgpu.mm_nn(dy, w, tile_expert, cfg.align, cfg.mosaic, trans_rhs=True)
     return _mm(dy, w, tile_expert, cfg, trans_rhs=True)
 
 
@@ -337,10 +337,13 @@ def _gmm_bwd(cfg, res, dy):
 gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
+# The Triton kernels' defaults: the tiles that won the Triton backward on an H200
+# (mm128x256x64w8s3 dw128x256x64w8s3: dx 502, dw 555 useful TFLOP/s; issue 19).
 DEFAULT_CONFIG = GmmConfig()
-# Measured best on an H200 (benchmarks/NOTES.md, call 2): fwd 626 / bwd 474 useful TFLOP/s.
+# The measured-best kernel per part on an H200 (benchmarks/NOTES.md): the Mosaic forward
+# (626 TFLOP/s, M-minor bands of 4), the Triton dx and dw (DEFAULT_CONFIG's tiles).
 MOSAIC_CONFIG = GmmConfig(
-    mosaic_parts=("fwd", "dx", "dw"),
+    mosaic_parts=("fwd",),
     mosaic=MosaicConfig(
         max_concurrent_steps=3,
         grid_minor_n=False,
@@ -364,6 +367,14 @@ def config_from_dict(d: dict) -> GmmConfig:
     d["mosaic"] = MosaicConfig(**d.get("mosaic", {}))
     d["mosaic_parts"] = tuple(d.get("mosaic_parts", ()))
     return GmmConfig(**d)
+
+
+def default_config() -> GmmConfig:
+    """The shipped config of this device: `MOSAIC_CONFIG` on Hopper, else `DEFAULT_CONFIG`."""
+    if jax.default_backend() == "gpu":
+        if str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9"):
+            return MOSAIC_CONFIG
+    return DEFAULT_CONFIG
 
 
 def configure(*, triton: GmmConfig | None = None, mosaic: GmmConfig | None = None) -> None:

@@ -7,6 +7,9 @@ of ``align`` rows, padding rows zero), GPU only (no interpret mode). Two kernels
   kernel (one TMA producer warpgroup, two wgmma consumer warpgroups splitting the N tile), the
   structure of ``jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu`` with the right-hand side
   picked per row tile. Unused tiles compute zeros from zero rows (their rows are padding).
+  ``trans_rhs=True`` multiplies by ``w[e]^T`` (the dx of the backward): the TMA loads
+  ``[N-tile, K-step]`` blocks of ``w[e]`` and wgmma reads them transposed from shared memory,
+  so no transposed copy of the weights is ever written.
 - `mm_dw`: ``dw[e] = x_e^T dy_e``; a persistent kernel over (expert, output tile) whose
   pipeline runs over the (dynamic) row blocks of group ``e`` (the structure of
   ``transposed_ragged_dot_mgpu`` without its boundary masks: aligned groups need none).
@@ -64,12 +67,23 @@ def _transforms(plgpu, block_minor: int, dtype):
     return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
 
 
-def mm_nn(x: jax.Array, w: jax.Array, tile_expert: jax.Array, align: int, cfg: MosaicConfig):
-    """``x [Mp, K] @ w[e] [K, N]`` per ``align``-row tile (``e = max(tile_expert, 0)``)."""
+def mm_nn(
+    x: jax.Array,
+    w: jax.Array,
+    tile_expert: jax.Array,
+    align: int,
+    cfg: MosaicConfig,
+    *,
+    trans_rhs: bool = False,
+):
+    """``x [Mp, K] @ w[e] [K, N]`` per ``align``-row tile (``e = max(tile_expert, 0)``).
+
+    With ``trans_rhs``, ``w`` is ``[E, N, K]`` and the product is ``x @ w[e]^T``.
+    """
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     mp, k = x.shape
-    n = w.shape[2]
+    n = w.shape[1] if trans_rhs else w.shape[2]
     tile_m, tile_n, tile_k = cfg.tile_m, cfg.tile_n, cfg.tile_k
     cta_n = 2 * tile_n
     if align % tile_m or mp % tile_m or n % cta_n or k % tile_k:
@@ -96,8 +110,8 @@ def mm_nn(x: jax.Array, w: jax.Array, tile_expert: jax.Array, align: int, cfg: M
                         memory_space=plgpu.SMEM,
                     ),
                     plgpu.BlockSpec(
-                        (tile_k, cta_n),
-                        lambda kk: (kk, 0),
+                        (cta_n, tile_k) if trans_rhs else (tile_k, cta_n),
+                        (lambda kk: (0, kk)) if trans_rhs else (lambda kk: (kk, 0)),
                         transforms=transforms,
                         memory_space=plgpu.SMEM,
                     ),
@@ -113,7 +127,9 @@ def mm_nn(x: jax.Array, w: jax.Array, tile_expert: jax.Array, align: int, cfg: M
 
         @functools.partial(
             pl.run_scoped,
-            pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem.at[0]),
+            pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
+                a_gmem, b_gmem.at[0]
+            ),
             out_smem=plgpu.SMEM((2, 2, epi_m, epi_n), dtype, transforms=out_transforms),
             collective_axes="wg",
         )
@@ -151,13 +167,16 @@ def mm_nn(x: jax.Array, w: jax.Array, tile_expert: jax.Array, align: int, cfg: M
                                 )
 
                 def mma_body(idxs, a_smem, b_smem, acc_ref):
-                    plgpu.wgmma(acc_ref, a_smem, b_smem.at[:, wg_n])
+                    if trans_rhs:
+                        plgpu.wgmma(acc_ref, a_smem, b_smem.at[wg_n, :].transpose((1, 0)))
+                    else:
+                        plgpu.wgmma(acc_ref, a_smem, b_smem.at[:, wg_n])
                     plgpu.wgmma_wait(0)
                     return acc_ref
 
                 get_pipeline(mma_body, compute_context)(
                     a_gmem.at[m_sl, :],
-                    b_gmem.at[e].at[:, n_sl],
+                    b_gmem.at[e].at[n_sl, :] if trans_rhs else b_gmem.at[e].at[:, n_sl],
                     allocations=pipeline_allocs,
                 )
 
