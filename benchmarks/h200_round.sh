@@ -33,6 +33,10 @@ for step in ${STEPS:-gemm step}; do
     tar czf "$OUT/prof.tgz" -C /tmp/prof . 2>/dev/null
     (cd /tmp/hlo 2>/dev/null && tar czf "$OUT/hlo.tgz" $(ls | grep -E "after_optimizations.txt|buffer-assignment|memory-usage")) ;;
   step) run step 150 $TS --master-dtype bfloat16 ;;
+  dsf)  # XLA's dynamic-slice fusion (slices of the stacked weights passed to the kernels in place)
+    export XLA_FLAGS="--xla_gpu_enable_dynamic_slice_fusion=true"
+    run dsf 150 $TS --master-dtype bfloat16
+    unset XLA_FLAGS ;;
   recompute) run recompute 150 $TS --master-dtype bfloat16 --save-probs-bytes 0 ;;
   unroll) run unroll 200 $TS --master-dtype bfloat16 --unroll ;;
   f32) run f32 180 $TS ;;  # the default trainer config: float32 masters

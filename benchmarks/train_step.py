@@ -295,6 +295,8 @@ def main(argv: list[str] | None = None) -> None:
                 state, _ = trainer.train_step(state, batch, meta)
                 jax.block_until_ready(state)
     jax.block_until_ready(state)
+    est = trainer.check_memory(b, s, capacity=float("inf"))
+    print(f"estimate (osworld_jax.trainer.memory): {est.describe()}")
     peak = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.devices())
 
     total, active = active_params(model)
@@ -362,6 +364,8 @@ def _memory_report(trainer, batch, meta, args) -> None:
     }
     peak = gib["argument"] + gib["output"] - gib["alias"] + gib["temp"]
     line = ", ".join(f"{k} {v:.2f}" for k, v in gib.items())
+    est = trainer.check_memory(*batch.tokens.shape, capacity=float("inf"))
+    print(f"ESTIMATE {est.describe()}", flush=True)
     print(
         f"MEMORY {args.config} master={trainer.config.master_dtype} "
         f"remat={args.remat} micro={args.micro_batches}: {line}; "

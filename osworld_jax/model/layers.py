@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -20,10 +21,38 @@ _NEG = float(jnp.finfo(jnp.float32).min)
 
 
 def rms_norm(x: Float[Array, "... H"], w: Float[Array, " H"], eps: float) -> Float[Array, "... H"]:
-    """HF RMSNorm in float32: ``w * x / sqrt(mean(x^2) + eps)``, returned in ``x.dtype``."""
+    """HF RMSNorm in float32: ``w * x / sqrt(mean(x^2) + eps)``, returned in ``x.dtype``.
+
+    Differentiated by `_rms_norm` (a ``custom_vjp``) whose residuals are ``x`` in its own dtype
+    and the float32 ``1/rms`` per row, not the float32 upcast of ``x`` (which a scan over layers
+    would stack as ``[L, ..., H]`` float32 buffers).
+    """
+    return _rms_norm(x, w, eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    return _rms_norm_fwd(x, w, eps)[0]
+
+
+def _rms_norm_fwd(x, w, eps):
     xf = x.astype(jnp.float32)
-    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (w.astype(jnp.float32) * normed).astype(x.dtype)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)  # [..., 1]
+    return (w.astype(jnp.float32) * (xf * r)).astype(x.dtype), (x, w, r)
+
+
+def _rms_norm_bwd(eps, res, dy):
+    """``n = x r``: ``dw = sum dy n``; ``dx = r (dy w - n mean(dy w n))`` (float32)."""
+    x, w, r = res
+    n = x.astype(jnp.float32) * r
+    dyf = dy.astype(jnp.float32)
+    dn = dyf * w.astype(jnp.float32)
+    dx = r * (dn - n * jnp.mean(dn * n, axis=-1, keepdims=True))
+    dw = jnp.sum((dyf * n).reshape(-1, n.shape[-1]), axis=0)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 def constrain_batch(x: jax.Array, batch_axes: tuple[str, ...]) -> jax.Array:

@@ -74,21 +74,23 @@ def _onehot_minus_p(z, lse, y, dtype):
 
 
 def _forward_saving(hidden, w, targets, chunk):
-    """`_forward` that also returns ``q = onehot - p`` [N, R, C, V] in ``w.dtype``."""
+    """`_forward` that also returns ``q = onehot - p`` in ``w.dtype``, one [R, C, V] per chunk.
 
-    def body(_, xs):
-        h, y = xs
+    The chunks run as an unrolled Python loop (the saved residual is bounded by ``save_bytes``,
+    so there are few of them): each ``q`` chunk is its own buffer, so no stacked ``[N, R, C, V]``
+    scan output is zero-initialised, written slice by slice, and transposed back.
+    """
+    lps, ents, qs = [], [], []
+    for i in range(hidden.shape[1] // chunk):
+        h, y = hidden[:, i * chunk : (i + 1) * chunk], targets[:, i * chunk : (i + 1) * chunk]
         z = _chunk_logits(h, w)  # [R, C, V] f32
         lse = jax.nn.logsumexp(z, axis=-1)
         z_y = jnp.take_along_axis(z, y[..., None], axis=-1)[..., 0]
         p = jnp.exp(z - lse[..., None])
-        entropy = lse - jnp.sum(p * z, axis=-1)
-        return None, (z_y - lse, entropy, _onehot_minus_p(z, lse, y, w.dtype))
-
-    _, (lp, ent, q) = jax.lax.scan(
-        body, None, (_to_chunks(hidden, chunk), _to_chunks(targets, chunk))
-    )
-    return _from_chunks(lp), _from_chunks(ent), q
+        lps.append(z_y - lse)
+        ents.append(lse - jnp.sum(p * z, axis=-1))
+        qs.append(_onehot_minus_p(z, lse, y, w.dtype))
+    return jnp.concatenate(lps, axis=1), jnp.concatenate(ents, axis=1), tuple(qs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -109,12 +111,15 @@ def _chunked_logprobs_bwd(chunk, save, residuals, cotangents):
     hidden, w, targets, saved = residuals
     g_lp, _ = cotangents  # the entropy output is a metric: its cotangent is ignored (see below)
     g_lp = g_lp.astype(jnp.float32)
-    if save:  # saved q = onehot - p [N, R, C, V]: two GEMMs, g as a row scale
-        q = _from_chunks(saved)  # [R, T, V]
-        dh = g_lp[..., None] * jnp.einsum("rtv,hv->rth", q, w, preferred_element_type=jnp.float32)
-        gh = (g_lp[..., None] * hidden.astype(jnp.float32)).astype(q.dtype)  # [R, T, H]
-        dw = jnp.einsum("rth,rtv->hv", gh, q, preferred_element_type=jnp.float32)
-        return dh.astype(hidden.dtype), dw.astype(w.dtype), None
+    if save:  # saved q = onehot - p, per chunk: two GEMMs each, g as a row scale
+        gh = (g_lp[..., None] * hidden.astype(jnp.float32)).astype(w.dtype)  # [R, T, H]
+        dhs, dw = [], jnp.zeros(w.shape, jnp.float32)
+        for i, q in enumerate(saved):  # q: [R, C, V]
+            cols = slice(i * chunk, (i + 1) * chunk)
+            dh = jnp.einsum("rcv,hv->rch", q, w, preferred_element_type=jnp.float32)
+            dhs.append((g_lp[:, cols, None] * dh).astype(hidden.dtype))
+            dw = dw + jnp.einsum("rch,rcv->hv", gh[:, cols], q, preferred_element_type=jnp.float32)
+        return jnp.concatenate(dhs, axis=1), dw.astype(w.dtype), None
     vocab = w.shape[-1]
 
     def body(dw, xs):

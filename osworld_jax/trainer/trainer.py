@@ -50,6 +50,7 @@ from osworld_jax.model import (
 from osworld_jax.trainer.checkpoint import Checkpointer
 from osworld_jax.trainer.config import TrainerConfig
 from osworld_jax.trainer.logprobs import token_logprobs
+from osworld_jax.trainer.memory import check_step_fits
 from osworld_jax.trainer.optimizer import TRAIN, make_optimizer, make_schedule
 from osworld_jax.trainer.state import NonFiniteError, TrainerError, TrainState
 
@@ -214,6 +215,7 @@ class Trainer:
         if jax.tree.leaves(self._policy_params) != jax.tree.leaves(param_state):
             raise TrainerError("Trainer: the policy's Param state does not flatten like its dict")
         self._model_config = getattr(policy, "config", None)
+        self._runtime = getattr(policy, "runtime", None)
 
         self._batch_axes = tuple(a for a in self.rules.batch_axes if a in self.mesh.shape)
         self.data_parallel = math.prod(self.mesh.shape[a] for a in self._batch_axes)
@@ -564,6 +566,8 @@ class Trainer:
         batch = self._device_batch(batch)
         if old_logprobs is not None:
             old_logprobs = jax.device_put(old_logprobs, self._row_sharding)
+        if (meta, old_logprobs is not None) not in self._steps:
+            self.check_memory(*batch.tokens.shape)  # before compiling the new bucket
         step_fn = self._compiled_step(meta, old_logprobs is not None)
         with jax.set_mesh(self.mesh), jax.transfer_guard("disallow"):
             state, metrics = step_fn(state, batch, old_logprobs)
@@ -573,6 +577,27 @@ class Trainer:
         if self.config.check_finite and not finite:
             raise NonFiniteError(host["step"], host, state=state)
         return state, host
+
+    def check_memory(self, rows: int, seq: int, capacity: float | None = None) -> Any:
+        """Estimated per-device bytes of a step on ``rows x seq`` (`memory.check_step_fits`).
+
+        Raises `TrainerError` naming what to change when the estimate exceeds the device's
+        memory (``capacity``: default the device allocator's limit; unknown on CPU: no check).
+        """
+        if self._model_config is None or self._runtime is None:
+            return None
+        shape = self.mesh.shape
+        shards = math.prod(shape.get(a, 1) for a in ("fsdp", "expert", "tensor"))
+        return check_step_fits(
+            self._model_config,
+            self._runtime,
+            self.config,
+            rows=rows,
+            seq=seq,
+            param_shards=shards,
+            batch_shards=self.data_parallel,
+            capacity=capacity,
+        )
 
     # ------------------------------------------------------------------ batch plumbing
 

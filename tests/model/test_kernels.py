@@ -170,3 +170,37 @@ def test_attention_switch_keeps_real_token_logits():
     got = run(params, dataclasses.replace(TINY_RT, attention="cudnn"))
     real = seg.astype(bool)
     chex.assert_trees_all_close(got[real], ref[real], atol=1e-5, rtol=1e-5)
+
+
+def test_swiglu_custom_vjp_equals_autodiff_and_keeps_input_dtype_residuals():
+    from osworld_jax.model.kernels.grouped_matmul import swiglu
+
+    ks = jax.random.split(jax.random.key(9), 3)
+    g, u, dh = (jax.random.normal(k, (40, 24)) * 3 for k in ks)
+    plain = lambda g, u: jax.nn.silu(g) * u  # noqa: E731
+    got, pull = jax.vjp(swiglu, g, u)
+    ref, pull_ref = jax.vjp(plain, g, u)
+    chex.assert_trees_all_close(got, ref, atol=1e-6, rtol=1e-6)
+    chex.assert_trees_all_close(pull(dh), pull_ref(dh), atol=1e-5, rtol=1e-5)
+    # bf16 in, bf16 residuals: the linearized function holds no float32 [40, 24] array.
+    gb, ub = g.astype(jnp.bfloat16), u.astype(jnp.bfloat16)
+    _, lin = jax.linearize(swiglu, gb, ub)
+    consts = [x for x in jax.tree.leaves(lin) if hasattr(x, "shape") and x.shape == (40, 24)]
+    assert consts and all(x.dtype == jnp.bfloat16 for x in consts)
+
+
+def test_rms_norm_custom_vjp_equals_autodiff_of_the_formula():
+    from osworld_jax.model.layers import rms_norm
+
+    ks = jax.random.split(jax.random.key(10), 3)
+    x = jax.random.normal(ks[0], (3, 5, 4, 16)) * 2
+    w = 1 + jax.random.normal(ks[1], (16,)) / 3
+    dy = jax.random.normal(ks[2], x.shape)
+
+    def plain(x, w):
+        return w * x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
+    got, pull = jax.vjp(lambda x, w: rms_norm(x, w, 1e-6), x, w)
+    ref, pull_ref = jax.vjp(plain, x, w)
+    chex.assert_trees_all_close(got, ref, atol=1e-6, rtol=1e-6)
+    chex.assert_trees_all_close(pull(dy), pull_ref(dy), atol=1e-5, rtol=1e-5)

@@ -340,10 +340,11 @@ gmm.defvjp(_gmm_fwd, _gmm_bwd)
 # The Triton kernels' defaults: the tiles that won the Triton backward on an H200
 # (mm128x256x64w8s3 dw128x256x64w8s3: dx 502, dw 555 useful TFLOP/s; issue 19).
 DEFAULT_CONFIG = GmmConfig()
-# The measured-best kernel per part on an H200 (benchmarks/NOTES.md): the Mosaic forward
-# (626 TFLOP/s, M-minor bands of 4), the Triton dx and dw (DEFAULT_CONFIG's tiles).
+# The measured-best kernel per part on an H200 (benchmarks/NOTES.md, issue 19 call 1): the
+# Mosaic forward (606-626 TFLOP/s, M-minor bands of 4), the Mosaic transposed-B dx (563) and
+# the Triton dw (DEFAULT_CONFIG's tiles, 531): 602 fwd / 549 bwd useful TFLOP/s together.
 MOSAIC_CONFIG = GmmConfig(
-    mosaic_parts=("fwd",),
+    mosaic_parts=("fwd", "dx"),
     mosaic=MosaicConfig(
         max_concurrent_steps=3,
         grid_minor_n=False,
@@ -384,6 +385,34 @@ def configure(*, triton: GmmConfig | None = None, mosaic: GmmConfig | None = Non
         DEFAULT_CONFIG = triton
     if mosaic is not None:
         MOSAIC_CONFIG = mosaic
+
+
+@jax.custom_vjp
+def swiglu(g: jax.Array, u: jax.Array) -> jax.Array:
+    """``silu(g) * u`` computed in float32, returned in ``g.dtype``.
+
+    A ``custom_vjp`` whose residuals are ``g`` and ``u`` themselves (bf16 in training): plain
+    autodiff of the float32 expression keeps the float32 upcasts of both ``[Mp, I]`` inputs,
+    which a scan over layers then stacks (``4 x [L, Mp, I]`` float32 buffers). Backward, with
+    ``s = sigmoid(g)``: ``dg = dh u s (1 + g (1 - s))``, ``du = dh g s``.
+    """
+    return (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype)
+
+
+def _swiglu_fwd(g, u):
+    return swiglu(g, u), (g, u)
+
+
+def _swiglu_bwd(res, dh):
+    g, u = res
+    gf, uf, dhf = g.astype(jnp.float32), u.astype(jnp.float32), dh.astype(jnp.float32)
+    s = jax.nn.sigmoid(gf)
+    dg = dhf * uf * s * (1.0 + gf * (1.0 - s))
+    du = dhf * gf * s
+    return dg.astype(g.dtype), du.astype(u.dtype)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 _BATCH_AXES = ("data", "fsdp", "expert")
@@ -434,6 +463,6 @@ def _gmm_experts_local(x, experts, weights, gate, up, down, *, config: GmmConfig
     xs = dispatch(x, plan.row_slot, plan.dest, top_k)  # [Mp, H]
     g = gmm(xs, gate, *groups, config)  # [Mp, I]
     u = gmm(xs, up, *groups, config)  # [Mp, I]
-    h = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(xs.dtype)
+    h = swiglu(g, u)  # [Mp, I]
     ys = gmm(h, down, *groups, config)  # [Mp, H]
     return combine(ys, weights.astype(ys.dtype), plan.row_slot, plan.dest)

@@ -127,9 +127,7 @@ def mm_nn(
 
         @functools.partial(
             pl.run_scoped,
-            pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
-                a_gmem, b_gmem.at[0]
-            ),
+            pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem.at[0]),
             out_smem=plgpu.SMEM((2, 2, epi_m, epi_n), dtype, transforms=out_transforms),
             collective_axes="wg",
         )

@@ -1,0 +1,189 @@
+"""Device-memory estimate of one train step, from shapes alone (checked before compiling).
+
+XLA only reports a step's memory after compiling it (minutes for a large model) and a step that
+does not fit fails at its first run. `estimate_step_memory` adds up, per device:
+
+- ``params``: the train-state parameters, ``P * bytes(master)`` (sharded over the parameter
+  axes: fsdp x expert x tensor);
+- ``compute_copy``: the policy-dtype copy the forward runs on (``P * bytes(dtype)``) when the
+  masters are wider;
+- ``moments``: AdamW's mu and nu, ``2 * P * bytes(master)``;
+- ``grads``: one gradient tree in the policy dtype, plus a float32 accumulator when
+  ``num_micro_batches > 1``;
+- ``activations``: what one micro-batch keeps for its backward (sharded over the batch axes):
+  per token and layer, the residual stream, norms, q/k/v/attention output, the router, and the
+  MoE's padded expert rows (dispatched x, gate/up/SwiGLU outputs, expert outputs, the combine
+  gather) under ``remat="none"``; the layer input only under ``"full"`` (plus one layer's
+  worth, recomputed during its backward); the projections but not the expert rows under
+  ``"dots"``;
+- ``logprobs``: two float32 ``[rows, chunk, V]`` logit blocks, the float32 ``dW`` of the lm head,
+  and the saved bf16 ``onehot - p`` when `logprobs.saves_probs` keeps it.
+
+The coefficients were checked against XLA's own figures on an H200 (benchmarks/NOTES.md); the
+estimate is meant to be a little high (it ignores buffer reuse between layers' temporaries).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from osworld_jax.model.config import ModelRuntimeConfig, Qwen3MoeConfig
+from osworld_jax.model.kernels.grouped_matmul import padded_rows
+from osworld_jax.model.params import param_specs
+from osworld_jax.trainer.config import TrainerConfig
+from osworld_jax.trainer.logprobs import saves_probs
+from osworld_jax.trainer.state import TrainerError
+
+GiB = float(1 << 30)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepMemory:
+    """Estimated bytes per device of one train step (see the module doc for each term)."""
+
+    params: float
+    compute_copy: float
+    moments: float
+    grads: float
+    activations: float
+    logprobs: float
+
+    @property
+    def total(self) -> float:
+        """Sum of the terms, bytes."""
+        return sum(dataclasses.asdict(self).values())
+
+    def describe(self) -> str:
+        """``"total X GiB (params a, ...)"``."""
+        parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in dataclasses.asdict(self).items())
+        return f"{self.total / GiB:.1f} GiB ({parts})"
+
+
+def _layer_bytes_per_token(model: Qwen3MoeConfig, runtime: ModelRuntimeConfig, tokens: int):
+    """Bytes one layer keeps per token for its backward: (remat none, remat dots)."""
+    c = jnp.dtype(runtime.dtype).itemsize
+    h, d = model.hidden_size, model.head_dim
+    q, kv = model.num_attention_heads * d, model.num_key_value_heads * d
+    # x, normed x, q, k, v, normed+roped q/k, attention out, x + attn, post-norm y; router f32.
+    attn = c * (4 * h + 3 * q + 4 * kv) + 4 * 3 * model.num_experts
+    k = model.num_experts_per_tok
+    rows = padded_rows(tokens * k, model.num_experts, 128) / tokens  # padded rows per token
+    # dispatched x, expert outputs (H each); gate, up, SwiGLU out (I each); combine gather.
+    moe = c * (rows * (2 * h + 3 * model.moe_intermediate_size) + k * h)
+    mlp = c * 3 * model.intermediate_size
+    n_moe = len(model.moe_layers)
+    per_layer = attn + (moe * n_moe + mlp * (model.num_hidden_layers - n_moe)) / max(
+        model.num_hidden_layers, 1
+    )
+    return per_layer, attn
+
+
+def estimate_step_memory(
+    model: Qwen3MoeConfig,
+    runtime: ModelRuntimeConfig,
+    config: TrainerConfig,
+    *,
+    rows: int,
+    seq: int,
+    param_shards: int = 1,
+    batch_shards: int = 1,
+) -> StepMemory:
+    """Bytes per device of one train step of ``rows x seq`` tokens (module doc).
+
+    Args:
+      model: the architecture.
+      runtime: dtype and remat policy.
+      config: master dtype, micro-batches, logprob chunk.
+      rows: batch rows of the optimizer step.
+      seq: tokens per row.
+      param_shards: devices one parameter is split over (fsdp x expert x tensor).
+      batch_shards: devices the batch rows are split over (the data-parallel size).
+    """
+    c = jnp.dtype(runtime.dtype).itemsize
+    m = c if config.master_dtype is None else jnp.dtype(config.master_dtype).itemsize
+    n = sum(math.prod(s.shape) for s in param_specs(model).values()) / param_shards
+    micro_rows = max(rows // (config.num_micro_batches * batch_shards), 1)
+    tokens = micro_rows * seq
+    per_layer, attn = _layer_bytes_per_token(model, runtime, tokens)
+    layers = model.num_hidden_layers
+    h = model.hidden_size
+    if runtime.remat == "none":
+        act = tokens * layers * per_layer
+    elif runtime.remat == "full":
+        act = tokens * (layers * c * h + per_layer)
+    else:  # dots / dots_with_batch: projections saved, expert rows recomputed
+        act = tokens * (layers * attn + per_layer)
+    vocab = model.vocab_size
+    chunk = min(config.logprob_chunk, seq)
+    lp = 2 * micro_rows * chunk * vocab * 4 + h * vocab * 4
+    if saves_probs(micro_rows, seq, vocab, runtime.dtype, None):
+        lp += micro_rows * seq * vocab * c
+    grads = n * c + (n * 4 if config.num_micro_batches > 1 else 0)
+    return StepMemory(
+        params=n * m,
+        compute_copy=n * c if m != c else 0.0,
+        moments=2 * n * m,
+        grads=grads,
+        activations=act,
+        logprobs=lp,
+    )
+
+
+def device_capacity() -> float | None:
+    """Usable bytes of the first device (``bytes_limit`` of its allocator), None if unknown."""
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return float(limit) if limit else None
+
+
+def check_step_fits(
+    model: Qwen3MoeConfig,
+    runtime: ModelRuntimeConfig,
+    config: TrainerConfig,
+    *,
+    rows: int,
+    seq: int,
+    param_shards: int = 1,
+    batch_shards: int = 1,
+    capacity: float | None = None,
+) -> StepMemory:
+    """Raises `TrainerError` (before any compile) when the estimate exceeds ``capacity``.
+
+    The message gives the estimate's terms and what would fit: more micro-batches, another
+    remat policy, bfloat16 masters, or more devices. ``capacity`` defaults to
+    `device_capacity` (no check where the platform reports none, e.g. the CPU).
+    """
+    kw = dict(rows=rows, seq=seq, param_shards=param_shards, batch_shards=batch_shards)
+    est = estimate_step_memory(model, runtime, config, **kw)
+    capacity = device_capacity() if capacity is None else capacity
+    if capacity is None or est.total <= capacity:
+        return est
+    options = []
+    per_device = max(rows // batch_shards, 1)
+    for mb in (2, 4, 8, 16, 32, 64):
+        if mb > config.num_micro_batches and per_device % mb == 0:
+            cfg = dataclasses.replace(config, num_micro_batches=mb)
+            if estimate_step_memory(model, runtime, cfg, **kw).total <= capacity:
+                options.append(f"TrainerConfig.num_micro_batches={mb}")
+                break
+    for remat in ("dots", "full"):
+        if remat != runtime.remat:
+            rt = dataclasses.replace(runtime, remat=remat)
+            if estimate_step_memory(model, rt, config, **kw).total <= capacity:
+                options.append(f"ModelRuntimeConfig.remat={remat!r}")
+    if config.master_dtype == "float32":
+        cfg = dataclasses.replace(config, master_dtype="bfloat16")
+        if estimate_step_memory(model, runtime, cfg, **kw).total <= capacity:
+            options.append("TrainerConfig.master_dtype='bfloat16' (lossy updates)")
+    need = math.ceil(est.total / capacity * param_shards)
+    options.append(f"about {need}+ devices on the fsdp axis")
+    raise TrainerError(
+        f"train step of {rows} rows x {seq} tokens needs ~{est.describe()} per device, over the "
+        f"{capacity / GiB:.1f} GiB available (remat={runtime.remat!r}, "
+        f"num_micro_batches={config.num_micro_batches}, master_dtype={config.master_dtype!r}); "
+        f"would fit: {'; '.join(options)}"
+    )
