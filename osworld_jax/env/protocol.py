@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 from osworld_jax.env.backend import SandboxTimeout
-from osworld_jax.env.vm_client import SandboxTransientError
+from osworld_jax.env.vm_client import SandboxRequestError, SandboxTransientError
 
 
 @runtime_checkable
@@ -74,7 +74,13 @@ class VMProtocol(Protocol):
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Whether ``exc`` is a transient sandbox failure worth retrying (5xx, timeout, connection)."""
+    """Whether ``exc`` is a transient sandbox failure worth retrying (5xx, timeout, connection).
+
+    A ``SandboxRequestError`` never is, whatever its status: the server answered that the request
+    cannot be done (a 4xx, or upstream's 500 for a command that cannot run).
+    """
+    if isinstance(exc, SandboxRequestError):
+        return False
     if isinstance(exc, SandboxTransientError):
         return True
     status = getattr(exc, "status", None)

@@ -23,22 +23,51 @@ Errors are typed (the contract of ``osworld_jax.env.protocol.VMProtocol``): a 5x
 connection raises ``SandboxTransientError`` (callers such as evaluators retry it), any other non-2xx
 reply ``SandboxRequestError`` (both carry the HTTP ``status``), ``file`` of a missing path
 ``FileNotFoundError``, and an exceeded deadline ``SandboxTimeout``. Every message names the route.
+
+Two failures are permanent although they look like transient ones:
+
+- upstream's server answers ``/execute``, ``/setup/execute`` and ``/setup/launch`` with HTTP 500
+  and ``{"status": "error", "message": ...}`` when the command cannot run at all (its
+  ``subprocess`` call raised: a missing program, no permission, past its 120 s limit); the same
+  request fails the same way again, so that is a ``SandboxRequestError`` (status 500), as
+  upstream's getters treat every non-200 reply: no retry;
+- a failed TLS handshake (refused certificate, protocol version) is a ``SandboxTLSError`` naming
+  what failed (``osworld_jax.env.tls.describe_tls_failure``).
+
+Error text quoted from a reply is cut to 300 characters; a client given a ``mask`` (the remote
+backend's API token) masks the secret first, so a cut can never leave part of it (``snippet``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import ssl as ssl_lib
+from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
 from osworld_jax.env.backend import SandboxStepError, SandboxTimeout
+from osworld_jax.env.tls import describe_tls_failure
 
-__all__ = ["SandboxRequestError", "SandboxTransientError", "VMClient"]
+__all__ = [
+    "MASK",
+    "SandboxRequestError",
+    "SandboxTLSError",
+    "SandboxTransientError",
+    "VMClient",
+    "snippet",
+]
 
 _UNIX_PREFIX = "unix://"
+#: Routes whose HTTP 500 + ``{"status": "error"}`` means "this command cannot run" (upstream).
+_COMMAND_ROUTES = frozenset({"/execute", "/setup/execute", "/setup/launch"})
+#: Marks a masked secret character (see ``snippet``); runs of it print as ``***``.
+MASK = "\0"
+_SLACK = 4096  # longest secret a snippet's mask is guaranteed to see whole
 
 
 class SandboxTransientError(SandboxStepError):
@@ -54,7 +83,10 @@ class SandboxTransientError(SandboxStepError):
 
 
 class SandboxRequestError(SandboxStepError):
-    """The server refused a request (a non-5xx error status such as 400 or 404); not retried.
+    """The server refused a request or reported that it cannot be done; never retried.
+
+    A non-5xx error status (400, 404, ...), or upstream's HTTP 500 + ``{"status": "error"}`` of
+    a command that cannot run (module docstring).
 
     Attributes:
       status: the HTTP status.
@@ -63,6 +95,36 @@ class SandboxRequestError(SandboxStepError):
     def __init__(self, message: str, *, status: int) -> None:
         super().__init__(message)
         self.status = status
+
+
+class SandboxTLSError(SandboxStepError):
+    """The TLS handshake with the desktop's endpoint failed (the message says why); not retried."""
+
+
+def snippet(
+    body: bytes | str, *, limit: int = 300, mask: Callable[[str], str] | None = None
+) -> str:
+    """At most ``limit`` characters of ``body`` for an error message, on one line.
+
+    ``mask`` (e.g. ``Secret.mask``) replaces every character of a secret by ``MASK`` without
+    moving the others, and it runs BEFORE the cut: a secret that straddles the cut is masked
+    whole, so no part of it survives. Masked runs print as ``***``.
+    """
+    if isinstance(body, bytes):
+        text = body[: 4 * (limit + _SLACK)].decode("utf-8", "replace")
+        longer = len(body) > limit
+    else:
+        text, longer = body, len(body) > limit
+    head = text[: limit + _SLACK].replace(MASK, "\ufffd")
+    if mask is not None:
+        head = mask(head)
+    shown = unmask(head[:limit]).strip().replace("\n", " ")
+    return shown + ("..." if longer else "")
+
+
+def unmask(text: str) -> str:
+    """``text`` with each run of ``MASK`` characters printed as ``***``."""
+    return re.sub(f"{MASK}+", "***", text)
 
 
 class VMClient:
@@ -80,6 +142,7 @@ class VMClient:
         timeout: float = 120.0,
         session: aiohttp.ClientSession | None = None,
         ssl: ssl_lib.SSLContext | bool | None = None,
+        mask: Callable[[str], str] | None = None,
     ) -> None:
         """Creates a client; the HTTP session is opened lazily on first use.
 
@@ -90,8 +153,11 @@ class VMClient:
             with a ``unix://`` URL, which needs its own connector.
           ssl: TLS setting passed to every request (an ``SSLContext``, False to skip
             verification, None for aiohttp's default).
+          mask: masks a secret in text (``Secret.mask``): applied to every error message this
+            client raises, before reply text is cut (see ``snippet``).
         """
         self.base_url = base_url
+        self._mask = mask
         self.timeout = float(timeout)
         self._ssl: ssl_lib.SSLContext | bool | None = ssl
         self._unix_path: str | None = None
@@ -118,6 +184,13 @@ class VMClient:
             self._owns_session = True
         return self._session
 
+    def _clean(self, text: str) -> str:
+        """``text`` with the secret (if any) masked out."""
+        return unmask(self._mask(text)) if self._mask is not None else text
+
+    def _quote(self, body: bytes | str, limit: int = 300) -> str:
+        return snippet(body, limit=limit, mask=self._mask)
+
     async def _request(
         self,
         method: str,
@@ -139,19 +212,30 @@ class VMClient:
                 **kwargs,
             ) as resp:
                 body = await resp.read()
-                if resp.status >= 500:
-                    raise SandboxTransientError(
-                        f"{where}: HTTP {resp.status}: {_snippet(body)}", status=resp.status
-                    )
-                if resp.status >= 300:
+                status = resp.status
+                if status == 500 and route in _COMMAND_ROUTES and _command_failed(body):
                     raise SandboxRequestError(
-                        f"{where}: HTTP {resp.status}: {_snippet(body)}", status=resp.status
+                        self._clean(f"{where}: HTTP 500: the command cannot run: ")
+                        + self._quote(body),
+                        status=status,
+                    )
+                if status >= 500:
+                    raise SandboxTransientError(
+                        self._clean(f"{where}: HTTP {status}: ") + self._quote(body), status=status
+                    )
+                if status >= 300:
+                    raise SandboxRequestError(
+                        self._clean(f"{where}: HTTP {status}: ") + self._quote(body), status=status
                     )
                 return body, resp.headers.get("Content-Type", "")
         except TimeoutError as e:
-            raise SandboxTimeout(f"{where}: no reply within {deadline:g} s") from e
+            raise SandboxTimeout(self._clean(f"{where}: no reply within {deadline:g} s")) from e
+        except aiohttp.ClientSSLError as e:
+            host = urlsplit(self._http_base).hostname or "?"
+            why = describe_tls_failure(e, host=host)
+            raise SandboxTLSError(self._clean(f"{where}: {why}")) from None
         except aiohttp.ClientError as e:
-            raise SandboxTransientError(f"{where}: connection failed: {e}") from e
+            raise SandboxTransientError(self._clean(f"{where}: connection failed: {e}")) from e
 
     async def _json(
         self, method: str, route: str, *, timeout: float | None = None, **kwargs: Any
@@ -161,16 +245,20 @@ class VMClient:
             return json.loads(body)
         except ValueError as e:
             raise SandboxStepError(
-                f"{method} {self.base_url}{route}: reply is not JSON: {_snippet(body)}"
+                self._clean(f"{method} {self.base_url}{route}: reply is not JSON: ")
+                + self._quote(body)
             ) from e
+
+    def _malformed(self, method: str, route: str, reply: Any) -> str:
+        where = self._clean(f"{method} {self.base_url}{route}: malformed reply ")
+        return where + self._quote(repr(reply), limit=200)
 
     async def screenshot(self, *, timeout: float | None = None) -> bytes:
         """The screen as PNG bytes."""
         body, _ = await self._request("GET", "/screenshot", timeout=timeout)
         if not body.startswith(b"\x89PNG\r\n\x1a\n"):
-            raise SandboxStepError(
-                f"GET {self.base_url}/screenshot: reply is not a PNG ({len(body)} bytes)"
-            )
+            where = f"GET {self.base_url}/screenshot"
+            raise SandboxStepError(self._clean(f"{where}: reply is not a PNG ({len(body)} bytes)"))
         return body
 
     async def execute(
@@ -190,7 +278,7 @@ class VMClient:
             "POST", "/execute", json={"command": command, "shell": shell}, timeout=timeout
         )
         if not isinstance(reply, dict) or "status" not in reply:
-            raise SandboxStepError(f"POST {self.base_url}/execute: malformed reply {reply!r:.200}")
+            raise SandboxStepError(self._malformed("POST", "/execute", reply))
         return {
             "status": reply.get("status"),
             "output": reply.get("output", ""),
@@ -202,9 +290,7 @@ class VMClient:
         """The accessibility tree as OSWorld-style XML text."""
         reply = await self._json("GET", "/accessibility", timeout=timeout)
         if not isinstance(reply, dict) or not isinstance(reply.get("AT"), str):
-            raise SandboxStepError(
-                f"GET {self.base_url}/accessibility: malformed reply {reply!r:.200}"
-            )
+            raise SandboxStepError(self._malformed("GET", "/accessibility", reply))
         return reply["AT"]
 
     async def file(self, path: str, *, timeout: float | None = None) -> bytes:
@@ -278,15 +364,13 @@ class VMClient:
         try:
             return int(reply["width"]), int(reply["height"])
         except (TypeError, KeyError, ValueError) as e:
-            raise SandboxStepError(
-                f"POST {self.base_url}/screen_size: malformed reply {reply!r:.200}"
-            ) from e
+            raise SandboxStepError(self._malformed("POST", "/screen_size", reply)) from e
 
     async def terminal(self, *, timeout: float | None = None) -> str:
         """The focused terminal's text, "" when no terminal is focused."""
         reply = await self._json("GET", "/terminal", timeout=timeout)
         if not isinstance(reply, dict):
-            raise SandboxStepError(f"GET {self.base_url}/terminal: malformed reply {reply!r:.200}")
+            raise SandboxStepError(self._malformed("GET", "/terminal", reply))
         return reply.get("output") or ""
 
     async def wait_ready(self, *, deadline: float = 30.0, interval: float = 0.02) -> None:
@@ -304,7 +388,9 @@ class VMClient:
             except (SandboxTransientError, SandboxTimeout) as e:
                 last = e
             await asyncio.sleep(interval)
-        raise SandboxTimeout(f"{self.base_url}: server not ready within {deadline:g} s ({last})")
+        raise SandboxTimeout(
+            self._clean(f"{self.base_url}: server not ready within {deadline:g} s ({last})")
+        )
 
     async def aclose(self) -> None:
         """Closes the HTTP session if this client opened it; idempotent."""
@@ -319,6 +405,10 @@ class VMClient:
         await self.aclose()
 
 
-def _snippet(body: bytes, limit: int = 300) -> str:
-    text = body[:limit].decode("utf-8", "replace").strip().replace("\n", " ")
-    return text + ("..." if len(body) > limit else "")
+def _command_failed(body: bytes) -> bool:
+    """Whether a 500 body is upstream's "the command could not run" (``{"status": "error"}``)."""
+    try:
+        reply = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(reply, dict) and reply.get("status") == "error"

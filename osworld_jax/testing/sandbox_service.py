@@ -35,6 +35,7 @@ import ipaddress
 import itertools
 import json
 import random
+import shlex
 import ssl
 import time
 import uuid
@@ -64,7 +65,7 @@ SANDBOX_HEADER = "X-Sandbox-Token"
 
 @dataclasses.dataclass(frozen=True)
 class TestPKI:
-    """A throw-away CA and a server certificate for 127.0.0.1/localhost signed by it.
+    """A throw-away CA and a server certificate signed by it (see ``make_test_pki``).
 
     Attributes:
       ca_path: the CA certificate (PEM): the bundle a client pins.
@@ -78,17 +79,36 @@ class TestPKI:
     cert_path: Path
     key_path: Path
 
-    def server_context(self) -> ssl.SSLContext:
-        """A server-side TLS context presenting the server certificate."""
+    def server_context(self, *, only_version: ssl.TLSVersion | None = None) -> ssl.SSLContext:
+        """A server-side TLS context presenting the server certificate.
+
+        Args:
+          only_version: speak only this TLS version (e.g. ``TLSv1`` to play an outdated
+            service; OpenSSL's security level is lowered so that it can).
+        """
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ctx.load_cert_chain(str(self.cert_path), str(self.key_path))
+        if only_version is not None:
+            ctx.set_ciphers("DEFAULT:@SECLEVEL=0")
+            ctx.minimum_version = ctx.maximum_version = only_version
         return ctx
 
 
-def make_test_pki(directory: str | Path, *, name: str = "osworld_jax test CA") -> TestPKI:
-    """Generates a CA and a 127.0.0.1/localhost server certificate (EC P-256, 1 day) into
-    ``directory``.
-    """  # noqa: D205
+def make_test_pki(
+    directory: str | Path,
+    *,
+    name: str = "osworld_jax test CA",
+    hosts: tuple[str, ...] = ("localhost", "127.0.0.1"),
+    expired: bool = False,
+) -> TestPKI:
+    """Generates a CA and a server certificate (EC P-256) signed by it into ``directory``.
+
+    Args:
+      directory: where ``ca.pem``, ``server.pem`` and ``server.key`` go.
+      name: the CA's common name (a random suffix keeps CAs apart).
+      hosts: the names and IP addresses the server certificate is valid for.
+      expired: the server certificate expired yesterday (else it is valid for a day).
+    """
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -98,6 +118,8 @@ def make_test_pki(directory: str | Path, *, name: str = "osworld_jax test CA") -
     out.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.UTC)
     valid = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=1))
+    day = datetime.timedelta(days=1)
+    server_valid = (now - 2 * day, now - day) if expired else valid
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} {uuid.uuid4().hex[:8]}")])
@@ -131,18 +153,13 @@ def make_test_pki(directory: str | Path, *, name: str = "osworld_jax test CA") -
     key = ec.generate_private_key(ec.SECP256R1())
     cert = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
         .issuer_name(ca_name)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(valid[0])
-        .not_valid_after(valid[1])
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
+        .not_valid_before(server_valid[0])
+        .not_valid_after(server_valid[1])
+        .add_extension(x509.SubjectAlternativeName([_san(h) for h in hosts]), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .add_extension(
@@ -160,6 +177,15 @@ def make_test_pki(directory: str | Path, *, name: str = "osworld_jax test CA") -
     )
     pki.key_path.chmod(0o600)
     return pki
+
+
+def _san(host: str) -> Any:
+    from cryptography import x509
+
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        return x509.DNSName(host)
 
 
 # ------------------------------------------------------------------------------ state
@@ -186,6 +212,11 @@ class FakeFaults:
         its host died) and is answered 404.
       echo_auth_in_errors: injected error bodies echo the API token they received (to test the
         client's redaction).
+      echo_pad: characters of filler before the echoed token in an error body (to put it
+        across the client's truncation point).
+      vm_error_marker: an ``/execute`` whose command contains this text is answered
+        ``error_status`` by the sandbox endpoint, echoing the API token when
+        ``echo_auth_in_errors`` (a service that leaks it through a sandbox's replies).
       endpoint_scheme: a scheme the endpoint reply starts with ("" like OpenSandbox, or e.g.
         ``http://`` to offer a plain-text endpoint the client must refuse).
       seed: seed of the error-rate RNG.
@@ -203,6 +234,8 @@ class FakeFaults:
     snapshot_delay_s: float = 0.0
     lose_marker: str | None = "LOSE-THIS-SANDBOX"
     echo_auth_in_errors: bool = False
+    echo_pad: int = 0
+    vm_error_marker: str | None = None
     endpoint_scheme: str = ""
     seed: int = 0
 
@@ -226,6 +259,7 @@ class FakeStats:
       deleted: sandboxes deleted by the client.
       lost: sandboxes that vanished (lose marker).
       api_key_on_proxy: proxy requests that carried the lifecycle API token header.
+      executes: the command of every in-VM ``/execute`` request, in order.
     """
 
     requests: int = 0
@@ -242,6 +276,7 @@ class FakeStats:
     deleted: int = 0
     lost: int = 0
     api_key_on_proxy: int = 0
+    executes: list[Any] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -326,6 +361,7 @@ class FakeSandboxService:
     Attributes:
       token: the API token the lifecycle routes require.
       pki: the CA and server certificate it serves with.
+      tls_version: the only TLS version it speaks (None: TLS 1.2 and 1.3, as a current server).
       faults: the faults to inject.
       stats: counters of what it observed.
       sandboxes: live sandboxes by id.
@@ -334,10 +370,17 @@ class FakeSandboxService:
     """
 
     def __init__(
-        self, *, token: str, pki: TestPKI, faults: FakeFaults | None = None, screenshot_px: int = 8
+        self,
+        *,
+        token: str,
+        pki: TestPKI,
+        faults: FakeFaults | None = None,
+        screenshot_px: int = 8,
+        tls_version: ssl.TLSVersion | None = None,
     ) -> None:
         self.token = token
         self.pki = pki
+        self.tls_version = tls_version
         self.faults = faults if faults is not None else FakeFaults()
         self.stats = FakeStats()
         self.sandboxes: dict[str, _FakeSandbox] = {}
@@ -390,7 +433,7 @@ class FakeSandboxService:
             lambda: _CountingProtocol(handler_factory(), self.stats),  # type: ignore[arg-type,return-value]
             "127.0.0.1",
             0,
-            ssl=self.pki.server_context(),
+            ssl=self.pki.server_context(only_version=self.tls_version),
             backlog=1024,
         )
         self.port = self._server.sockets[0].getsockname()[1]
@@ -445,9 +488,13 @@ class FakeSandboxService:
         if f.error_rate > 0 and request.method in f.error_methods:
             if self._rng.random() < f.error_rate:
                 self.stats.errors_injected += 1
-                echo = f" (token {got})" if f.echo_auth_in_errors else ""
-                return _error(f.error_status, "INTERNAL_ERROR", f"injected failure{echo}")
+                return _error(f.error_status, "INTERNAL_ERROR", self._failure_text(got))
         return await handler(request)
+
+    def _failure_text(self, token: str) -> str:
+        f = self.faults
+        echo = f" (token {'.' * f.echo_pad}{token})" if f.echo_auth_in_errors else ""
+        return f"injected failure{echo}"
 
     # -- lifecycle handlers --------------------------------------------------------------------
 
@@ -609,11 +656,17 @@ class FakeSandboxService:
         if (method, route) in (("POST", "/execute"), ("POST", "/setup/execute")):
             body = await request.json()
             command, shell = body.get("command"), bool(body.get("shell", False))
+            self.stats.executes.append(command)
             marker = self.faults.lose_marker
             if marker and marker in json.dumps(command):
                 self.sandboxes.pop(sb.id, None)
                 self.stats.lost += 1
                 return _error(404, "NOT_FOUND", f"no sandbox {sb.id}")
+            marker = self.faults.vm_error_marker
+            if marker and marker in json.dumps(command):
+                self.stats.errors_injected += 1
+                text = self._failure_text(self.token)
+                return _error(self.faults.error_status, "INTERNAL_ERROR", text)
             if (
                 isinstance(command, list)
                 and len(command) >= 3
@@ -624,7 +677,15 @@ class FakeSandboxService:
                 return web.json_response(
                     {"status": "success", "output": "", "error": "", "returncode": 0}
                 )
-            return web.json_response(d.run(command, shell=shell))
+            result = d.run(command, shell=shell)
+            if not shell and result["returncode"] == 127:
+                # Upstream's server runs an argv (a string is shlex-split) with subprocess.run: a
+                # program that does not exist raises FileNotFoundError, answered 500 with
+                # {"status": "error", "message": str(e)}.
+                argv = shlex.split(command) if isinstance(command, str) else command
+                message = f"[Errno 2] No such file or directory: {str(argv[0])!r}"
+                return web.json_response({"status": "error", "message": message}, status=500)
+            return web.json_response(result)
         if (method, route) == ("GET", "/accessibility"):
             return web.json_response({"AT": d.a11y()})
         if (method, route) == ("GET", "/terminal"):

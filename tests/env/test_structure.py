@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -171,3 +172,32 @@ def test_fork_validates_once_for_every_backend():
             await be.fork(sb, 1)
 
     asyncio.run(main())
+
+
+def test_every_env_module_imports_first():
+    """Each env module can be the first one a process imports (no order-dependent circle
+    through a package ``__init__``, which the static cycle count does not see).
+    """  # noqa: D205
+    root = REPO / "osworld_jax"
+    mods = []
+    for p in sorted([*(root / "env").rglob("*.py"), *(root / "testing").rglob("*.py")]):
+        if "shim" in p.parts or p.name == "__main__.py":
+            continue
+        parts = list(p.relative_to(REPO).with_suffix("").parts)
+        mods.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    code = (
+        "import importlib, sys\n"
+        "bad = []\n"
+        f"for m in {mods!r}:\n"
+        "    for k in [k for k in sys.modules if k.startswith('osworld_jax')]:\n"
+        "        del sys.modules[k]\n"
+        "    try:\n"
+        "        importlib.import_module(m)\n"
+        "    except Exception as e:\n"
+        "        bad.append(f'{m}: {e!r}')\n"
+        "print('\\n'.join(bad))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert len(mods) > 30 and out.stdout.strip() == "", out.stdout

@@ -118,18 +118,31 @@ async def cache_file(vm: VMProtocol, params: Mapping[str, Any], ctx: EvalContext
     return out if isinstance(paths, list) else out[0]
 
 
+async def _run(vm: VMProtocol, params: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``/execute`` reply of the getter's command; None when the server answers that it
+    cannot run it (upstream's getters return None for any non-200 reply; transient failures
+    still raise, to be retried).
+    """  # noqa: D205
+    try:
+        return await vm.execute(params["command"], shell=bool(params.get("shell", False)))
+    except SandboxStepError as e:
+        if is_transient(e) or getattr(e, "status", None) is None:
+            raise
+        return None
+
+
 @GETTERS.register("vm_command_line")
 async def vm_command_line(vm: VMProtocol, params: Mapping[str, Any], ctx: EvalContext) -> Any:
-    """The stdout of ``command`` run in the desktop."""
-    r = await vm.execute(params["command"], shell=bool(params.get("shell", False)))
-    return r.get("output")
+    """The stdout of ``command`` run in the desktop (None if it cannot run)."""
+    r = await _run(vm, params)
+    return None if r is None else r.get("output")
 
 
 @GETTERS.register("vm_command_error")
 async def vm_command_error(vm: VMProtocol, params: Mapping[str, Any], ctx: EvalContext) -> Any:
-    """The stderr of ``command`` run in the desktop."""
-    r = await vm.execute(params["command"], shell=bool(params.get("shell", False)))
-    return r.get("error")
+    """The stderr of ``command`` run in the desktop (None if it cannot run)."""
+    r = await _run(vm, params)
+    return None if r is None else r.get("error")
 
 
 @GETTERS.register("vm_terminal_output")

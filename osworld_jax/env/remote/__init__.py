@@ -13,7 +13,7 @@ from osworld_jax.env.remote.api import (
 )
 from osworld_jax.env.remote.backend import RemoteBackend, RemoteMetrics, RemoteSandbox, SandboxLost
 from osworld_jax.env.remote.config import RemoteBackendConfig
-from osworld_jax.env.remote.tls import CABundleError, check_ca_bundle, pinned_ssl_context
+from osworld_jax.env.tls import CABundleError, check_ca_bundle, pinned_ssl_context
 
 __all__ = [
     "CABundleError",

@@ -19,10 +19,16 @@ The create body may carry ``entrypoint`` and ``snapshotId``. A reply of 429, 502
 or a dropped connection, is retried with exponential backoff
 (full jitter) that honours ``Retry-After``; a 500 is retried only for idempotent requests (GET,
 DELETE), since a create that failed server-side may still have created something (those are
-found by their metadata tag and deleted at ``aclose``). A refused certificate is never retried.
+found by their metadata tag and deleted at ``aclose``). A failed TLS handshake is never retried
+and its error says what failed (``osworld_jax.env.tls.describe_tls_failure``): expired
+certificate, hostname mismatch, unknown CA, protocol version (a dropped handshake is checked for a
+server that speaks only TLS 1.0/1.1 before it counts as a connection failure).
+
 The token goes only to the lifecycle API, in ``RemoteBackendConfig.auth_header`` (redirects are
-not followed); it is never logged (a filter on this module's logger redacts it from any record,
-as defence in depth) and any echo of it in a reply is redacted from error messages.
+not followed). It is never logged (a filter on this module's logger redacts it from any record),
+every string of a parsed reply is scrubbed of it, and error text quoted from a reply is masked
+BEFORE it is cut to length, so an echo of the token leaks neither all nor part of it (a run of 8
+or more of its characters counts as the token; so do its JSON- and URL-escaped forms).
 """
 
 from __future__ import annotations
@@ -36,12 +42,14 @@ import ssl
 import time
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import aiohttp
 
 from osworld_jax.env.backend import SandboxCreateError, SandboxError, SandboxStepError
 from osworld_jax.env.remote.config import RemoteBackendConfig
+from osworld_jax.env.tls import describe_tls_failure, legacy_tls_version, version_refused
+from osworld_jax.env.vm_client import MASK, snippet, unmask
 
 __all__ = [
     "RateLimiter",
@@ -61,13 +69,16 @@ IDEMPOTENT = frozenset({"GET", "DELETE", "HEAD"})
 class RemoteServiceError(SandboxError):
     """The sandbox service failed a request.
 
+    The message is scrubbed of every API token a live client holds (defence in depth: the
+    client masks reply text before it quotes it).
+
     Attributes:
       status: the HTTP status, or None when no reply came (connection, TLS).
-      tls: True when the service's certificate was refused (never retried).
+      tls: True when the TLS handshake failed (never retried; the message says why).
     """
 
     def __init__(self, message: str, *, status: int | None = None, tls: bool = False) -> None:
-        super().__init__(message)
+        super().__init__(REDACTOR.redact(message))
         self.status = status
         self.tls = tls
 
@@ -80,21 +91,62 @@ class RemoteStepError(RemoteServiceError, SandboxStepError):
     """A lifecycle request made while running an episode failed."""
 
 
+#: A run of this many characters of a secret counts as the secret (a partial echo).
+FRAGMENT = 8
+
+
 class Secret:
     """Holds a secret string; its ``repr``/``str`` never show it."""
 
-    __slots__ = ("_value",)
+    __slots__ = ("_forms", "_fragments", "_value")
 
     def __init__(self, value: str) -> None:
         self._value = value
+        # As sent, and as a JSON string or a URL would carry it.
+        forms = {value, json.dumps(value)[1:-1], quote(value, safe="")} if value else set()
+        self._forms = tuple(sorted(forms, key=len, reverse=True))
+        self._fragments = {
+            f[i : i + FRAGMENT]
+            for f in self._forms
+            if len(f) > FRAGMENT
+            for i in range(len(f) - FRAGMENT + 1)
+        }
 
     def reveal(self) -> str:
         """The secret itself (only for the request header)."""
         return self._value
 
+    def mask(self, text: str) -> str:
+        """``text`` with the secret's characters replaced one for one by ``MASK``.
+
+        Masked: every occurrence of the secret (as sent, JSON-escaped, URL-encoded) and every run
+        of ``FRAGMENT`` or more characters of one of those forms. Other characters keep their
+        positions, so text cut to length after masking never holds part of the secret.
+        """
+        if not self._forms or not text:
+            return text
+        hits = bytearray(len(text))
+        for form in self._forms:
+            if len(form) <= FRAGMENT:
+                start = text.find(form)
+                while start >= 0:
+                    hits[start : start + len(form)] = b"\x01" * len(form)
+                    start = text.find(form, start + 1)
+        if self._fragments:
+            for i in range(len(text) - FRAGMENT + 1):
+                if text[i : i + FRAGMENT] in self._fragments:
+                    hits[i : i + FRAGMENT] = b"\x01" * FRAGMENT
+        if not any(hits):
+            return text
+        return "".join(MASK if hit else c for c, hit in zip(text, hits, strict=True))
+
     def redact(self, text: str) -> str:
-        """``text`` with every occurrence of the secret replaced by ``***``."""
-        return text.replace(self._value, "***") if self._value else text
+        """``text`` with every occurrence (or run of 8+ characters) of the secret as ``***``."""
+        return unmask(self.mask(text))
+
+    def snippet(self, text: bytes | str, *, limit: int = 300) -> str:
+        """At most ``limit`` characters of ``text`` for an error message, secret masked first."""
+        return snippet(text, limit=limit, mask=self.mask)
 
     def __repr__(self) -> str:
         return "Secret(***)"
@@ -112,12 +164,16 @@ class _RedactingFilter(logging.Filter):
         super().__init__()
         self.secrets: dict[int, Secret] = {}
 
+    def redact(self, text: str) -> str:
+        """``text`` with every registered secret redacted."""
+        for secret in list(self.secrets.values()):
+            text = secret.redact(text)
+        return text
+
     def filter(self, record: logging.LogRecord) -> bool:
         if self.secrets:
             text = record.getMessage()
-            clean = text
-            for secret in list(self.secrets.values()):
-                clean = secret.redact(clean)
+            clean = self.redact(text)
             if clean != text:
                 record.msg, record.args = clean, ()
         return True
@@ -180,11 +236,6 @@ def retry_after_s(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
-def _snippet(body: bytes, limit: int = 300) -> str:
-    text = body[:limit].decode("utf-8", "replace").strip().replace("\n", " ")
-    return text + ("..." if len(body) > limit else "")
-
-
 class SandboxServiceClient:
     """Async lifecycle-API client (see the module docstring).
 
@@ -213,6 +264,11 @@ class SandboxServiceClient:
 
     def __repr__(self) -> str:
         return f"SandboxServiceClient(base_url={self._base!r}, token={self._token!r})"
+
+    @property
+    def secret(self) -> Secret:
+        """The API token (as a ``Secret``: ``mask`` it out of text from this service)."""
+        return self._token
 
     def redact(self, text: str) -> str:
         """``text`` with the token removed."""
@@ -279,7 +335,7 @@ class SandboxServiceClient:
                     status = resp.status
                     if status in ok:
                         return status, _parse(raw, where, error, self._token)
-                    detail = self.redact(_snippet(raw))
+                    detail = self._token.snippet(raw)
                     if status in RETRY_STATUSES or (status >= 500 and retry_500):
                         cause = str(status)
                         hint = retry_after_s(resp.headers.get("Retry-After"))
@@ -290,15 +346,14 @@ class SandboxServiceClient:
                             )
                     else:
                         raise error(f"{where}: HTTP {status}: {detail}", status=status)
-            except aiohttp.ClientConnectorCertificateError as e:
-                raise error(
-                    f"{where}: the service's certificate is refused (not signed by the pinned "
-                    f"CA {cfg.ca_bundle}): {e.certificate_error}",
-                    tls=True,
-                ) from None
             except aiohttp.ClientSSLError as e:
-                raise error(f"{where}: TLS failed: {self.redact(str(e))}", tls=True) from None
+                legacy = await self._legacy_tls() if version_refused(e) else None
+                raise error(f"{where}: {self._tls_text(e, legacy)}", tls=True) from None
             except (aiohttp.ClientConnectionError, aiohttp.ServerTimeoutError, TimeoutError) as e:
+                if _dropped_handshake(e):  # an old server may drop a modern hello
+                    legacy = await self._legacy_tls()
+                    if legacy is not None:
+                        raise error(f"{where}: {self._tls_text(e, legacy)}", tls=True) from None
                 cause = "connection"
                 if attempt >= cfg.max_retries:
                     raise error(
@@ -310,6 +365,18 @@ class SandboxServiceClient:
             _log.info("remote: %s -> %s, retry %d in %.2f s", where, cause, attempt + 1, delay)
             await asyncio.sleep(delay)
             attempt += 1
+
+    def _tls_text(self, exc: BaseException, server_version: str | None) -> str:
+        host = urlsplit(self._base).hostname or "?"
+        return describe_tls_failure(
+            exc, host=host, ca_bundle=self.config.ca_bundle, server_version=server_version
+        )
+
+    async def _legacy_tls(self) -> str | None:
+        """The old TLS version the service speaks, if that is why the handshake failed."""
+        parts = urlsplit(self._base)
+        host, port = parts.hostname or "", parts.port or 443
+        return await legacy_tls_version(host, port, timeout=self.config.request_timeout_s)
 
     # -- typed helpers ------------------------------------------------------------------------
 
@@ -432,12 +499,31 @@ class SandboxServiceClient:
 
 
 def _parse(raw: bytes, where: str, error: type[RemoteServiceError], token: Secret) -> Any:
+    """The reply's JSON with the token scrubbed from every string (keys included)."""
     if not raw.strip():
         return None
     try:
-        return json.loads(raw)
+        return _scrub(json.loads(raw), token)
     except ValueError:
-        raise error(f"{where}: reply is not JSON: {token.redact(_snippet(raw))}") from None
+        raise error(f"{where}: reply is not JSON: {token.snippet(raw)}") from None
+
+
+def _scrub(value: Any, token: Secret) -> Any:
+    if isinstance(value, str):
+        return token.redact(value)
+    if isinstance(value, list):
+        return [_scrub(v, token) for v in value]
+    if isinstance(value, dict):
+        return {_scrub(k, token): _scrub(v, token) for k, v in value.items()}
+    return value
+
+
+def _dropped_handshake(exc: BaseException) -> bool:
+    """A connection that the server accepted and then dropped before TLS was up."""
+    inner = getattr(exc, "os_error", None)
+    return isinstance(exc, aiohttp.ClientConnectorError) and isinstance(
+        inner, ConnectionResetError | BrokenPipeError | ssl.SSLEOFError
+    )
 
 
 def _with_id(reply: Any, what: str) -> dict[str, Any]:

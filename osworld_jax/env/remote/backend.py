@@ -61,8 +61,8 @@ from osworld_jax.env.remote.api import (
     state_of,
 )
 from osworld_jax.env.remote.config import RemoteBackendConfig
-from osworld_jax.env.remote.tls import CABundleError, check_ca_bundle, pinned_ssl_context
 from osworld_jax.env.setup import SetupContext, run_setup
+from osworld_jax.env.tls import CABundleError, check_ca_bundle, pinned_ssl_context
 from osworld_jax.env.vm_client import SandboxRequestError, SandboxTransientError, VMClient
 from osworld_jax.env.vm_sandbox import VMSandbox, setup_context
 
@@ -307,7 +307,13 @@ class RemoteBackend(SandboxBackend[RemoteSandbox]):
         session = aiohttp.ClientSession(
             connector=self._connector, connector_owner=False, headers=headers
         )
-        vm = VMClient(url, timeout=cfg.rpc_timeout_s, session=session, ssl=self._ssl)
+        vm = VMClient(
+            url,
+            timeout=cfg.rpc_timeout_s,
+            session=session,
+            ssl=self._ssl,
+            mask=self._client().secret.mask,  # a service echoing the token leaks none of it
+        )
         sandbox = RemoteSandbox(self, sandbox_id, task, vm, session, self._work_dir(sandbox_id))
         try:
             remaining = deadline - asyncio.get_running_loop().time()
@@ -569,7 +575,7 @@ class RemoteBackend(SandboxBackend[RemoteSandbox]):
                 await api.list_ids({CLIENT_TAG: probe.client_tag}, max_pages=1)
             except RemoteServiceError as e:
                 if e.tls:
-                    return f"TLS: {e}"
+                    return str(e)  # says "TLS ..." and what failed
                 if e.status in (401, 403):
                     return f"the service rejects the token from {self.config.token_env} ({e})"
                 return f"the service does not answer: {e}"

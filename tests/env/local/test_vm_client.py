@@ -139,28 +139,30 @@ def test_wire_formats(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("status", "exc", "transient"),
+    ("route", "status", "exc", "transient"),
     [
-        (500, SandboxTransientError, True),
-        (503, SandboxTransientError, True),
-        (400, SandboxRequestError, False),
-        (403, SandboxRequestError, False),
+        ("/screen_size", 500, SandboxTransientError, True),
+        ("/execute", 503, SandboxTransientError, True),
+        ("/execute", 400, SandboxRequestError, False),
+        ("/execute", 403, SandboxRequestError, False),
+        # upstream's 500 + {"status": "error"}: the command cannot run (issue 16 item 14)
+        ("/execute", 500, SandboxRequestError, False),
     ],
 )
-def test_http_errors_are_typed(tmp_path, status, exc, transient):
+def test_http_errors_are_typed(tmp_path, route, status, exc, transient):
     rec = Recorder()
-    rec.status["/execute"] = status
+    rec.status[route] = status
 
     async def body(c: VMClient, _):
         with pytest.raises(exc) as info:
-            await c.execute(["true"])
+            await (c.execute(["true"]) if route == "/execute" else c.screen_size())
         return info.value
 
     err = run_with_server(tmp_path, body, rec)
     assert isinstance(err, SandboxStepError)
     assert err.status == status
     assert is_transient(err) is transient
-    assert "/execute" in str(err) and str(status) in str(err)
+    assert route in str(err) and str(status) in str(err)
 
 
 def test_missing_file_is_file_not_found(tmp_path):
