@@ -69,7 +69,8 @@ def prepare_shared_dir(shared: Path, host_uid: int | None) -> None:
     (shared / "lib").mkdir(parents=True, exist_ok=True)
     (shared / "etc").mkdir(exist_ok=True)
     shutil.copyfile(_HERE / "vmserver.py", shared / "vmserver.py")
-    shutil.copyfile(_HERE / "shim" / "pyautogui.py", shared / "lib" / "pyautogui.py")
+    for mod in ("pyautogui.py", "pyscreeze.py", "pytweening.py"):
+        shutil.copyfile(_HERE / "shim" / mod, shared / "lib" / mod)
     etc = {
         "passwd": (
             f"root:x:0:0:root:/nonexistent:/usr/sbin/nologin\n"

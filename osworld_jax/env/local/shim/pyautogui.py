@@ -4,18 +4,35 @@ Runs inside the jail with the system python3 (stdlib only). Covers the calls OSW
 click, doubleClick, tripleClick, rightClick, middleClick, moveTo, moveRel/move, dragTo, dragRel,
 scroll, hscroll, vscroll, typewrite/write, press, hotkey, keyDown, keyUp, mouseDown, mouseUp, size,
 position, onScreen, sleep. ``FAILSAFE`` and ``PAUSE`` exist (``PAUSE`` seconds are slept after each
-call, as PyAutoGUI does); durations are honoured by xdotool's own motion being instant plus a sleep.
+call, as PyAutoGUI does). A movement with a ``duration`` of at least ``MINIMUM_DURATION`` moves
+in steps along its ``tween`` (``linear`` by default; every pytweening ease function is exported
+here, as PyAutoGUI exports them). Screenshots, ``pixel`` and ``locate*`` come from the
+``pyscreeze`` module beside this one (stdlib + python3-xlib: exact-match search, no Pillow or
+OpenCV); a failed locate raises PyAutoGUI's ``ImageNotFoundException``, as PyAutoGUI 0.9.54 does.
+An image filename in place of (x, y) clicks the center of that image on the screen.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import subprocess
 import time
+
+if __package__:  # imported on the host as osworld_jax.env.local.shim.pyautogui (tests)
+    from . import pyscreeze, pytweening
+else:  # in the jail: modules beside this one in /opt/osworld/lib
+    import pyscreeze  # type: ignore[no-redef]
+    import pytweening  # type: ignore[no-redef]
+
+for _name in pytweening.__all__:  # linear, getPointOnLine, easeInQuad, ..., easeInOutBounce
+    globals()[_name] = getattr(pytweening, _name)
+linear = pytweening.linear
 
 FAILSAFE = False
 PAUSE = 0.0
 MINIMUM_DURATION = 0.1
+MINIMUM_SLEEP = 0.05
 
 Point = collections.namedtuple("Point", "x y")
 Size = collections.namedtuple("Size", "width height")
@@ -121,8 +138,39 @@ KEYBOARD_KEYS = (
 )
 
 
-class FailSafeException(Exception):
+class PyAutoGUIException(Exception):
+    """Base of PyAutoGUI's exceptions."""
+
+
+class FailSafeException(PyAutoGUIException):
     """Raised for API compatibility; the sandbox never triggers the fail-safe."""
+
+
+class ImageNotFoundException(PyAutoGUIException):
+    """A ``locate*`` function found no match (PyAutoGUI's version of PyScreeze's exception)."""
+
+
+def _raise_pyautogui_not_found(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except pyscreeze.ImageNotFoundException:
+            raise ImageNotFoundException from None
+
+    return wrapper
+
+
+locate = _raise_pyautogui_not_found(pyscreeze.locate)
+locateAll = _raise_pyautogui_not_found(pyscreeze.locateAll)
+locateOnScreen = _raise_pyautogui_not_found(pyscreeze.locateOnScreen)
+locateAllOnScreen = _raise_pyautogui_not_found(pyscreeze.locateAllOnScreen)
+locateCenterOnScreen = _raise_pyautogui_not_found(pyscreeze.locateCenterOnScreen)
+locateOnWindow = _raise_pyautogui_not_found(pyscreeze.locateOnWindow)
+center = pyscreeze.center
+pixel = pyscreeze.pixel
+pixelMatchesColor = pyscreeze.pixelMatchesColor
+screenshot = pyscreeze.screenshot
 
 
 # Never use ``mousemove --sync``: it blocks (about 15 s) when the pointer is already there. The
@@ -153,8 +201,10 @@ def _keysym(key: str) -> str:
 def _xy(x, y):
     if x is None and y is None:
         return None
-    if isinstance(x, (tuple, list)) and y is None:
-        x, y = x[0], x[1]
+    if isinstance(x, str):  # an image file to find on the screen, as PyAutoGUI's _unpackXY
+        x, y = center(locateOnScreen(x))
+    elif isinstance(x, (tuple, list)) and y is None:
+        x, y = center(x) if len(x) == 4 else (x[0], x[1])
     cur = position()
     return int(round(cur.x if x is None else x)), int(round(cur.y if y is None else y))
 
@@ -181,25 +231,48 @@ def onScreen(x, y=None) -> bool:  # noqa: N802 - PyAutoGUI name
     return 0 <= int(x) < w and 0 <= int(y) < h
 
 
-def _move(xy, duration=0.0) -> None:
-    if xy is not None:
-        if duration and duration >= MINIMUM_DURATION:
-            time.sleep(duration)
-        _xdo("mousemove", str(xy[0]), str(xy[1]))
+def _move(xy, duration=0.0, tween=None) -> None:
+    """Moves to ``xy``; over ``duration`` seconds along ``tween`` when it is long enough.
+
+    As PyAutoGUI: in ``duration / MINIMUM_SLEEP`` steps (at least 1), the k-th at
+    ``start + (xy - start) * tween(k / steps)``; durations under ``MINIMUM_DURATION`` jump.
+    """
+    if xy is None:
+        return
+    duration = float(duration or 0.0)
+    if duration >= MINIMUM_DURATION:
+        tween = linear if tween is None else tween
+        cur = position()
+        steps = max(1, int(duration / MINIMUM_SLEEP))
+        pause = duration / steps
+        for k in range(1, steps):
+            px, py = pytweening.getPointOnLine(cur.x, cur.y, xy[0], xy[1], tween(k / steps))
+            _xdo("mousemove", str(int(round(px))), str(int(round(py))))
+            time.sleep(pause)
+        time.sleep(pause)
+    _xdo("mousemove", str(xy[0]), str(xy[1]))
 
 
-def moveTo(x=None, y=None, duration=0.0, tween=None, logScreenshot=False, _pause=True):  # noqa: N802,N803
+def moveTo(x=None, y=None, duration=0.0, tween=linear, logScreenshot=False, _pause=True):  # noqa: N802,N803
     """Moves the mouse to (x, y)."""
-    _move(_xy(x, y), duration)
+    _move(_xy(x, y), duration, tween)
     _do_pause()
 
 
-def moveRel(xOffset=None, yOffset=None, duration=0.0, tween=None, logScreenshot=False, _pause=True):  # noqa: N802,N803
+def moveRel(  # noqa: N802
+    xOffset=None,  # noqa: N803
+    yOffset=None,  # noqa: N803
+    duration=0.0,
+    tween=linear,
+    logScreenshot=False,  # noqa: N803
+    _pause=True,
+):
     """Moves the mouse by an offset."""
     if isinstance(xOffset, (tuple, list)):
         xOffset, yOffset = xOffset[0], xOffset[1]
     cur = position()
-    _move((cur.x + int(xOffset or 0), cur.y + int(yOffset or 0)), duration)
+    _move((cur.x + int(xOffset or 0), cur.y + int(yOffset or 0)), duration, tween)
+    _do_pause()
 
 
 move = moveRel
@@ -233,7 +306,7 @@ def click(
     _pause=True,
 ):  # noqa: E501
     """Clicks ``clicks`` times with ``button`` at (x, y) (the current position by default)."""
-    _move(_xy(x, y), duration)
+    _move(_xy(x, y), duration, tween)
     if button not in _BUTTONS:
         raise ValueError(f"unknown button {button!r}")
     delay = str(max(1, int(float(interval) * 1000))) if interval else "12"
@@ -306,11 +379,11 @@ def dragTo(
         _xdo("mousedown", _BUTTONS[button])
     if target is not None:
         cur = position()
+        tween = linear if tween is None else tween
         steps = 8
         for i in range(1, steps + 1):
-            px = cur.x + (target[0] - cur.x) * i // steps
-            py = cur.y + (target[1] - cur.y) * i // steps
-            _xdo("mousemove", str(px), str(py))
+            px, py = pytweening.getPointOnLine(cur.x, cur.y, target[0], target[1], tween(i / steps))
+            _xdo("mousemove", str(int(round(px))), str(int(round(py))))
             if duration:
                 time.sleep(float(duration) / steps)
     if mouseDownUp:
@@ -423,8 +496,3 @@ def keyUp(key, logScreenshot=None, _pause=True):  # noqa: N802
 def sleep(seconds):
     """time.sleep, as pyautogui.sleep."""
     time.sleep(seconds)
-
-
-def screenshot(*args, **kwargs):
-    """Not available inside the sandbox: the observation already carries the screenshot."""
-    raise NotImplementedError("pyautogui.screenshot is not available in the local sandbox")
