@@ -40,6 +40,18 @@ class SandboxTimeout(SandboxError):
     """A sandbox operation exceeded its configured timeout."""
 
 
+class SandboxLimitError(SandboxStepError):
+    """A sandbox exceeded one of its resource limits (memory, processes, output size).
+
+    Attributes:
+      limit: which limit: ``"memory"``, ``"processes"``, ``"output_bytes"``, ``"file_bytes"``.
+    """
+
+    def __init__(self, message: str, *, limit: str) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
 __all__ = [
     "Observation",
     "PreflightError",
@@ -48,6 +60,7 @@ __all__ = [
     "SandboxCreateError",
     "SandboxError",
     "SandboxEvalError",
+    "SandboxLimitError",
     "SandboxStepError",
     "SandboxTimeout",
 ]

@@ -20,9 +20,12 @@ socket (``unix:///path/to/vm.sock``). The wire formats follow upstream OSWorld's
 | ``terminal`` | ``GET /terminal`` | | JSON ``{output}`` (``null`` when no terminal) |
 
 Errors are typed (the contract of ``osworld_jax.env.protocol.VMProtocol``): a 5xx reply or a dropped
-connection raises ``SandboxTransientError`` (callers such as evaluators retry it), any other non-2xx
-reply ``SandboxRequestError`` (both carry the HTTP ``status``), ``file`` of a missing path
-``FileNotFoundError``, and an exceeded deadline ``SandboxTimeout``. Every message names the route.
+connection raises ``SandboxTransientError`` (callers such as evaluators retry it), a 413 reply (the
+local sandbox's server refusing to send a reply over one of its size limits) or a reply body
+larger than ``max_body_bytes`` ``SandboxOutputLimit`` (a ``SandboxLimitError``, never retried),
+any other non-2xx reply ``SandboxRequestError`` (all carry the HTTP ``status``), ``file`` of a
+missing path ``FileNotFoundError``, and an exceeded deadline ``SandboxTimeout``. Every message
+names the route.
 
 Two failures are permanent although they look like transient ones:
 
@@ -50,11 +53,12 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from osworld_jax.env.backend import SandboxStepError, SandboxTimeout
+from osworld_jax.env.backend import SandboxLimitError, SandboxStepError, SandboxTimeout
 from osworld_jax.env.tls import describe_tls_failure
 
 __all__ = [
     "MASK",
+    "SandboxOutputLimit",
     "SandboxRequestError",
     "SandboxTLSError",
     "SandboxTransientError",
@@ -94,6 +98,19 @@ class SandboxRequestError(SandboxStepError):
 
     def __init__(self, message: str, *, status: int) -> None:
         super().__init__(message)
+        self.status = status
+
+
+class SandboxOutputLimit(SandboxLimitError):
+    """A reply was over a size limit (HTTP 413 from the server, or ``max_body_bytes`` here).
+
+    Attributes:
+      limit: ``"output_bytes"`` or ``"file_bytes"`` (as the server named it).
+      status: the HTTP status.
+    """
+
+    def __init__(self, message: str, *, limit: str, status: int) -> None:
+        super().__init__(message, limit=limit)
         self.status = status
 
 
@@ -143,6 +160,7 @@ class VMClient:
         session: aiohttp.ClientSession | None = None,
         ssl: ssl_lib.SSLContext | bool | None = None,
         mask: Callable[[str], str] | None = None,
+        max_body_bytes: int | None = None,
     ) -> None:
         """Creates a client; the HTTP session is opened lazily on first use.
 
@@ -155,8 +173,11 @@ class VMClient:
             verification, None for aiohttp's default).
           mask: masks a secret in text (``Secret.mask``): applied to every error message this
             client raises, before reply text is cut (see ``snippet``).
+          max_body_bytes: the largest reply body read into memory; a larger one raises
+            ``SandboxOutputLimit`` without being read (None: no limit).
         """
         self.base_url = base_url
+        self.max_body_bytes = max_body_bytes
         self._mask = mask
         self.timeout = float(timeout)
         self._ssl: ssl_lib.SSLContext | bool | None = ssl
@@ -211,8 +232,14 @@ class VMClient:
                 ssl=self._ssl if self._ssl is not None else True,
                 **kwargs,
             ) as resp:
-                body = await resp.read()
+                body = await self._read_body(resp, where)
                 status = resp.status
+                if status == 413:
+                    raise SandboxOutputLimit(
+                        self._clean(f"{where}: HTTP 413: ") + self._quote(body),
+                        limit=_limit_name(body),
+                        status=413,
+                    )
                 if status == 500 and route in _COMMAND_ROUTES and _command_failed(body):
                     raise SandboxRequestError(
                         self._clean(f"{where}: HTTP 500: the command cannot run: ")
@@ -236,6 +263,31 @@ class VMClient:
             raise SandboxTLSError(self._clean(f"{where}: {why}")) from None
         except aiohttp.ClientError as e:
             raise SandboxTransientError(self._clean(f"{where}: connection failed: {e}")) from e
+
+    async def _read_body(self, resp: aiohttp.ClientResponse, where: str) -> bytes:
+        cap = self.max_body_bytes
+        if cap is None:
+            return await resp.read()
+        if resp.content_length is not None and resp.content_length > cap:
+            raise SandboxOutputLimit(
+                self._clean(f"{where}: reply of {resp.content_length} bytes exceeds {cap} bytes"),
+                limit="output_bytes",
+                status=resp.status,
+            )
+        buf = bytearray()
+        async for chunk in resp.content.iter_chunked(1 << 16):
+            buf += chunk
+            if len(buf) > cap:
+                raise SandboxOutputLimit(
+                    self._clean(f"{where}: reply exceeds {cap} bytes"),
+                    limit="output_bytes",
+                    status=resp.status,
+                )
+        return bytes(buf)
+
+    async def post_json(self, route: str, body: Any, *, timeout: float | None = None) -> Any:
+        """POSTs a JSON body to ``route`` and returns the JSON reply (typed errors as above)."""
+        return await self._json("POST", route, json=body, timeout=timeout)
 
     async def _json(
         self, method: str, route: str, *, timeout: float | None = None, **kwargs: Any
@@ -412,3 +464,11 @@ def _command_failed(body: bytes) -> bool:
     except ValueError:
         return False
     return isinstance(reply, dict) and reply.get("status") == "error"
+
+
+def _limit_name(body: bytes) -> str:
+    """The ``limit`` a 413 reply names (``{"limit": ...}``), "output_bytes" by default."""
+    try:
+        return str(json.loads(body).get("limit") or "output_bytes")
+    except (ValueError, AttributeError):
+        return "output_bytes"

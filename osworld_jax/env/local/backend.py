@@ -5,6 +5,14 @@ setup steps run once through the in-VM server protocol (``run_setup``). Actions 
 jail: pyautogui code (and computer_13 actions, translated to pyautogui code) is executed by the
 jail's system python3 against the project's xdotool-backed ``pyautogui`` shim.
 
+Limits (``LocalBackendConfig``; mechanisms and fallbacks in ``docs/SECURITY.md``): each sandbox
+has its own process and memory limit (a cgroup per jail; without one, a distinct host uid per
+sandbox with ``RLIMIT_NPROC`` and ``RLIMIT_AS``), size-capped tmpfs for its writable areas, a
+cap on every reply the host reads and a wall-clock limit per action. A sandbox that exceeds its
+memory or process limit, or whose action, file or tree is over the output cap, raises
+``SandboxLimitError`` (the owner is masked) naming the limit; a full disk is the agent's own
+``ENOSPC``; an action past its wall-clock limit is killed and reported as a result.
+
 Fork (``fork(sandbox, n)``) copies the initialised sandbox's FILESYSTEM and restarts programs:
 
 - copied (``cp -a``, byte-exact, ownership and timestamps kept): everything the sandbox wrote
@@ -35,6 +43,8 @@ import contextlib
 import dataclasses
 import logging
 import os
+import random
+import resource
 import shlex
 import shutil
 import subprocess
@@ -43,16 +53,20 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from osworld_jax.env.actions import Action
 from osworld_jax.env.backend import (
+    Observation,
     PreflightError,
     SandboxBackend,
     SandboxCreateError,
     SandboxError,
+    SandboxLimitError,
     SandboxTimeout,
 )
-from osworld_jax.env.local.desktop import LocalDesktop, build_jail_argv, prepare_shared_dir
+from osworld_jax.env.local import limits
+from osworld_jax.env.local.desktop import JailSpec, LocalDesktop
 from osworld_jax.env.setup import SetupContext, run_setup
-from osworld_jax.env.vm_sandbox import VMSandbox, setup_context
+from osworld_jax.env.vm_sandbox import PYAUTOGUI_PREFIX, VMSandbox, setup_context
 
 if TYPE_CHECKING:
     from osworld_jax.env.tasks import Task
@@ -114,11 +128,28 @@ class LocalBackendConfig:
       openers: (file suffix, command) pairs the in-VM ``open_file`` uses, first match wins.
       cache_dir: the task file cache for ``download`` steps and ``cloud_file`` getters; None =
         ``osworld_jax.env.cache``'s default.
-      host_uid: unprivileged host uid the jail runs as when the host process is root (the jail
-        then cannot read root-only host files); ignored when not root.
-      max_processes: ``RLIMIT_NPROC`` of the jails when they run as ``host_uid``: processes and
-        threads of ALL jails together (they share that host uid); a fork bomb hits it, not the
-        host.
+      host_uid: unprivileged host uid the jails run as when the host process is root (the jail
+        then cannot read root-only host files); ignored when not root. Without a pids cgroup each
+        jail instead gets its own uid from ``host_uid_range``.
+      host_uid_range: [first, last) host uids drawn at random, one per sandbox, when processes
+        are limited by ``RLIMIT_NPROC`` (no pids cgroup; root only): the limit counts per uid,
+        so a fork bomb in one jail leaves the others (and other runs' jails) their share.
+      cgroup: how processes and memory are limited: "auto" (cgroup v2, else v1, else the
+        rlimit fallback), "v2", "v1" (refuse to run without it) or "none" (rlimits only).
+      max_processes: processes + threads of one sandbox (``pids.max``; fallback
+        ``RLIMIT_NPROC`` of its own uid); None = unlimited. Reaching it raises
+        ``SandboxLimitError('processes')`` at the next step (cgroup only).
+      memory_bytes: memory of one sandbox, its tmpfs files included (``memory.max`` /
+        ``memory.limit_in_bytes``; fallback ``RLIMIT_AS`` of each process); None = unlimited. An
+        OOM kill raises ``SandboxLimitError('memory')`` at the next step (cgroup only).
+      home_bytes: size of the tmpfs holding ``/home/user``.
+      tmp_bytes: size of the tmpfs holding ``/tmp``.
+      shm_bytes: size of each of ``/dev/shm``, ``/var/tmp`` and ``XDG_RUNTIME_DIR``.
+      max_output_bytes: the most an action's or command's stdout (and, separately, stderr), the
+        a11y tree, the terminal text or a directory listing may hold; over it the owner is
+        masked (``SandboxLimitError('output_bytes')``).
+      max_file_bytes: the largest file the host reads from a sandbox (``/file``: getters); over
+        it ``SandboxLimitError('file_bytes')``.
       extra_ro_binds: further host paths mounted read-only at the same place in each jail
         (e.g. an app installed under ``/opt``).
       warm_pool: how many idle desktops (jail, Xvfb, window manager, server; empty home) to
@@ -143,7 +174,15 @@ class LocalBackendConfig:
     openers: tuple[tuple[str, str], ...] = DEFAULT_OPENERS
     cache_dir: str | None = None
     host_uid: int = 65534
-    max_processes: int = 4096
+    host_uid_range: tuple[int, int] = (1_000_000_000, 1_500_000_000)
+    cgroup: str = "auto"
+    max_processes: int | None = 1024
+    memory_bytes: int | None = 4 << 30
+    home_bytes: int = 2 << 30
+    tmp_bytes: int = 1 << 30
+    shm_bytes: int = 256 << 20
+    max_output_bytes: int = 4 << 20
+    max_file_bytes: int = 64 << 20
     extra_ro_binds: tuple[str, ...] = ()
     warm_pool: int = 0
     fork_rerun_step_types: tuple[str, ...] = (
@@ -165,6 +204,26 @@ class LocalBackendConfig:
                 raise ValueError(f"LocalBackendConfig.{name} must be > 0")
         if self.warm_pool < 0:
             raise ValueError(f"LocalBackendConfig.warm_pool must be >= 0, got {self.warm_pool}")
+        if self.cgroup not in ("auto", "v2", "v1", "none"):
+            raise ValueError(
+                f"LocalBackendConfig.cgroup must be 'auto', 'v2', 'v1' or 'none', got "
+                f"{self.cgroup!r}"
+            )
+        for name in ("home_bytes", "tmp_bytes", "shm_bytes", "max_output_bytes", "max_file_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"LocalBackendConfig.{name} must be > 0")
+        for name in ("max_processes", "memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"LocalBackendConfig.{name} must be > 0 or None, got {value}")
+        lo, hi = self.host_uid_range
+        if not 0 < lo < hi < 2**32 - 1:
+            raise ValueError(f"LocalBackendConfig.host_uid_range {self.host_uid_range} is invalid")
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest reply body the host reads (JSON escaping can grow text up to 6x)."""
+        return self.max_file_bytes + 12 * self.max_output_bytes + (1 << 20)
 
 
 class LocalSandbox(VMSandbox):
@@ -192,6 +251,62 @@ class LocalSandbox(VMSandbox):
         )
         self.desktop = desktop
         self._backend = backend
+        self._cfg = cfg
+
+    async def run_code(self, code: str) -> dict[str, Any]:
+        """Runs pyautogui/python code as the agent, in the jail's desktop namespace.
+
+        Returns ``{status, output, error, returncode}``. The server stops the code at
+        ``step_timeout_s`` (a result, returncode -9); the request deadline is later so that only
+        an unresponsive sandbox raises ``SandboxTimeout``. Output over ``max_output_bytes`` raises
+        ``SandboxLimitError``.
+        """
+        return await self._call(
+            "action",
+            self.desktop.run_action(
+                ["python3", "-c", PYAUTOGUI_PREFIX + code], timeout=self._cfg.step_timeout_s
+            ),
+        )
+
+    def check_limits(self) -> None:
+        """Raises ``SandboxLimitError`` when the jail's cgroup saw an OOM kill or a refused fork."""
+        cg = self.desktop.cgroup
+        if cg is None:
+            return
+        cfg = self._cfg
+        if (n := cg.oom_kills()) > 0:
+            raise SandboxLimitError(
+                f"sandbox {self.id} exceeded its memory limit of {cfg.memory_bytes} bytes "
+                f"(LocalBackendConfig.memory_bytes): {n} process(es) killed",
+                limit="memory",
+            )
+        if (n := cg.forks_refused()) > 0:
+            raise SandboxLimitError(
+                f"sandbox {self.id} reached its process limit of {cfg.max_processes} "
+                f"(LocalBackendConfig.max_processes): {n} fork(s) refused",
+                limit="processes",
+            )
+
+    async def step(self, action: Action) -> Observation:
+        """``VMSandbox.step``, then the limit check (a breach masks the owner)."""
+        try:
+            obs = await super().step(action)
+        except SandboxError:
+            self.check_limits()  # a breach explains the failure better than its symptom
+            raise
+        self.check_limits()
+        return obs
+
+    async def evaluate(self, last_action: Action | None) -> float:
+        """``VMSandbox.evaluate`` between two limit checks."""
+        self.check_limits()
+        try:
+            reward = await super().evaluate(last_action)
+        except SandboxError:
+            self.check_limits()
+            raise
+        self.check_limits()
+        return reward
 
     async def close(self) -> None:
         """Kills the jail's process tree and removes its directory; idempotent."""
@@ -210,7 +325,7 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
         self.config = config if config is not None else LocalBackendConfig()
         self._root: Path | None = Path(self.config.root) if self.config.root else None
         self._own_root = self.config.root is None
-        self._shared: Path | None = None
+        self._cgroups: limits.CgroupSupport | None = None
         self._live: dict[str, LocalSandbox] = {}
         self._desktops: dict[str, LocalDesktop] = {}
         self._pool: list[LocalDesktop] = []
@@ -232,11 +347,58 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
         return reasons
 
     @property
+    def _root_user(self) -> bool:
+        return os.geteuid() == 0
+
+    @property
     def _host_uid(self) -> int | None:
-        return self.config.host_uid if os.geteuid() == 0 else None
+        return self.config.host_uid if self._root_user else None
+
+    def _limit_support(self) -> limits.CgroupSupport:
+        if self._cgroups is None:
+            self._cgroups = limits.detect(self.config.cgroup)
+            if self._cgroups.version is not None:
+                limits.sweep_stale(self._cgroups)
+        return self._cgroups
+
+    def limit_mechanisms(self) -> dict[str, str]:
+        """How each configured limit is enforced here, e.g. ``{"processes": "cgroup v1 pids"}``.
+
+        Raises ``PreflightError`` when a limit the config asks for cannot be enforced (never
+        silently runs without it).
+        """
+        cfg = self.config
+        sup = self._limit_support()
+        out: dict[str, str] = {}
+        problems = []
+        if cfg.max_processes is not None:
+            if sup.pids_parent is not None:
+                out["processes"] = f"cgroup {sup.version} pids.max"
+            elif cfg.cgroup in ("v1", "v2"):
+                problems.append(f"no {cfg.cgroup} pids cgroup ({sup.reason})")
+            elif self._root_user:
+                out["processes"] = "RLIMIT_NPROC of a distinct host uid per sandbox"
+            else:
+                problems.append(
+                    "max_processes needs a pids cgroup or root (a distinct uid per sandbox); "
+                    f"{sup.reason}; set LocalBackendConfig.max_processes = None to run without"
+                )
+        if cfg.memory_bytes is not None:
+            if sup.memory_parent is not None:
+                out["memory"] = f"cgroup {sup.version} memory"
+            elif cfg.cgroup in ("v1", "v2"):
+                problems.append(f"no {cfg.cgroup} memory cgroup ({sup.reason})")
+            else:
+                out["memory"] = "RLIMIT_AS per process"
+        out["disk"] = "tmpfs size"
+        out["output"] = "in-jail server + host reply cap"
+        out["time"] = "in-jail server"
+        if problems:
+            raise PreflightError("local sandbox backend: " + "; ".join(problems))
+        return out
 
     def preflight(self) -> None:
-        """Checks the binaries and that bubblewrap can create its namespaces here."""
+        """Checks the binaries, that bubblewrap can create its namespaces here, and the limits."""
         problems = []
         missing = [f"{b} (apt {p})" for b, p in REQUIRED_BINARIES.items() if not shutil.which(b)]
         wm = shlex.split(self.config.window_manager)[0]
@@ -248,11 +410,7 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
             problems.append("missing " + ", ".join(missing))
         else:
             probe = subprocess.run(
-                [
-                    "/usr/bin/python3",
-                    "-c",
-                    "import Xlib.display, pyatspi",
-                ],
+                ["/usr/bin/python3", "-c", "import Xlib.display, pyatspi"],
                 capture_output=True,
                 text=True,
                 check=False,
@@ -263,108 +421,63 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
             err = self._probe_bwrap()
             if err:
                 problems.append(err)
-        if self.config.root is not None:
-            root = Path(self.config.root)
-            probe_at = root if root.exists() else root.parent
-            if probe_at.exists():
-                blocked = _untraversable_ancestor(probe_at, self._host_uid)
-                if blocked is not None:
-                    problems.append(
-                        f"root {root}: {blocked} is not searchable by the jail's host uid "
-                        f"{self._host_uid}"
-                    )
         if problems:
             raise PreflightError(
                 "local sandbox backend cannot run here: "
                 + "; ".join(problems)
                 + " (run scripts/setup.sh as root)"
             )
+        mechanisms = self.limit_mechanisms()
+        fallbacks = {k: v for k, v in mechanisms.items() if "RLIMIT" in v}
+        if fallbacks:
+            _log.warning(
+                "local backend: no cgroup for %s (%s); using %s",
+                ", ".join(fallbacks),
+                self._limit_support().reason,
+                fallbacks,
+            )
 
     def _probe_bwrap(self) -> str | None:
+        """None when a nested jail (user + pid namespaces, sized tmpfs) can be created here."""
+        inner = "/usr/bin/bwrap --unshare-user --unshare-pid --dev-bind / / --proc /proc true"
         argv = ["bwrap", "--unshare-all", "--die-with-parent", "--uid", "1000", "--gid", "1000"]
         argv += ["--ro-bind", "/usr", "/usr", "--proc", "/proc", "--dev", "/dev"]
+        argv += ["--size", str(1 << 20), "--tmpfs", "/tmp"]
         for top in ("bin", "lib", "lib64"):
             host = Path("/") / top
             if host.is_symlink():
                 argv += ["--symlink", os.readlink(host), f"/{top}"]
             elif host.is_dir():
                 argv += ["--ro-bind", str(host), f"/{top}"]
-        argv += ["--", "/usr/bin/true"]
+        argv += ["--", "/bin/sh", "-c", inner]
         kwargs: dict[str, Any] = {}
         if self._host_uid is not None:
             kwargs.update(user=self._host_uid, group=self._host_uid, extra_groups=[])
         try:
             res = subprocess.run(
-                argv, capture_output=True, text=True, check=False, timeout=20, **kwargs
+                argv, capture_output=True, text=True, check=False, timeout=20, env={}, **kwargs
             )
         except (OSError, subprocess.TimeoutExpired) as e:
             return f"bwrap probe failed: {e}"
         if res.returncode != 0:
             return (
-                f"bwrap cannot create namespaces here ({res.stderr.strip()[:200]}); "
-                "unprivileged user namespaces must be enabled"
+                f"bwrap cannot create its namespaces here ({res.stderr.strip()[:200]}); "
+                "unprivileged user namespaces (nested), and bwrap >= 0.8 (--size) are needed"
             )
         return None
 
     # -- sandboxes --------------------------------------------------------------------------
 
-    def _ensure_dirs(self) -> tuple[Path, Path]:
+    def _ensure_root(self) -> Path:
         if self._root is None:
             self._root = Path(tempfile.mkdtemp(prefix="osworld_jax-local-"))
         self._root.mkdir(parents=True, exist_ok=True)
-        self._root.chmod(0o711)
-        blocked = _untraversable_ancestor(self._root, self._host_uid)
-        if blocked is not None:
-            raise SandboxCreateError(
-                f"LocalBackendConfig.root {self._root}: {blocked} is not traversable by the jail's "
-                f"host uid {self._host_uid}; choose a root under a world-searchable directory"
-            )
-        if self._shared is None:
-            shared = self._root / "_shared"
-            prepare_shared_dir(shared, self._host_uid)
-            self._shared = shared
-        return self._root, self._shared
+        self._root.chmod(0o700)  # the jails never mount anything of it
+        return self._root
 
-    async def _start_desktop(
-        self, populate: Path | None = None, *, pooled: bool = False
-    ) -> LocalDesktop:
-        """A desktop for a sandbox: from the warm pool when one is idle, else started now.
-
-        ``populate``: a snapshot directory (home/, tmp/, work/) whose files the desktop gets.
-        ``pooled``: start one for the pool (not listed by ``inventory``).
-        """
-        if not pooled and self._pool:
-            desktop = self._pool.pop()
-            self._top_up_pool()
-            self._desktops[desktop.id] = desktop
-            try:
-                if populate is not None:  # merge home/, tmp/, work/ into the live directories
-                    await _copy_tree(populate, dst=desktop.dir, contents=True)
-            except BaseException:
-                await self._discard(desktop)
-                raise
-            return desktop
-        if not pooled:
-            self._top_up_pool()
-        root, shared = self._ensure_dirs()
-        sid = f"local-{uuid.uuid4().hex[:12]}"
-        sdir = root / sid
-        if populate is None:
-            LocalDesktop.make_dirs(sdir, self._host_uid)
-        else:
-            await _copy_tree(populate, dst=sdir)
-            for sub in ("run", "log"):
-                (sdir / sub).mkdir(exist_ok=True)
-                if self._host_uid is not None:
-                    os.chown(sdir / sub, self._host_uid, self._host_uid)
-        (sdir / "work").mkdir(exist_ok=True)
-        desktop = LocalDesktop(sid, sdir, on_close=self._forget)
-        if not pooled:
-            self._desktops[sid] = desktop
+    def _spec(self) -> JailSpec:
         cfg = self.config
-        argv = build_jail_argv(
-            sandbox_dir=sdir,
-            shared_dir=shared,
+        return JailSpec(
             width=cfg.screen_width,
             height=cfg.screen_height,
             openers=cfg.openers,
@@ -372,20 +485,94 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
             open_timeout_s=cfg.open_timeout_s,
             start_timeout_s=cfg.start_timeout_s,
             exec_timeout_s=cfg.step_timeout_s,
+            home_bytes=cfg.home_bytes,
+            tmp_bytes=cfg.tmp_bytes,
+            shm_bytes=cfg.shm_bytes,
+            max_output_bytes=cfg.max_output_bytes,
+            max_file_bytes=cfg.max_file_bytes,
             extra_ro_binds=cfg.extra_ro_binds,
         )
+
+    async def _start_desktop(
+        self, populate: Path | None = None, *, pooled: bool = False
+    ) -> LocalDesktop:
+        """A desktop for a sandbox: from the warm pool when one is idle, else started now.
+
+        ``populate``: a snapshot directory (home/, tmp/, work/) whose files the desktop gets,
+        copied into the running jail's home and /tmp (its tmpfs) and its host work dir.
+        ``pooled``: start one for the pool (not listed by ``inventory``).
+        """
+        if not pooled and self._pool:
+            desktop = self._pool.pop()
+            self._top_up_pool()
+            self._desktops[desktop.id] = desktop
+        else:
+            if not pooled:
+                self._top_up_pool()
+            desktop = await self._launch(pooled)
+        if populate is not None:
+            try:
+                await self._populate(desktop, populate)
+            except BaseException:
+                await self._discard(desktop)
+                raise
+        return desktop
+
+    async def _launch(self, pooled: bool) -> LocalDesktop:
+        cfg = self.config
+        mechanisms = self.limit_mechanisms()
+        root = self._ensure_root()
+        sid = f"local-{uuid.uuid4().hex[:12]}"
+        sdir = root / sid
+        LocalDesktop.make_dirs(sdir)
+        desktop = LocalDesktop(sid, sdir, on_close=self._forget, max_body_bytes=cfg.max_body_bytes)
+        if not pooled:
+            self._desktops[sid] = desktop
+        host_uid = self._host_uid
+        rlimits: dict[int, int] = {}
+        if mechanisms.get("processes", "").startswith("RLIMIT") and cfg.max_processes:
+            host_uid = random.randrange(*cfg.host_uid_range)
+            rlimits[resource.RLIMIT_NPROC] = cfg.max_processes
+        if mechanisms.get("memory", "").startswith("RLIMIT") and cfg.memory_bytes:
+            rlimits[resource.RLIMIT_AS] = cfg.memory_bytes
         try:
+            cgroup = None
+            sup = self._limit_support()
+            if sup.version is not None:
+                cgroup = limits.JailCgroup(
+                    sup,
+                    sid,
+                    max_processes=cfg.max_processes,
+                    memory_bytes=cfg.memory_bytes,
+                )
             await desktop.start(
-                argv,
-                host_uid=self._host_uid,
+                self._spec(),
+                host_uid=host_uid,
                 start_timeout_s=cfg.start_timeout_s,
                 rpc_timeout_s=cfg.rpc_timeout_s,
-                max_processes=cfg.max_processes,
+                cgroup=cgroup,
+                rlimits=rlimits,
             )
-        except BaseException:
+        except BaseException as e:
             await self._discard(desktop)
+            if isinstance(e, OSError):
+                raise SandboxCreateError(f"sandbox {sid}: cannot set up its limits: {e}") from e
             raise
+        desktop.host_uid = host_uid
         return desktop
+
+    async def _populate(self, desktop: LocalDesktop, snap: Path) -> None:
+        """Merges a snapshot's home/, tmp/ into the running jail and work/ into its host dir.
+
+        Into the jail through a tar pipe whose writer runs as the jail's host uid: files in the
+        jail's tmpfs must belong to a uid mapped in its user namespace (and then belong to the
+        jail's user whatever jail the snapshot came from).
+        """
+        for sub, jail_dir in (("home", "/home/user"), ("tmp", "/tmp")):
+            if (snap / sub).exists():
+                await _copy_into_jail(snap / sub, desktop, jail_dir)
+        if (snap / "work").exists():
+            await _copy_tree(snap / "work", dst=desktop.dir / "work", contents=True)
 
     async def _discard(self, desktop: LocalDesktop) -> None:
         await asyncio.shield(desktop.close())
@@ -450,12 +637,18 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
 
     async def snapshot(self, sandbox: LocalSandbox) -> Path:
         """Copies the sandbox's filesystem state (home, tmp, work) into a new directory."""
-        root, _ = self._ensure_dirs()
+        root = self._ensure_root()
         snap = root / f"_snap-{sandbox.id}-{uuid.uuid4().hex[:6]}"
-        snap.mkdir(mode=0o711)
-        subs = [sandbox.desktop.dir / s for s in ("home", "tmp", "work")]
-        await _copy_tree(*[p for p in subs if p.exists()], dst=snap)
-        await asyncio.to_thread(_drop_session_files, snap / "tmp")
+        snap.mkdir(mode=0o700)
+        desktop = sandbox.desktop
+        try:
+            await _copy_tree(desktop.host_path("/home/user"), dst=snap / "home")
+            await _copy_tree(desktop.host_path("/tmp"), dst=snap / "tmp")
+            await _copy_tree(desktop.dir / "work", dst=snap / "work")
+            await asyncio.to_thread(_drop_session_files, snap / "tmp")
+        except BaseException:
+            await asyncio.to_thread(limits.remove_tree, snap)
+            raise
         return snap
 
     async def _fork(self, sandbox: LocalSandbox, n: int) -> list[LocalSandbox]:
@@ -484,7 +677,7 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
         try:
             results = await asyncio.gather(*(one() for _ in range(n)), return_exceptions=True)
         finally:
-            await asyncio.to_thread(shutil.rmtree, snap, True)
+            await asyncio.to_thread(limits.remove_tree, snap)
         good = [r for r in results if isinstance(r, LocalSandbox)]
         bad = [r for r in results if isinstance(r, BaseException)]
         if bad:
@@ -509,23 +702,49 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
             with contextlib.suppress(Exception):
                 await desktop.close()
         self._pool.clear()
-        if self._root is not None and self._shared is not None:
-            await asyncio.to_thread(shutil.rmtree, self._shared, True)
-            self._shared = None
         if self._own_root and self._root is not None:
-            await asyncio.to_thread(shutil.rmtree, self._root, True)
+            await asyncio.to_thread(limits.remove_tree, self._root)
             self._root = None
 
 
-def _untraversable_ancestor(path: Path, uid: int | None) -> Path | None:
-    """The first ancestor of ``path`` that ``uid`` (an unprivileged "other") cannot search."""
-    if uid is None:
-        return None
-    for p in [path.resolve(), *path.resolve().parents]:
-        st = p.stat()
-        if st.st_uid != uid and not st.st_mode & 0o001:
-            return p
-    return None
+async def _copy_into_jail(src: Path, desktop: LocalDesktop, jail_dir: str) -> None:
+    """``tar`` the contents of ``src`` into ``jail_dir`` of the running jail (see ``_populate``)."""
+    target, fd = desktop.inherited_path(jail_dir)
+    read_end, write_end = os.pipe()
+    kwargs: dict[str, Any] = {}
+    if desktop.host_uid is not None:
+        kwargs.update(user=desktop.host_uid, group=desktop.host_uid, extra_groups=[])
+    try:
+        reader = await asyncio.create_subprocess_exec(
+            "tar",
+            "-C",
+            str(src),
+            "--sparse",
+            "-cf",
+            "-",
+            ".",
+            stdout=write_end,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        writer = await asyncio.create_subprocess_exec(
+            "tar",
+            "-C",
+            target,
+            "--no-same-owner",
+            "-xpf",
+            "-",
+            stdin=read_end,
+            stderr=asyncio.subprocess.PIPE,
+            pass_fds=(fd,),
+            **kwargs,
+        )
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    (_, rerr), (_, werr) = await asyncio.gather(reader.communicate(), writer.communicate())
+    if reader.returncode or writer.returncode:
+        err = (rerr + werr).decode(errors="replace").strip()[-400:]
+        raise SandboxCreateError(f"sandbox {desktop.id}: copying files into {jail_dir}: {err}")
 
 
 async def _copy_tree(*srcs: Path, dst: Path, contents: bool = False) -> None:
@@ -555,16 +774,29 @@ async def _copy_tree(*srcs: Path, dst: Path, contents: bool = False) -> None:
 
 
 def _drop_session_files(tmp: Path) -> None:
-    """Removes the running session's sockets and locks from a copied /tmp."""
+    """Removes the running session's sockets and locks from a copied /tmp (any depth)."""
     if not tmp.exists():
         return
     for name in (".X11-unix", ".ICE-unix", ".X0-lock", ".font-unix", ".XIM-unix"):
-        p = tmp / name
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p, ignore_errors=True)
-        elif p.exists() or p.is_symlink():
-            p.unlink()
-    for p in list(tmp.rglob("*")):
-        with contextlib.suppress(OSError):
-            if p.is_socket() or p.name.startswith("dbus-"):
-                p.unlink()
+        limits.remove_tree(tmp / name)
+    subprocess.run(
+        [
+            "find",
+            str(tmp),
+            "-xdev",
+            "(",
+            "-type",
+            "s",
+            "-o",
+            "-name",
+            "dbus-*",
+            "!",
+            "-type",
+            "d",
+            ")",
+            "-delete",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        check=False,
+    )

@@ -1,11 +1,21 @@
-"""The local sandbox's own implementation of the OSWorld in-VM server protocol.
+"""The local sandbox's own implementation of the OSWorld in-VM server protocol (the trusted side).
 
 This file runs INSIDE the bubblewrap jail with the system ``python3``: it uses only the standard
-library plus Debian's ``python3-xlib`` and (lazily) ``python3-pyatspi``. It must not import
-``osworld_jax``. Start-up: it starts ``Xvfb`` on ``--display`` (readiness through ``-displayfd``)
-and the window manager, waits until the window manager owns the screen, then serves the protocol
-on the UNIX socket ``--socket`` (the socket file appearing means "ready"). It is run under
-``dbus-run-session`` so that the session bus (and, activated on demand, the at-spi bus) exist.
+library plus Debian's ``python3-xlib`` and (lazily) ``python3-pyatspi``, and ``jailexec.py``
+beside it. It must not import ``osworld_jax``. Start-up: it makes itself non-dumpable (no process
+of the jail's uid may ptrace it or read its memory), starts ``Xvfb`` on ``--display`` (readiness
+through ``-displayfd``) and the window manager, waits until the window manager owns the screen,
+writes ``ready`` to ``--ready-fd`` and serves the protocol on the listening UNIX socket it
+inherited as ``--listen-fd``. The host created that socket in a directory the jail never mounts:
+nothing in the jail can connect to it, replace it or bind another server in its place. It is run
+under ``dbus-run-session`` so that the session bus (and, activated on demand, the at-spi bus)
+exist.
+
+Where things run (``jailexec.py``): the agent's actions (``POST /agent/execute``, this project's
+route) and the programs ``/setup/launch`` and ``/setup/open_file`` start run in the desktop
+namespace; the commands of ``/execute``, ``/setup/execute``, ``/run_python`` and
+``/run_bash_script`` (setup, postconfig, getters) each run in a throwaway namespace. Neither can
+see or signal this server.
 
 Routes (request and reply shapes as upstream OSWorld's ``desktop_env/server/main.py``):
 ``GET /screenshot`` PNG; ``POST /execute`` and ``/setup/execute`` JSON ``{command, shell}`` ->
@@ -13,17 +23,25 @@ Routes (request and reply shapes as upstream OSWorld's ``desktop_env/server/main
 (form ``file_path``); ``POST /setup/upload`` (multipart ``file_path`` + ``file_data``);
 ``POST /setup/launch``; ``POST /setup/open_file``; ``POST /setup/activate_window``;
 ``POST /setup/close_window``; ``POST /screen_size``; ``GET /terminal``; ``GET /cursor_position``;
-``GET /platform``.
+``GET /platform``; ``POST /run_python`` ``{code}``; ``POST /run_bash_script``
+``{script, timeout, working_dir}``; ``POST /window_size`` (form ``app_class_name``);
+``POST /wallpaper``; ``POST /desktop_path``; ``POST /list_directory`` ``{path}``;
+``POST /setup/change_wallpaper`` ``{path}``.
 
 Differences from upstream, on purpose: a command that cannot be started (missing binary, no
-permission) or that runs past ``--exec-timeout`` is a deterministic result (HTTP 200,
-``returncode`` 127/126/-9), not a 500, so that 5xx keeps meaning "transient, retry"; the a11y tree
-of a huge spreadsheet table is limited to its first 200 x 60 cells that are showing.
+permission) or that runs past ``--exec-timeout`` on ``/execute`` is a deterministic result (HTTP
+200, ``returncode`` 127/126/-9), not a 500, so that 5xx keeps meaning "transient, retry"; the
+a11y tree of a huge spreadsheet table is limited to its first 200 x 60 cells that are showing;
+``/file`` refuses (404) a path that resolves into ``/proc``, ``/sys`` or ``/dev``; and every reply
+is bounded: a command's stdout/stderr, a file, a directory tree, the a11y tree or the terminal
+text larger than its limit (``--max-output``/``--max-file``) is answered HTTP 413 with
+``{"status": "error", "limit": ..., "message": ...}`` instead of being sent.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import http.server
 import json
 import os
@@ -42,7 +60,15 @@ import urllib.parse
 import xml.etree.ElementTree as ET
 import zlib
 
+if __package__:  # imported on the host as osworld_jax.env.local.vmserver (tests)
+    from . import jailexec
+else:  # in the jail, run with python3 -I (no script directory on sys.path)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import jailexec  # type: ignore[no-redef]
+
 EXEC_TIMEOUT_S = 120.0
+MAX_OUTPUT = 4 << 20
+MAX_FILE = 64 << 20
 _STATE: dict = {}
 _X_LOCK = threading.Lock()
 _A11Y_LOCK = threading.Lock()
@@ -202,68 +228,46 @@ def wm_running() -> bool:
 # Commands and windows.
 
 
-def _expand(command):
-    if isinstance(command, str):
-        return command
-    return [
-        os.path.expanduser(a) if isinstance(a, str) and a.startswith("~/") else a for a in command
-    ]
+class LimitExceeded(Exception):
+    """A reply would exceed one of the server's size limits (answered HTTP 413)."""
+
+    def __init__(self, limit: str, message: str) -> None:
+        super().__init__(message)
+        self.limit = limit
 
 
 def run_command(command, shell: bool, timeout: float | None = None) -> dict:
-    """Runs a command to completion; a failure to start is a result, not an exception."""
-    if isinstance(command, str) and not shell:
-        command = shlex.split(command)
-    command = _expand(command)
+    """Runs one of the server's own helper programs (wmctrl, xdotool, gsettings) directly."""
     if timeout is None:
         timeout = _STATE.get("exec_timeout", EXEC_TIMEOUT_S)
-    try:
-        result = subprocess.run(
-            command,
-            shell=shell,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            errors="replace",
-            timeout=timeout,
-        )
-    except FileNotFoundError as e:
-        return {"status": "error", "output": "", "error": str(e), "returncode": 127}
-    except PermissionError as e:
-        return {"status": "error", "output": "", "error": str(e), "returncode": 126}
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode("utf-8", "replace") if isinstance(e.stdout, bytes) else e.stdout
-        return {
-            "status": "error",
-            "output": out or "",
-            "error": f"command timed out after {timeout:g} s",
-            "returncode": -9,
-        }
-    return {
-        "status": "success",
-        "output": result.stdout,
-        "error": result.stderr,
-        "returncode": result.returncode,
-    }
+    max_output = _STATE.get("max_output", MAX_OUTPUT)
+    return jailexec.run_capped(
+        jailexec.expand(command, shell), shell=shell, timeout=timeout, max_output=max_output
+    )
 
 
-def spawn(command, shell: bool = False) -> subprocess.Popen:
-    """Starts a detached program (its output goes to the sandbox's log directory)."""
-    if isinstance(command, str) and not shell:
-        command = shlex.split(command)
-    command = _expand(command)
-    log = open(os.path.join(_STATE["logdir"], "apps.log"), "ab")  # noqa: SIM115
-    try:
-        return subprocess.Popen(
-            command,
-            shell=shell,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-        )
-    finally:
-        log.close()
+def run_trusted(command, shell: bool, timeout: float | None = None, **kw) -> dict:
+    """Runs a setup/evaluation command in a throwaway namespace (``jailexec.run_trusted``)."""
+    if timeout is None:
+        timeout = _STATE.get("exec_timeout", EXEC_TIMEOUT_S)
+    return jailexec.run_trusted(
+        command,
+        shell=shell,
+        timeout=timeout,
+        max_output=_STATE.get("max_output", MAX_OUTPUT),
+        **kw,
+    )
+
+
+def _desktop() -> jailexec.DesktopNamespace:
+    return _STATE["desktop"]
+
+
+def spawn(command, shell: bool = False) -> None:
+    """Starts a program in the desktop namespace without waiting for it (OSError if it can't)."""
+    reply = _desktop().request({"op": "spawn", "command": command, "shell": shell}, timeout=30)
+    if "error" in reply:
+        raise OSError(reply.get("errno") or 0, str(reply["error"]))
 
 
 def list_windows() -> list[tuple[str, str, str]]:
@@ -319,6 +323,194 @@ def open_path(path: str, timeout: float) -> tuple[int, str]:
                 return 200, "File opened and window activated successfully"
         time.sleep(0.05)
     return 500, f"Failed to find window for {candidates} within {timeout:g} seconds."
+
+
+# --------------------------------------------------------------------------------------------
+# Files and upstream's further endpoints.
+
+#: Where a path may not lead for ``/file`` (kernel interfaces, not the desktop's files).
+_PSEUDO_FS = ("/proc/", "/sys/", "/dev/")
+GSETTINGS_BG = ["gsettings", "set", "org.gnome.desktop.background"]
+
+
+def read_file(path: str) -> tuple[int, bytes | str]:
+    """(200, bytes) of a regular file, or (404/403/413-like status, message).
+
+    The file is opened first and then checked through the descriptor (so a symlink swapped in
+    meanwhile changes nothing): a path that resolves into /proc, /sys or /dev is "not found", and
+    a file larger than ``--max-file`` raises ``LimitExceeded``.
+    """
+    limit = _STATE.get("max_file", MAX_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return 404, "File not found"
+    except OSError as e:
+        return (404 if e.errno in (2, 20, 40) else 403), f"cannot read file: {e}"
+    try:
+        real = os.readlink(f"/proc/self/fd/{fd}")
+        st = os.fstat(fd)
+        if real.startswith(_PSEUDO_FS) or not stat_is_regular(st.st_mode):
+            return 404, "File not found"
+        if st.st_size > limit:
+            raise LimitExceeded("file_bytes", f"{path} is {st.st_size} bytes (limit {limit})")
+        os.set_blocking(fd, True)
+        chunks, total = [], 0
+        while True:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            total += len(chunk)
+            if total > limit:  # grew while being read
+                raise LimitExceeded("file_bytes", f"{path} is larger than {limit} bytes")
+            chunks.append(chunk)
+        return 200, b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def stat_is_regular(mode: int) -> bool:
+    """S_ISREG."""
+    import stat
+
+    return stat.S_ISREG(mode)
+
+
+def run_python(code: str) -> tuple[int, dict]:
+    """Upstream's ``/run_python``: the code in a temporary file run by /usr/bin/python3 (30 s)."""
+    path = f"/tmp/python_exec_{os.urandom(16).hex()}.py"
+    try:
+        with open(path, "w") as f:
+            f.write(code)
+        res = run_trusted(["/usr/bin/python3", path], False, timeout=30)
+    except OSError as e:
+        failed = {"status": "error", "message": f"Execution error: {e}", "error": repr(e)}
+        return 500, {**failed, "need_more": False, "output": None}
+    finally:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+    if res.get("limit") == "output":
+        raise LimitExceeded("output_bytes", f"run_python: {res['error']}")
+    if res.get("limit") == "time":
+        return 500, {
+            "status": "error",
+            "message": "Execution timeout: Code took too long to execute",
+            "error": "TimeoutExpired",
+            "need_more": False,
+            "output": None,
+        }
+    out, err, rc = res["output"], res["error"], res["returncode"]
+    message = out + (("\n" + err if out else err) if err else "")
+    if rc != 0 and not err:
+        err = f"Process exited with code {rc}"
+        message = message + "\n" + err if message else err
+    return 200, {
+        "status": "success" if rc == 0 else "error",
+        "message": message,
+        "need_more": False,
+        "output": out,
+        "error": err,
+        "return_code": rc,
+    }
+
+
+def run_bash_script(script: str, timeout: float, working_dir: str | None) -> tuple[int, dict]:
+    """Upstream's ``/run_bash_script``: a temporary ``.sh`` run by /bin/bash, stderr merged."""
+    if "#!/bin/bash" not in script:
+        script = "#!/bin/bash\n\n" + script
+    path = f"/tmp/tmp{os.urandom(6).hex()}.sh"
+    try:
+        with open(path, "w") as f:
+            f.write(script)
+        os.chmod(path, 0o755)
+        res = run_trusted(
+            ["/bin/bash", path], False, timeout=timeout, cwd=working_dir, merge_stderr=True
+        )
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    if res.get("limit") == "output":
+        raise LimitExceeded("output_bytes", f"run_bash_script: {res['error']}")
+    if res.get("limit") == "time":
+        msg = f"Script execution timed out after {timeout:g} seconds"
+        return 500, {"status": "error", "output": msg, "error": "", "returncode": -1}
+    rc = res["returncode"]
+    status = "success" if rc == 0 else "error"
+    return 200, {"status": status, "output": res["output"], "error": "", "returncode": rc}
+
+
+def window_size(app_class_name: str) -> tuple[int, int] | None:
+    """Size of the first client window whose WM_CLASS (instance or class) matches, any case."""
+    from Xlib import X
+    from Xlib.error import XError
+
+    want = app_class_name.lower()
+    with _X_LOCK:
+        d = _x_display()
+        root = d.screen().root
+        prop = root.get_full_property(d.intern_atom("_NET_CLIENT_LIST"), X.AnyPropertyType)
+        for wid in prop.value if prop is not None else []:
+            try:
+                win = d.create_resource_object("window", wid)
+                wm_class = win.get_wm_class()
+                if wm_class and want in [n.lower() for n in wm_class]:
+                    geom = win.get_geometry()
+                    return geom.width, geom.height
+            except XError:
+                continue
+    return None
+
+
+def wallpaper_path() -> str | None:
+    """The file of ``org.gnome.desktop.background picture-uri`` (None when unset/unavailable)."""
+    cmd = ["gsettings", "get", "org.gnome.desktop.background", "picture-uri"]
+    res = run_command(cmd, shell=False, timeout=30)
+    if res["returncode"] != 0:
+        return None
+    path = res["output"].strip().replace("file://", "").replace("'", "")
+    return path or None
+
+
+def directory_tree(start: str) -> dict:
+    """Upstream's ``/list_directory`` tree, built without recursion and bounded in size.
+
+    ``{"type": "directory", "name": basename, "children": [...]}`` with files as
+    ``{"type": "file", "name": ...}``, ``os.listdir`` order, symlinks to directories followed
+    (``os.path.isdir``), and ``{"error": str(e)}`` in place of a directory that cannot be listed.
+    A tree whose entries' names exceed ``--max-output`` bytes in total (a symlink loop, a huge
+    tree) raises ``LimitExceeded``.
+    """
+    limit = _STATE.get("max_output", MAX_OUTPUT)
+    budget = [limit]
+    root: dict = {"type": "directory", "name": os.path.basename(start), "children": []}
+    stack: list[tuple[str, dict]] = [(start, root)]
+    while stack:
+        path, node = stack.pop()
+        try:
+            entries = os.listdir(path)
+        except OSError as e:
+            node.clear()
+            node["error"] = str(e)
+            continue
+        for entry in entries:
+            budget[0] -= len(entry) + 40
+            if budget[0] < 0:
+                raise LimitExceeded(
+                    "output_bytes", f"directory tree of {start} exceeds {limit} bytes"
+                )
+            full = os.path.join(path, entry)
+            child: dict
+            if os.path.isdir(full):
+                child = {"type": "directory", "name": entry, "children": []}
+                stack.append((full, child))
+            else:
+                child = {"type": "file", "name": entry}
+            node["children"].append(child)
+    return root
 
 
 # --------------------------------------------------------------------------------------------
@@ -528,7 +720,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
     server_version = "osworld-jax-local/1"
 
     def log_message(self, format, *args):  # noqa: A002 - stdlib signature
-        """Logs to stderr (the sandbox's jail.log)."""
+        """Logs to stderr (the host's jail log)."""
         sys.stderr.write("vmserver: " + (format % args) + "\n")
 
     def address_string(self):
@@ -543,13 +735,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def _json(self, status: int, obj) -> None:
-        self._send(status, json.dumps(obj).encode(), "application/json")
+        body = json.dumps(obj, ensure_ascii=False).encode("utf-8", "surrogatepass")
+        self._send(status, body, "application/json")
 
     def _text(self, status: int, text: str) -> None:
         self._send(status, text.encode(), "text/plain; charset=utf-8")
 
     def _body(self) -> bytes:
         n = int(self.headers.get("Content-Length") or 0)
+        if n > _STATE.get("max_request", 1 << 30):
+            raise ValueError(f"request body of {n} bytes is too large")
         return self.rfile.read(n) if n else b""
 
     def _json_body(self) -> dict:
@@ -558,6 +753,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if not isinstance(data, dict):
             raise ValueError("request body must be a JSON object")
         return data
+
+    def _form(self) -> dict[str, str]:
+        form = urllib.parse.parse_qs(self._body().decode("utf-8"), keep_blank_values=True)
+        return {k: v[0] for k, v in form.items()}
 
     def do_GET(self):  # noqa: N802 - stdlib name
         """Dispatches a GET."""
@@ -575,11 +774,25 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return
         try:
             fn(self)
+        except LimitExceeded as e:
+            self._json(413, {"status": "error", "limit": e.limit, "message": str(e)})
         except (ValueError, KeyError) as e:
             self._json(400, {"status": "error", "message": f"bad request: {e!r}"})
         except Exception as e:
             traceback.print_exc()
             self._json(500, {"status": "error", "message": f"{type(e).__name__}: {e}"})
+
+    def _command_reply(self, res: dict, what: str) -> dict:
+        """Raises ``LimitExceeded`` for a command stopped by its output limit."""
+        if res.get("limit") == "output":
+            raise LimitExceeded("output_bytes", f"{what}: {res['error']}")
+        return res
+
+    def _bounded_text(self, text: str, what: str) -> str:
+        limit = _STATE.get("max_output", MAX_OUTPUT)
+        if text is not None and len(text.encode("utf-8", "surrogatepass")) > limit:
+            raise LimitExceeded("output_bytes", f"{what} is larger than {limit} bytes")
+        return text
 
     # Routes ---------------------------------------------------------------------------------
 
@@ -590,7 +803,29 @@ class Handler(http.server.BaseHTTPRequestHandler):
         data = self._json_body()
         shell = bool(data.get("shell", False))
         command = data.get("command", "" if shell else [])
-        self._json(200, run_command(command, shell))
+        res = run_trusted(command, shell)
+        self._json(200, self._command_reply(res, "command"))
+
+    def _r_agent_execute(self):
+        """This project's route for the agent's own actions: runs in the desktop namespace."""
+        data = self._json_body()
+        shell = bool(data.get("shell", False))
+        timeout = float(data.get("timeout", _STATE["exec_timeout"]))
+        req = {
+            "op": "run",
+            "command": data.get("command", "" if shell else []),
+            "shell": shell,
+            "timeout": timeout,
+            "max_output": _STATE.get("max_output", MAX_OUTPUT),
+        }
+        reply = _desktop().request(req, timeout=timeout + 10)
+        if "error" in reply and "status" not in reply:
+            self._json(502, {"status": "error", "message": str(reply["error"])[:2000]})
+            return
+        res = {k: reply.get(k) for k in ("status", "output", "error", "returncode")}
+        if reply.get("limit") == "output":
+            res["limit"] = "output"
+        self._json(200, self._command_reply(res, "action"))
 
     def _r_launch(self):
         data = self._json_body()
@@ -605,10 +840,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self._text(200, f"{shown} launched successfully")
 
     def _r_accessibility(self):
-        self._json(200, {"AT": accessibility_xml()})
+        self._json(200, {"AT": self._bounded_text(accessibility_xml(), "the accessibility tree")})
 
     def _r_terminal(self):
-        self._json(200, {"output": terminal_text(), "status": "success"})
+        text = self._bounded_text(terminal_text(), "the terminal text")
+        self._json(200, {"output": text, "status": "success"})
 
     def _r_screen_size(self):
         w, h = screen_size()
@@ -623,19 +859,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self._text(200, "Linux")
 
     def _r_file(self):
-        form = urllib.parse.parse_qs(self._body().decode("utf-8"))
+        form = self._form()
         if "file_path" not in form:
             self._json(400, {"error": "file_path is required"})
             return
-        path = os.path.expandvars(os.path.expanduser(form["file_path"][0]))
-        if not os.path.isfile(path):
-            self._json(404, {"error": "File not found"})
-            return
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as e:
-            self._json(403, {"error": f"cannot read file: {e}"})
+        status, data = read_file(os.path.expandvars(os.path.expanduser(form["file_path"])))
+        if status != 200:
+            self._json(status, {"error": data})
             return
         self._send(200, data, "application/octet-stream")
 
@@ -691,11 +921,101 @@ class Handler(http.server.BaseHTTPRequestHandler):
         run_command(["wmctrl", "-i", "-c", wid], shell=False, timeout=10)
         self._text(200, "Window closed successfully")
 
+    # Upstream's further endpoints (OSWorld's PythonController / SetupController) -------------
+
+    def _r_run_python(self):
+        data = self._json_body()
+        code = data.get("code")
+        if not code:
+            self._json(400, {"status": "error", "message": "Code not supplied!"})
+            return
+        self._json(*run_python(str(code)))
+
+    def _r_run_bash_script(self):
+        data = self._json_body()
+        script = data.get("script")
+        timeout = data.get("timeout", 100)
+        working_dir = data.get("working_dir")
+        if not script:
+            err = {
+                "status": "error",
+                "output": "Script not supplied!",
+                "error": "",
+                "returncode": -1,
+            }
+            self._json(400, err)
+            return
+        if working_dir:
+            working_dir = os.path.expanduser(working_dir)
+            if not os.path.exists(working_dir):
+                msg = f"Working directory does not exist: {working_dir}"
+                self._json(400, {"status": "error", "output": msg, "error": "", "returncode": -1})
+                return
+        self._json(*run_bash_script(str(script), float(timeout), working_dir))
+
+    def _r_window_size(self):
+        form = self._form()
+        if "app_class_name" not in form:
+            self._json(400, {"error": "app_class_name is required"})
+            return
+        size = window_size(form["app_class_name"])
+        if size is None:  # upstream's view returns None here, which Flask answers with a 500
+            self._text(500, f"no window of class {form['app_class_name']!r}")
+            return
+        self._json(200, {"width": size[0], "height": size[1]})
+
+    def _r_desktop_path(self):
+        path = os.path.join(os.path.expanduser("~"), "Desktop")
+        if os.path.exists(path):
+            self._json(200, {"desktop_path": path})
+        else:
+            msg = "Unsupported operating system or desktop path not found"
+            self._json(404, {"error": msg})
+
+    def _r_wallpaper(self):
+        path = wallpaper_path()
+        if not path:
+            self._text(404, "Wallpaper file not found")
+            return
+        status, data = read_file(path)
+        if status != 200:
+            self._text(404 if status == 404 else 500, "Unable to serve the wallpaper file")
+            return
+        self._send(200, data, "image/png")
+
+    def _r_change_wallpaper(self):
+        data = self._json_body()
+        path = data.get("path")
+        if not path:
+            self._text(400, "Path not supplied!")
+            return
+        full = os.path.expandvars(os.path.expanduser(path))
+        if not os.path.exists(full):
+            self._text(404, f"File not found: {full}")
+            return
+        res = run_command(GSETTINGS_BG + ["picture-uri", f"file://{full}"], shell=False, timeout=30)
+        if res["returncode"] != 0:
+            self._text(500, f"Failed to change wallpaper. Error: {res['error'].strip()}")
+            return
+        self._text(200, "Wallpaper changed successfully")
+
+    def _r_list_directory(self):
+        data = self._json_body()
+        if "path" not in data:
+            self._json(400, {"error": "Missing 'path' parameter"})
+            return
+        start = data["path"]
+        if not isinstance(start, str) or not os.path.isdir(start):
+            self._json(400, {"error": "The provided path is not a directory"})
+            return
+        self._json(200, {"directory_tree": directory_tree(start)})
+
 
 ROUTES = {
     ("GET", "/screenshot"): Handler._r_screenshot,
     ("POST", "/execute"): Handler._r_execute,
     ("POST", "/setup/execute"): Handler._r_execute,
+    ("POST", "/agent/execute"): Handler._r_agent_execute,
     ("POST", "/setup/launch"): Handler._r_launch,
     ("GET", "/accessibility"): Handler._r_accessibility,
     ("GET", "/terminal"): Handler._r_terminal,
@@ -707,13 +1027,25 @@ ROUTES = {
     ("POST", "/setup/open_file"): Handler._r_open_file,
     ("POST", "/setup/activate_window"): Handler._r_activate_window,
     ("POST", "/setup/close_window"): Handler._r_close_window,
+    ("POST", "/setup/change_wallpaper"): Handler._r_change_wallpaper,
+    ("POST", "/run_python"): Handler._r_run_python,
+    ("POST", "/run_bash_script"): Handler._r_run_bash_script,
+    ("POST", "/window_size"): Handler._r_window_size,
+    ("POST", "/desktop_path"): Handler._r_desktop_path,
+    ("POST", "/wallpaper"): Handler._r_wallpaper,
+    ("POST", "/list_directory"): Handler._r_list_directory,
 }
 
 
 class UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    """Threaded HTTP server on a UNIX socket."""
+    """Threaded HTTP server on an inherited, already listening UNIX socket."""
 
     daemon_threads = True
+
+    def __init__(self, listen_fd: int, handler) -> None:
+        super().__init__("", handler, bind_and_activate=False)
+        self.socket.close()
+        self.socket = socket.socket(fileno=listen_fd)
 
     def get_request(self):
         """Accepts a connection (UNIX sockets have no peer address)."""
@@ -745,7 +1077,6 @@ def start_xvfb(display: str, width: int, height: int, timeout: float) -> subproc
         pass_fds=(wfd,),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
-        stderr=open(os.path.join(_STATE["logdir"], "xvfb.log"), "ab"),  # noqa: SIM115
     )
     os.close(wfd)
     end = time.monotonic() + timeout
@@ -769,10 +1100,21 @@ def start_xvfb(display: str, width: int, height: int, timeout: float) -> subproc
     return proc
 
 
+def make_undumpable() -> None:
+    """PR_SET_DUMPABLE 0: no process of the same uid may ptrace this one.
+
+    Nor read its memory or take its file descriptors (``/proc/PID/mem``, ``pidfd_getfd``).
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+
+
 def main(argv=None) -> int:
     """Starts the desktop and serves the protocol until killed."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--socket", required=True)
+    p.add_argument("--listen-fd", type=int, required=True, help="inherited listening socket")
+    p.add_argument("--ready-fd", type=int, required=True, help="'ready' is written here")
     p.add_argument("--display", default=":0")
     p.add_argument("--width", type=int, default=1920)
     p.add_argument("--height", type=int, default=1080)
@@ -781,45 +1123,50 @@ def main(argv=None) -> int:
     p.add_argument("--open-timeout", type=float, default=30.0)
     p.add_argument("--start-timeout", type=float, default=20.0)
     p.add_argument("--exec-timeout", type=float, default=EXEC_TIMEOUT_S)
-    p.add_argument("--logdir", default="/tmp")
+    p.add_argument("--max-output", type=int, default=MAX_OUTPUT)
+    p.add_argument("--max-file", type=int, default=MAX_FILE)
     args = p.parse_args(argv)
 
+    make_undumpable()
+    here = os.path.dirname(os.path.abspath(__file__))
+    desktop = jailexec.DesktopNamespace(
+        os.path.join(here, "jailexec.py"),
+        max_reply=4 * args.max_output + (1 << 20),
+        on_start=lambda ns: ns.request({"op": "spawn", "command": args.wm}, timeout=30),
+    )
     _STATE.update(
         display=args.display,
-        logdir=args.logdir,
         openers=[(s.lower(), c) for s, c in json.loads(args.openers)],
         open_timeout=args.open_timeout,
         exec_timeout=args.exec_timeout,
+        max_output=args.max_output,
+        max_file=args.max_file,
+        max_request=max(args.max_file, args.max_output) + (16 << 20),
+        desktop=desktop,
     )
-    os.makedirs(args.logdir, exist_ok=True)
     os.environ["DISPLAY"] = args.display
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
 
     t0 = time.monotonic()
     start_xvfb(args.display, args.width, args.height, args.start_timeout)
     t_x = time.monotonic() - t0
-    spawn(args.wm)
+    desktop.start()  # the desktop namespace, with the window manager in it
     end = time.monotonic() + args.start_timeout
     while not wm_running():
         if time.monotonic() > end:
             raise RuntimeError(f"window manager {args.wm!r} not up within {args.start_timeout} s")
         time.sleep(0.01)
 
-    if os.path.exists(args.socket):
-        os.unlink(args.socket)
-    tmp = args.socket + ".tmp"
-    if os.path.exists(tmp):
-        os.unlink(tmp)
-    server = UnixHTTPServer(tmp, Handler)
-    os.rename(tmp, args.socket)  # the socket appearing under its name means "ready"
-    sys.stderr.write(
-        f"vmserver: ready in {time.monotonic() - t0:.2f} s (Xvfb {t_x:.2f} s) on {args.socket}\n"
-    )
+    server = UnixHTTPServer(args.listen_fd, Handler)
+    os.write(args.ready_fd, b"ready\n")
+    os.close(args.ready_fd)
+    sys.stderr.write(f"vmserver: ready in {time.monotonic() - t0:.2f} s (Xvfb {t_x:.2f} s)\n")
     sys.stderr.flush()
     try:
         server.serve_forever(poll_interval=0.5)
     finally:
         server.server_close()
+        desktop.close()
     return 0
 
 

@@ -58,8 +58,8 @@ def test_writes_outside_the_sandbox_fail_and_host_is_unchanged(runner, desktop, 
         assert not repo_probe.exists()
         assert not Path("/usr/bin/jail-probe").exists()
         assert not (tmp_path / "jail-probe").exists()
-        # The jail's /tmp copy is in the sandbox directory, the host's /tmp is untouched.
-        assert (desktop.dir / "tmp" / canary.name).read_text() == "pwned\n"
+        # The jail's /tmp is its own tmpfs, the host's /tmp is untouched.
+        assert (desktop.host_path("/tmp") / canary.name).read_text() == "pwned\n"
         # python code run as an action can't either (the way model actions run).
         res = runner.run(
             desktop.client.execute(["python3", "-c", f"open({str(repo_probe)!r}, 'w').write('x')"])
@@ -125,7 +125,7 @@ def test_close_kills_the_whole_process_tree(runner, backend: LocalBackend):
     d = runner.run(backend.start_desktop())
     assert d.id in backend.inventory()
     # Start a detached background program from inside, as an action could.
-    runner.run(d.client.execute(["bash", "-c", "setsid sleep 600 >/dev/null 2>&1 &"]))
+    runner.run(d.run_action(["bash", "-c", "setsid sleep 600 >/dev/null 2>&1 &"], timeout=30))
 
     def names(pids: list[int]) -> set[str]:
         out = set()
@@ -185,16 +185,14 @@ def test_jail_dies_with_its_host_process():
     # The crashed process could not remove its directory; that is all it leaves.
 
 
-def test_root_must_be_searchable_by_the_jail(tmp_path):
-    from osworld_jax.env.backend import PreflightError
-    from osworld_jax.env.local import LocalBackendConfig
-
+def test_sandbox_directories_are_private_to_the_host(runner, desktop):
+    """The host side (the server socket, setup outputs) is root-only and never in the jail."""
     if os.geteuid() != 0:
-        pytest.skip("the jail only drops to another uid when the host runs as root")
-    locked = tmp_path / "locked"
-    locked.mkdir(mode=0o700)
-    with pytest.raises(PreflightError, match="not searchable"):
-        LocalBackend(LocalBackendConfig(root=str(locked / "sandboxes"))).preflight()
+        pytest.skip("ownership checks are about a root host")
+    assert desktop.dir.parent.stat().st_mode & 0o777 == 0o700
+    assert (desktop.dir / "ctl").stat().st_mode & 0o777 == 0o700
+    res = sh(runner, desktop, f"ls -la {desktop.dir} {desktop.dir}/ctl; cat /proc/self/mountinfo")
+    assert str(desktop.dir) not in res["output"]
 
 
 def test_preflight_names_what_is_missing(monkeypatch):
@@ -254,38 +252,3 @@ def test_close_waits_for_a_close_in_progress(runner, backend: LocalBackend):
         assert not d.dir.exists()
 
     runner.run(main())
-
-
-def test_fork_bomb_hits_the_process_limit(runner):
-    """Processes spawned in a jail are capped (RLIMIT_NPROC of the jail's host uid).
-
-    While the cap is reached the jail's own server cannot start request threads either; the
-    sleeps end after 2 s and the sandbox answers again.
-    """
-    from osworld_jax.env.local import LocalBackendConfig
-
-    if os.geteuid() != 0:
-        pytest.skip("the limit applies when the jail runs as its own unprivileged host uid")
-    b = LocalBackend(LocalBackendConfig(max_processes=150))
-    try:
-        d = runner.run(b.start_desktop())
-        code = textwrap.dedent(
-            """
-            import subprocess
-            started, refused = 0, 0
-            for _ in range(400):
-                try:
-                    subprocess.Popen(["sleep", "2"])
-                    started += 1
-                except OSError:
-                    refused += 1
-            print(started, refused)
-            """
-        )
-        res = runner.run(d.client.execute(["python3", "-c", code]))
-        started, refused = map(int, res["output"].split())
-        assert refused > 0 and started < 150, res
-        assert len(d.host_pids()) < 160
-    finally:
-        runner.run(b.aclose())
-    assert b.inventory() == []

@@ -11,7 +11,7 @@ import aiohttp
 import numpy as np
 from PIL import Image
 
-from osworld_jax.env.local import vmserver
+from osworld_jax.env.local import jailexec, vmserver
 from osworld_jax.env.local.shim import pyautogui as shim
 
 LOCAL = Path(vmserver.__file__).parent
@@ -74,13 +74,18 @@ def test_multipart_parser_matches_aiohttp_encoding():
     assert fields["file_data"] == payload
 
 
-def test_run_command_reports_start_failures_as_results():
+def test_run_command_reports_start_failures_and_limits_as_results():
     res = vmserver.run_command(["/nonexistent/binary"], shell=False)
     assert res["returncode"] == 127 and res["status"] == "error"
     res = vmserver.run_command("printf 'a b'; echo err >&2; exit 4", shell=True)
     assert res == {"status": "success", "output": "a b", "error": "err\n", "returncode": 4}
     res = vmserver.run_command(["sleep", "5"], shell=False, timeout=0.2)
-    assert res["returncode"] == -9 and "timed out" in res["error"]
+    assert res["returncode"] == -9 and "timed out" in res["error"] and res["limit"] == "time"
+    # Output past the cap: the command is killed, the result names the limit, the host never
+    # holds more than the cap.
+    res = jailexec.run_capped(["yes"], timeout=30, max_output=100_000)
+    assert res["limit"] == "output" and res["returncode"] == -9
+    assert len(res["output"]) == 100_000
 
 
 def test_shim_key_names_map_to_x_keysyms():
@@ -95,10 +100,11 @@ def test_shim_key_names_map_to_x_keysyms():
 def test_jail_side_modules_import_only_stdlib_and_debian_packages():
     """The jail's python3 has no osworld_jax and no pip packages: check the imports statically."""
     allowed_third_party = {"Xlib", "pyatspi"}
-    shim_modules = {p.stem for p in (LOCAL / "shim").glob("*.py")}
+    shim_modules = {p.stem for p in (LOCAL / "shim").glob("*.py")} | {"jailexec"}
     import sys
 
-    for path in (LOCAL / "vmserver.py", *sorted((LOCAL / "shim").glob("*.py"))):
+    jail_side = [LOCAL / "vmserver.py", LOCAL / "jailexec.py", *(LOCAL / "shim").glob("*.py")]
+    for path in jail_side:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             names = []
