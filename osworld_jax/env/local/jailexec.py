@@ -58,6 +58,9 @@ ENV_ALLOW = (
 TRUSTED_ENV = {"PYTHONSAFEPATH": "1", "PYTHONNOUSERSITE": "1"}
 JAIL_UID = "1000"
 BWRAP = "/usr/bin/bwrap"
+#: After a command exits, how long its output is still read (programs it started in the
+#: background, such as an app opened with Popen, keep its pipes open indefinitely).
+EXIT_DRAIN_S = 0.5
 
 
 def jail_env(extra: dict | None = None) -> dict:
@@ -112,7 +115,9 @@ def run_capped(
 
     Returns ``{status, output, error, returncode}`` (text decoded as UTF-8 with replacement) and,
     when a limit stopped the command, ``limit`` (``"output"`` or ``"time"``). A command that
-    cannot start is a result (returncode 127 / 126), not an exception.
+    cannot start is a result (returncode 127 / 126), not an exception. Once the command itself
+    has exited, its output is read for ``EXIT_DRAIN_S`` more; background programs it started are
+    left running (upstream's ``subprocess.run`` would wait for them until its timeout).
     """
     try:
         proc = subprocess.Popen(
@@ -143,12 +148,19 @@ def run_capped(
         sel.register(proc.stderr, selectors.EVENT_READ, "err")
     end = time.monotonic() + timeout
     limit = None
+    drain_until = None  # set when the command has exited: programs it started may hold the pipes
     while sel.get_map():
-        left = end - time.monotonic()
+        now = time.monotonic()
+        if drain_until is None and proc.poll() is not None:
+            drain_until = now + EXIT_DRAIN_S
+        if drain_until is not None and now >= drain_until:
+            break  # the command is done; what it left running keeps running, unread
+        left = end - now
         if left <= 0:
             limit = "time"
             break
-        for key, _ in sel.select(min(left, 1.0)):
+        wait = min(left, 0.2 if drain_until is None else drain_until - now)
+        for key, _ in sel.select(wait):
             chunk = os.read(key.fd, 65536)
             if not chunk:
                 sel.unregister(key.fileobj)

@@ -346,7 +346,9 @@ def read_file(path: str) -> tuple[int, bytes | str]:
     except FileNotFoundError:
         return 404, "File not found"
     except OSError as e:
-        return (404 if e.errno in (2, 20, 40) else 403), f"cannot read file: {e}"
+        if e.errno in (20, 40) or os.path.realpath(path).startswith(_PSEUDO_FS):
+            return 404, "File not found"
+        return 403, f"cannot read file: {e}"
     try:
         real = os.readlink(f"/proc/self/fd/{fd}")
         st = os.fstat(fd)
