@@ -279,7 +279,7 @@ def test_retrying_vm_backoff():
 
 
 def test_unsupported_metric_or_crash_is_eval_error():
-    t = task({"func": "compare_pptx_files", "result": {"type": "rule", "rules": {}}})
+    t = task({"func": "compare_image_text", "result": {"type": "rule", "rules": {}}})
     with pytest.raises(SandboxEvalError, match="not supported"):
         run(evaluate_task(t, MemoryDesktop(), DONE))
     t2 = task(

@@ -108,6 +108,76 @@ class LibrarySource:
         doc.save(str(p))
         return str(p)
 
+    def pdf(self, name: str, pages: Sequence[Mapping[str, Any]]) -> str:
+        """A PDF with one page per entry: ``{"lines": [...], "images": [PIL RGB images]}``.
+
+        Text is Helvetica (a standard font every reader maps to Unicode), images are Flate
+        RGB XObjects drawn side by side under the text.
+        """
+        import zlib
+
+        objs: list[bytes] = []
+
+        def add(body: bytes) -> int:
+            objs.append(body)
+            return len(objs)
+
+        font = add(b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>")
+        page_ids: list[int] = []
+        # objects: the font, then per page its images, its content and itself; then Pages
+        pages_id = 1 + sum(len(p.get("images", [])) + 2 for p in pages) + 1
+        for page in pages:
+            names = []
+            for k, img in enumerate(page.get("images", [])):
+                raw = zlib.compress(img.convert("RGB").tobytes())
+                head = (
+                    f"<< /Type /XObject /Subtype /Image /Width {img.width} /Height {img.height} "
+                    f"/ColorSpace /DeviceRGB /BitsPerComponent 8 /Filter /FlateDecode "
+                    f"/Length {len(raw)} >>"
+                ).encode()
+                names.append((f"Im{k}", add(head + b"\nstream\n" + raw + b"\nendstream"), img))
+            ops = ["BT /F1 12 Tf 72 720 Td 14 TL"]
+            for line in page.get("lines", []):
+                text = line.replace("\\", "\\\\").replace("(", "\\(").replace(")", "\\)")
+                ops.append(f"({text}) Tj T*")
+            ops.append("ET")
+            x = 72
+            for nm, _, img in names:
+                ops.append(f"q {img.width} 0 0 {img.height} {x} 400 cm /{nm} Do Q")
+                x += img.width + 10
+            content = "\n".join(ops).encode("latin-1")
+            c = add(b"<< /Length %d >>\nstream\n" % len(content) + content + b"\nendstream")
+            xobjs = " ".join(f"/{nm} {i} 0 R" for nm, i, _ in names)
+            res = f"<< /Font << /F1 {font} 0 R >> /XObject << {xobjs} >> >>".encode()
+            page_ids.append(
+                add(
+                    b"<< /Type /Page /Parent %d 0 R /MediaBox [0 0 612 792] /Resources " % pages_id
+                    + res
+                    + b" /Contents %d 0 R >>" % c
+                )
+            )
+        kids = " ".join(f"{i} 0 R" for i in page_ids).encode()
+        assert (
+            add(b"<< /Type /Pages /Kids [" + kids + b"] /Count %d >>" % len(page_ids)) == pages_id
+        )
+        catalog = add(b"<< /Type /Catalog /Pages %d 0 R >>" % pages_id)
+        out = bytearray(b"%PDF-1.4\n")
+        offsets = []
+        for i, body in enumerate(objs, start=1):
+            offsets.append(len(out))
+            out += b"%d 0 obj\n" % i + body + b"\nendobj\n"
+        xref = len(out)
+        out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objs) + 1)
+        out += b"".join(b"%010d 00000 n \n" % o for o in offsets)
+        out += b"trailer\n<< /Size %d /Root %d 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (
+            len(objs) + 1,
+            catalog,
+            xref,
+        )
+        p = self.path(name)
+        p.write_bytes(bytes(out))
+        return str(p)
+
     # ------------------------------------------------------------------ images
     def image(self, name: str, make: Callable[[], Any]) -> str:
         """An image file: ``make()`` returns a PIL image, saved in the name's format."""
