@@ -35,7 +35,7 @@ from osworld_jax.env import BACKENDS, AgentEnvConfig
 from osworld_jax.errors import ConfigError
 from osworld_jax.model.config import ModelRuntimeConfig
 from osworld_jax.rl.config import ExperimentConfig, ModelSourceConfig, RLConfig, ServerConfig
-from osworld_jax.rollout.config import RolloutConfig, SamplingParams
+from osworld_jax.rollout.config import RolloutConfig, SamplingParams, SGLangLaunchConfig
 from osworld_jax.trainer.config import CheckpointConfig, OptimizerConfig, TrainerConfig
 from osworld_jax.trainer.distributed import DistributedConfig
 
@@ -51,6 +51,7 @@ CONFIGURABLES: tuple[type, ...] = (
     RolloutConfig,
     SamplingParams,
     ServerConfig,
+    SGLangLaunchConfig,
     AgentEnvConfig,
     *BACKENDS.config_classes(),
     AgentConfig,

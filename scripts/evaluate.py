@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.model_path:
         params.append(f"ModelSourceConfig.path = {a.model_path!r}")
     if a.server_url:
-        params += ["ServerConfig.embedded = False", f"RolloutConfig.urls = {tuple(a.server_url)!r}"]
+        params += ["ServerConfig.launch = 'none'", f"RolloutConfig.urls = {tuple(a.server_url)!r}"]
     if a.task_set:
         params.append(f"DataConfig.task_set = {a.task_set!r}")
     run_dir = Path(a.run_dir or f"runs/eval-{datetime.datetime.now(datetime.UTC):%Y%m%d-%H%M%S}")

@@ -10,10 +10,11 @@ from osworld_jax.rl import ExperimentConfig
 CONFIGS = Path(config.CONFIGS_DIR)
 RECIPES = ["default.gin", "osworld_b8n8_r3.gin", "osworld_b17n16_r3.gin"]
 FRAGMENTS = ["grpo.gin", "dr_grpo.gin", "reinforce_baseline.gin", "flash_reinforce.gin"]
+FRAGMENTS += ["sglang_servers.gin"]  # tests/rl/test_servers.py
 # The recipe test swaps the real model and servers for tiny, embedded ones.
 TINY = [
     "ModelSourceConfig.path = 'tiny'",
-    "ServerConfig.embedded = True",
+    "ServerConfig.launch = 'embedded'",
     "RolloutConfig.num_layers = 3",
     "RolloutConfig.num_experts_per_tok = 2",
     "RLConfig.mesh = {}",
@@ -28,7 +29,7 @@ def test_every_gin_file_is_covered():
 def test_recipes_build_with_tiny_model(recipe):
     exp = config.load_experiment([CONFIGS / recipe], TINY)
     assert isinstance(exp, ExperimentConfig)
-    assert exp.model.path == "tiny" and exp.server.embedded
+    assert exp.model.path == "tiny" and exp.server.launch == "embedded"
     assert exp.trainer.router_replay and exp.rollout.return_routed_experts
     assert exp.trainer.gate == "binary_kl" and exp.trainer.gate_threshold == 0.01
     assert exp.trainer.agg_mode == "prompt-mean-token-mean"

@@ -19,7 +19,7 @@ from osworld_jax.env.osworld_adapter import OSWorldBackendConfig
 from osworld_jax.env.remote import RemoteBackendConfig
 from osworld_jax.errors import ConfigError
 from osworld_jax.model.config import ModelRuntimeConfig
-from osworld_jax.rollout.config import RolloutConfig
+from osworld_jax.rollout.config import SERVER_LAUNCHERS, RolloutConfig, SGLangLaunchConfig
 from osworld_jax.trainer.config import TrainerConfig
 from osworld_jax.trainer.distributed import DistributedConfig
 
@@ -128,29 +128,41 @@ class ModelSourceConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig:
-    """The rollout servers: external SGLang URLs (``RolloutConfig.urls``) or an embedded one.
+    """The rollout servers: running ones (``RolloutConfig.urls``), or ones the run starts.
 
     Attributes:
-      embedded: launch ``python -m osworld_jax.rollout.serve`` as a subprocess on the run's
-        model and point the rollout client at it (``RolloutConfig.urls`` is then ignored).
-      host: the embedded server's bind address.
-      port: the embedded server's port (0: a free port).
-      max_running_requests: the embedded server's concurrent-request cap (its decode batch).
-      dtype: the embedded server's compute dtype.
-      startup_timeout_s: how long to wait for the embedded server's ``/health``.
-      extra_args: further ``osworld_jax.rollout.serve`` flags (e.g. ``("--context-length",
-        "4096")``); the trainer's ``ModelRuntimeConfig.expert_backend`` is always passed.
+      launch: ``none`` (use ``RolloutConfig.urls``), ``embedded`` (start ``python -m
+        osworld_jax.rollout.serve`` on the run's model) or ``sglang`` (start real SGLang
+        servers, ``python -m sglang.launch_server``, configured by ``sglang``); started
+        servers replace ``RolloutConfig.urls`` and stop when the run ends (see
+        `SERVER_LAUNCHERS`).
+      host: the started servers' bind address.
+      port: the first started server's port (server ``i`` gets ``port + i``; 0: free ports).
+      max_running_requests: each started server's concurrent-request cap (its decode batch).
+      dtype: the started servers' compute dtype (``--dtype``).
+      startup_timeout_s: how long to wait for a started server to serve.
+      extra_args: further ``osworld_jax.rollout.serve`` flags of the embedded server (e.g.
+        ``("--context-length", "4096")``); the trainer's ``ModelRuntimeConfig.expert_backend``
+        is always passed.
+      return_original_logprob: the servers report output logprobs at temperature 1
+        (SGLang's ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``, set on the servers the run starts;
+        for ``launch = 'none'`` say how the external servers run). See
+        `osworld_jax.rollout.logprob_temperature`.
+      sglang: how ``launch = 'sglang'`` starts SGLang (interpreter, count, parallelism, GPUs).
     """
 
-    embedded: bool = False
+    launch: str = "none"
     host: str = "127.0.0.1"
     port: int = 0
     max_running_requests: int = 64
     dtype: str = "float32"
     startup_timeout_s: float = 300.0
     extra_args: tuple[str, ...] = ()
+    return_original_logprob: bool = False
+    sglang: SGLangLaunchConfig = field(default_factory=SGLangLaunchConfig)
 
     def __post_init__(self) -> None:
+        SERVER_LAUNCHERS.validate(self.launch, "ServerConfig.launch")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"ServerConfig.port must be in [0, 65536), got {self.port}")
         if self.max_running_requests < 1:
@@ -168,7 +180,7 @@ class ExperimentConfig:
       runtime: how the policy computes (expert backend, dtype, remat).
       trainer: the train step, optimizer and checkpointing.
       rollout: the rollout client (server URLs, timeouts, sampling, R3).
-      server: external servers or the embedded one.
+      server: the rollout servers: running ones, or embedded / SGLang ones the run starts.
       env: AgentEnv (sandbox backend, turns, timeouts).
       local: the ``local`` sandbox backend's settings (used when ``env.backend == "local"``).
       remote: the ``remote`` sandbox service's settings (required when ``env.backend ==

@@ -19,6 +19,7 @@ import aiohttp
 from osworld_jax.data import DataError, load_task_refs, resolve_task_set
 from osworld_jax.errors import OsworldJaxError, PreflightError
 from osworld_jax.rl.config import ExperimentConfig
+from osworld_jax.rl.servers import server_problems
 
 
 def check_model_path(path: str | Path) -> str | None:
@@ -105,8 +106,9 @@ def run_preflight(
         problems.append(model_problem)
     else:
         problems += [p for p in [check_route_shape(experiment, model_path)] if p]
-    if not experiment.server.embedded:
+    if experiment.server.launch == "none":
         problems += check_servers(experiment.rollout.urls, experiment.rollout.connect_timeout_s)
+    problems += server_problems(experiment)
     try:
         backend_preflight()
     except OsworldJaxError as e:

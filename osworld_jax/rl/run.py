@@ -85,31 +85,19 @@ class RolloutResources(contextlib.ExitStack):
         run_preflight(exp, model_path=self.model_path, backend_preflight=backend.preflight)
         self.callback(self.runner.run, backend.aclose())  # after the client closes (LIFO)
         urls = self._servers()
-        self.client = SGLangClient(urls, exp.rollout)
-        self.callback(self.runner.run, self.client.aclose())
         self.tokenizer = AgentTokenizer.from_model_dir(self.model_path)
+        # decodes the text when servers send none (SGLang with --skip-tokenizer-init)
+        self.client = SGLangClient(urls, exp.rollout, detokenize=self.tokenizer.decode)
+        self.callback(self.runner.run, self.client.aclose())
         self.agent_env = AgentEnv(backend, exp.env)
 
     def _servers(self) -> tuple[str, ...]:
         exp = self.experiment
-        if not exp.server.embedded:
+        if exp.server.launch == "none":
             return exp.rollout.urls
-        from osworld_jax.rollout.launch import launch_embedded
+        from osworld_jax.rl.servers import server_group
 
-        server = self.enter_context(
-            launch_embedded(
-                self.model_path,
-                host=exp.server.host,
-                port=exp.server.port or None,
-                max_running_requests=exp.server.max_running_requests,
-                enable_return_routed_experts=exp.rollout.return_routed_experts,
-                dtype=exp.server.dtype,
-                extra_args=["--expert-backend", exp.runtime.expert_backend, *exp.server.extra_args],
-                startup_timeout_s=exp.server.startup_timeout_s,
-                log_path=self.run_dir / "server.log",
-            )
-        )
-        return (server.url,)
+        return self.enter_context(server_group(exp, self.model_path, self.run_dir)).urls
 
 
 class RunResources(RolloutResources):

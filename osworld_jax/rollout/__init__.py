@@ -6,8 +6,10 @@ See docs/INTERFACES.md and ../shared/SGLANG_API.md (the wire contract).
 from osworld_jax.rollout.client import ServerState, SGLangClient
 from osworld_jax.rollout.config import (
     LOAD_BALANCERS,
+    SERVER_LAUNCHERS,
     RolloutConfig,
     SamplingParams,
+    SGLangLaunchConfig,
     logprob_temperature,
 )
 from osworld_jax.rollout.errors import (
@@ -19,7 +21,13 @@ from osworld_jax.rollout.errors import (
     RolloutError,
     ServerUnavailable,
 )
-from osworld_jax.rollout.launch import EmbeddedServer, launch_embedded
+from osworld_jax.rollout.launch import (
+    EmbeddedServer,
+    ServerGroup,
+    SGLangServer,
+    launch_embedded,
+    launch_sglang,
+)
 from osworld_jax.rollout.wire import (
     Generation,
     Reply,
@@ -31,6 +39,7 @@ from osworld_jax.rollout.wire import (
 
 __all__ = [
     "LOAD_BALANCERS",
+    "SERVER_LAUNCHERS",
     "AbortBudgetExceeded",
     "EmbeddedServer",
     "EngineError",
@@ -42,12 +51,16 @@ __all__ = [
     "RolloutConfig",
     "RolloutError",
     "SGLangClient",
+    "SGLangLaunchConfig",
+    "SGLangServer",
     "SamplingParams",
+    "ServerGroup",
     "ServerState",
     "ServerUnavailable",
     "decode_routed_experts",
     "encode_routed_experts",
     "launch_embedded",
+    "launch_sglang",
     "logprob_temperature",
     "parse_reply",
     "stitch",

@@ -16,7 +16,7 @@ import json
 import logging
 import random
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,15 +78,25 @@ class SGLangClient:
     Args:
       urls: server base URLs; None uses ``config.urls``.
       config: client settings (`RolloutConfig`).
+      detokenize: ``detokenize(ids, skip_special_tokens=...) -> str``, e.g.
+        ``AgentTokenizer.decode``; gives `Generation.text` when the servers send none (SGLang
+        started with ``--skip-tokenizer-init``). Without it such a text is "".
 
     Use as ``async with SGLangClient(urls, config) as client:`` or call `aclose` at the end.
     """
 
-    def __init__(self, urls: Sequence[str] | str | None, config: RolloutConfig) -> None:
+    def __init__(
+        self,
+        urls: Sequence[str] | str | None,
+        config: RolloutConfig,
+        *,
+        detokenize: Callable[..., str] | None = None,
+    ) -> None:
         if urls is not None:
             urls = (urls,) if isinstance(urls, str) else tuple(urls)
             config = _replace_urls(config, urls)
         self.config = config
+        self.detokenize = detokenize
         self.servers = [ServerState(url=u) for u in config.urls]
         self._rr = itertools.count()
         self._session: aiohttp.ClientSession | None = None
@@ -311,13 +321,25 @@ class SGLangClient:
             if reply.completion_tokens:
                 part_prompt = part_prompt + reply.output_ids
                 start = max(routed_experts_start_len, len(part_prompt) - 1)
-        return stitch(
+        gen = stitch(
             parts,
             rid=rid,
             prompt_tokens=len(prompt),
             routed_experts_start_len=routed_experts_start_len,
             num_resubmits=aborts,
         )
+        if self.detokenize is not None and all(p.text_missing for p in parts):
+            gen = dataclasses.replace(gen, text=self._text_of(gen, sampling))
+        return gen
+
+    def _text_of(self, gen: Generation, sampling: SamplingParams) -> str:
+        """The text SGLang would have sent (matched stop token trimmed unless no_stop_trim)."""
+        assert self.detokenize is not None
+        ids = list(gen.output_ids)
+        matched = gen.finish_reason.get("matched")
+        if isinstance(matched, int) and not sampling.no_stop_trim and ids and ids[-1] == matched:
+            ids = ids[:-1]
+        return self.detokenize(ids, skip_special_tokens=sampling.skip_special_tokens)
 
     async def _post_generate(
         self, payload: dict[str, Any], rid: str, prompt_len: int, start: int | None

@@ -15,6 +15,12 @@ LOAD_BALANCERS: Registry[str] = Registry("load balancer")
 LOAD_BALANCERS.add("least_outstanding", "pick the healthy server with the fewest requests")
 LOAD_BALANCERS.add("round_robin", "cycle through the healthy servers")
 
+#: How the RL loop gets its rollout servers (``ServerConfig.launch``).
+SERVER_LAUNCHERS: Registry[str] = Registry("server launcher")
+SERVER_LAUNCHERS.add("none", "use the running servers at RolloutConfig.urls")
+SERVER_LAUNCHERS.add("embedded", "start python -m osworld_jax.rollout.serve (CPU or GPU)")
+SERVER_LAUNCHERS.add("sglang", "start python -m sglang.launch_server (CUDA GPUs; the sglang extra)")
+
 #: SGLang treats ``0 <= temperature < GREEDY_EPS`` as greedy (``_SAMPLING_EPS``).
 GREEDY_EPS = 1e-6
 
@@ -211,3 +217,56 @@ class RolloutConfig:
                 "RolloutConfig.return_routed_experts needs num_layers and num_experts_per_tok "
                 "(the model's num_hidden_layers and num_experts_per_tok) to decode the routes"
             )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGLangLaunchConfig:
+    """How the RL loop starts real SGLang servers (``ServerConfig.launch = 'sglang'``).
+
+    Server ``i`` of ``num_servers`` listens on ``ServerConfig.port + i`` (free ports when that
+    is 0) and uses GPUs ``base_gpu_id + i * tp_size * dp_size`` onwards; see
+    `osworld_jax.rollout.launch.sglang_command` for the exact command line.
+
+    Attributes:
+      python: the interpreter that has ``sglang`` installed (``pip install
+        'osworld_jax[sglang]'``); empty: this one.
+      num_servers: how many servers (the client balances requests over them).
+      tp_size: tensor-parallel GPUs per server (``--tp-size``).
+      dp_size: data-parallel replicas inside one server (``--dp-size``, passed when > 1).
+      ep_size: expert-parallel size (``--ep-size``, passed when > 1).
+      base_gpu_id: the first GPU of server 0 (``--base-gpu-id``).
+      random_seed: server ``i`` gets ``--random-seed random_seed + i``.
+      skip_tokenizer_init: token ids in and out (``--skip-tokenizer-init``, as verl and slime);
+        the client then decodes the text itself. ``stop`` strings and ``min_new_tokens`` are
+        then unavailable (SGLang refuses them).
+      context_length: ``--context-length`` (None: the model's).
+      mem_fraction_static: ``--mem-fraction-static`` (None: SGLang's default).
+      extra_args: further ``sglang.launch_server`` flags, appended last.
+    """
+
+    python: str = ""
+    num_servers: int = 1
+    tp_size: int = 1
+    dp_size: int = 1
+    ep_size: int = 1
+    base_gpu_id: int = 0
+    random_seed: int = 0
+    skip_tokenizer_init: bool = True
+    context_length: int | None = None
+    mem_fraction_static: float | None = None
+    extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("num_servers", "tp_size", "dp_size", "ep_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(
+                    f"SGLangLaunchConfig.{name} must be >= 1, got {getattr(self, name)}"
+                )
+        if self.base_gpu_id < 0:
+            raise ConfigError(f"SGLangLaunchConfig.base_gpu_id must be >= 0: {self.base_gpu_id}")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ConfigError(
+                "SGLangLaunchConfig.mem_fraction_static must be in (0, 1), got "
+                f"{self.mem_fraction_static}"
+            )
+        object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))

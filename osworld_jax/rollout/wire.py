@@ -70,6 +70,8 @@ class Reply:
       weight_version: the server's weight version.
       text: decoded output text.
       meta_info: the raw ``meta_info`` (extra keys are tolerated and kept).
+      text_missing: the reply had no ``text`` (a server started with
+        ``--skip-tokenizer-init``); ``text`` is then "".
     """
 
     output_ids: list[int]
@@ -81,6 +83,7 @@ class Reply:
     weight_version: str
     text: str
     meta_info: dict[str, Any] = field(default_factory=dict)
+    text_missing: bool = False
 
 
 def encode_routed_experts(routes: np.ndarray) -> str:
@@ -219,6 +222,7 @@ def parse_reply(
         weight_version=version,
         text=text if isinstance(text, str) else "",
         meta_info=meta,
+        text_missing="text" not in body,
     )
 
 

@@ -45,16 +45,18 @@ def test_preflight_lists_every_missing_part(tmp_path):
 
 def test_preflight_r3_shape_must_match_the_model(tiny):
     exp = ExperimentConfig(
-        server=ServerConfig(embedded=True),
+        server=ServerConfig(launch="embedded"),
         rollout=RolloutConfig(return_routed_experts=True, num_layers=48, num_experts_per_tok=8),
     )
     with pytest.raises(PreflightError, match=r"\(48, 8\).*\(3, 2\)"):
         run_preflight(exp, model_path=tiny, backend_preflight=lambda: None)
-    no_routes = ExperimentConfig(server=ServerConfig(embedded=True))  # router_replay defaults on
+    no_routes = ExperimentConfig(
+        server=ServerConfig(launch="embedded")
+    )  # router_replay defaults on
     with pytest.raises(PreflightError, match="return_routed_experts"):
         run_preflight(no_routes, model_path=tiny, backend_preflight=lambda: None)
     ok = ExperimentConfig(
-        server=ServerConfig(embedded=True),
+        server=ServerConfig(launch="embedded"),
         rollout=RolloutConfig(return_routed_experts=True, num_layers=3, num_experts_per_tok=2),
     )
     run_preflight(ok, model_path=tiny, backend_preflight=lambda: None)  # bundled tasks, tiny

@@ -349,11 +349,24 @@ def test_skip_tokenizer_init_serves_tokens(engine, bare_ckpt):
                 status, r = await post(bare_url, "/generate", bad)
                 assert status == 400 and word in r["error"]["message"], r
                 assert "--skip-tokenizer-init" in r["error"]["message"]
-            # the client's own requests work token-in / token-out
+            # the client's own requests work token-in / token-out; with a detokenizer it
+            # rebuilds the text the tokenizer server sends (matched stop token trimmed)
             rc = RolloutConfig(urls=(bare_url,))
             async with SGLangClient(None, rc) as client:
                 g = await client.generate(PROMPT, SamplingParams(max_new_tokens=3))
             assert g.completion_tokens == 3 and g.text == ""
+            sp = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+            async with SGLangClient(None, RolloutConfig(urls=(url,))) as client:
+                free = await client.generate(PROMPT, sp)
+            sp = sp.replace(stop_token_ids=(free.output_ids[5],))
+            tok = engine.tokenizer
+            texts = []
+            for u, detok in ((url, None), (bare_url, tok.decode)):
+                async with SGLangClient(None, RolloutConfig(urls=(u,)), detokenize=detok) as c:
+                    texts.append(await c.generate(PROMPT, sp))
+            assert texts[0].finish_reason["type"] == "stop"
+            assert texts[1].output_ids == texts[0].output_ids
+            assert texts[1].text == texts[0].text != ""
             status, info = await get(bare_url, "/server_info")
             assert info["skip_tokenizer_init"] is True
 

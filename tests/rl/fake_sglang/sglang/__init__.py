@@ -1,0 +1,1 @@
+"""A stand-in for the ``sglang`` package in launch tests (``python -m sglang.launch_server``)."""
