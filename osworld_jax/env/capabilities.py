@@ -19,6 +19,7 @@ import re
 import shlex
 import shutil
 import sys
+import urllib.parse
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -83,14 +84,28 @@ class NotRunnable:
 
 
 # Step types that need the network or an account (known OSWorld types we cannot run offline).
-_NETWORK_STEPS = {
-    "chrome_open_tabs": LIVE_WEB,
-    "chrome_close_tabs": LIVE_WEB,
-    "update_browse_history": LIVE_WEB,
-    "googledrive": GDRIVE,
-    "login": LOGIN,
+_NETWORK_STEPS = {"googledrive": GDRIVE, "login": LOGIN}
+# Getters that load a live web page (upstream navigates Chrome to a URL the task names).
+_NETWORK_GETTERS = {
+    "googledrive_file": GDRIVE,
+    "info_from_website": LIVE_WEB,
+    "page_info": LIVE_WEB,
+    "pdf_from_url": LIVE_WEB,
+    "gotoRecreationPage_and_get_html_content": LIVE_WEB,
 }
-_NETWORK_GETTERS = {"googledrive_file": GDRIVE, "info_from_website": LIVE_WEB}
+_LOOPBACK = {"localhost", "127.0.0.1", "::1"}
+
+
+def _web_urls(urls: Any) -> list[str]:
+    """The URLs among ``urls`` that reach the internet (http(s) to a non-loopback host)."""
+    out = []
+    for u in urls if isinstance(urls, list) else []:
+        parts = urllib.parse.urlsplit(str(u))
+        if parts.scheme in ("http", "https") and parts.hostname not in _LOOPBACK:
+            out.append(str(u))
+    return out
+
+
 # Documents that ``open`` hands to an office suite (the app must exist for the local backend).
 _OFFICE_EXTS = {
     ".docx", ".doc", ".odt", ".xlsx", ".xls", ".ods", ".pptx", ".ppt", ".odp", ".rtf",
@@ -159,6 +174,10 @@ def _apps_needed(task: Task) -> list[str]:
             path = str(p.get("path", ""))
             if Path(path).suffix.lower() in _OFFICE_EXTS:
                 apps.append("|".join(_OFFICE_BINS))
+    for g in (*task.evaluator.result, *task.evaluator.expected):
+        if g is not None and g.type in GETTERS:
+            # programs a getter runs inside the desktop (e.g. gsettings for vm_wallpaper)
+            apps.extend(getattr(GETTERS.get(g.type), "needs_apps", ()))
     return list(dict.fromkeys(apps))
 
 
@@ -224,6 +243,8 @@ def capabilities(
     for s in (*task.config, *task.evaluator.postconfig):
         if s.type in _NETWORK_STEPS:
             reasons.append(Reason(_NETWORK_STEPS[s.type], f"setup step {s.type}"))
+        elif s.type == "chrome_open_tabs" and _web_urls(s.parameters.get("urls_to_open")):
+            reasons.append(Reason(LIVE_WEB, "setup step chrome_open_tabs opens web pages"))
     for g in (*task.evaluator.result, *task.evaluator.expected):
         if g is not None and g.type in _NETWORK_GETTERS:
             reasons.append(Reason(_NETWORK_GETTERS[g.type], f"getter {g.type}"))

@@ -12,16 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime as dt
 import logging
 import os
 import re
+import shutil
+import sqlite3
+import tempfile
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from osworld_jax.env import cache
 from osworld_jax.env.backend import SandboxCreateError, SandboxStepError
+from osworld_jax.env.desktop_python import run_python
 from osworld_jax.env.protocol import VMProtocol, is_transient
+from osworld_jax.env.urls import compare_urls
 from osworld_jax.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -185,6 +191,123 @@ async def _upload_file(vm: VMProtocol, params: Mapping[str, Any], ctx: SetupCont
         if local is None:
             raise SetupStepError(f"setup step 'upload_file': {src} not found")
         await vm.upload(dest, Path(local).read_bytes())
+
+
+# ---------------------------------------------------------------- Chrome (DevTools in the desktop)
+
+# Chrome's DevTools inside the desktop: the tasks start it on 1337 and forward 9222 to it.
+DEVTOOLS_PORTS = ("9222", "1337")
+
+_DEVTOOLS = """
+import json, sys, urllib.parse, urllib.request
+cmd, ports, args = sys.argv[1], sys.argv[2].split(","), sys.argv[3:]
+def call(port, path, method="GET"):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
+    with urllib.request.urlopen(req, timeout=30) as r:
+        body = r.read()
+    try:
+        return json.loads(body)
+    except ValueError:
+        return body.decode()
+port = None
+for p in ports:
+    try:
+        pages = [t for t in call(p, "/json/list") if t.get("type") == "page"]
+        port = p
+        break
+    except Exception:
+        continue
+if port is None:
+    print(json.dumps({"error": "no DevTools endpoint on ports " + ",".join(ports)}))
+    sys.exit(0)
+if cmd == "list":
+    print(json.dumps([{"id": t["id"], "url": t.get("url", "")} for t in pages]))
+elif cmd == "open":
+    for i, url in enumerate(args):
+        call(port, "/json/new?" + urllib.parse.quote(url, safe=":/?&=%#+@,;~"), "PUT")
+        if i == 0 and pages:
+            call(port, "/json/close/" + pages[0]["id"])  # the tab Chrome started with
+    print(json.dumps({"opened": len(args)}))
+elif cmd == "close":
+    for tid in args:
+        call(port, "/json/close/" + tid)
+    print(json.dumps({"closed": len(args)}))
+"""
+
+
+async def _devtools(vm: VMProtocol, cmd: str, *args: str) -> Any:
+    out = await run_python(
+        vm, _DEVTOOLS, cmd, ",".join(DEVTOOLS_PORTS), *args, error=SetupStepError
+    )
+    if isinstance(out, dict) and "error" in out:
+        raise SetupStepError(f"setup step chrome: {out['error']}")
+    return out
+
+
+@SETUP_STEPS.register("chrome_open_tabs")
+async def _chrome_open_tabs(vm: VMProtocol, params: Mapping[str, Any], ctx: SetupContext) -> None:
+    # Upstream opens each URL in a new tab and, after the first, closes the tab Chrome opened
+    # with; it does not wait for the pages to finish loading beyond its own goto timeout.
+    urls = [str(u) for u in _require(params, "urls_to_open", "chrome_open_tabs")]
+    await _devtools(vm, "open", *urls)
+
+
+@SETUP_STEPS.register("chrome_close_tabs")
+async def _chrome_close_tabs(vm: VMProtocol, params: Mapping[str, Any], ctx: SetupContext) -> None:
+    # Upstream closes, for each URL, the first open tab whose URL compare_urls-equals it.
+    tabs = list(await _devtools(vm, "list"))
+    close: list[str] = []
+    for url in _require(params, "urls_to_close", "chrome_close_tabs"):
+        for t in tabs:
+            if compare_urls(t["url"], str(url)):
+                close.append(t["id"])
+                tabs.remove(t)
+                break
+    if close:
+        await _devtools(vm, "close", *close)
+
+
+# Chrome's timestamps count microseconds from 1601-01-01.
+_CHROME_EPOCH = dt.datetime(1601, 1, 1)
+
+
+@SETUP_STEPS.register("update_browse_history")
+async def _update_browse_history(
+    vm: VMProtocol, params: Mapping[str, Any], ctx: SetupContext
+) -> None:
+    # Upstream: copy an empty Chrome History database (a file of the remote cache), add each
+    # entry with its visit time "visit_time_from_now_in_seconds" ago, upload it as the profile's
+    # History.
+    local = cache.resolve(cache.HISTORY_EMPTY_URL, ctx.cache_dir, ctx.task_id, ctx.base_dir)
+    if local is None:
+        raise SetupStepError(
+            f"setup step 'update_browse_history': {cache.HISTORY_EMPTY_URL} is not in the local "
+            f"file cache ({ctx.cache_dir or cache.default_cache_dir()})"
+        )
+    with tempfile.TemporaryDirectory(prefix="osworld-history-") as tmp:
+        db = Path(tmp) / "History"
+        shutil.copyfile(local, db)
+        con = sqlite3.connect(db)
+        try:
+            for item in _require(params, "history", "update_browse_history"):
+                when = dt.datetime.now() - dt.timedelta(
+                    seconds=item["visit_time_from_now_in_seconds"]
+                )
+                stamp = int((when - _CHROME_EPOCH).total_seconds() * 1_000_000)
+                cur = con.execute(
+                    "INSERT INTO urls (url, title, visit_count, typed_count, last_visit_time, "
+                    "hidden) VALUES (?, ?, 1, 0, ?, 0)",
+                    (item["url"], item["title"], stamp),
+                )
+                con.execute(
+                    "INSERT INTO visits (url, visit_time, from_visit, transition, segment_id, "
+                    "visit_duration) VALUES (?, ?, 0, 805306368, 0, 0)",
+                    (cur.lastrowid, stamp),
+                )
+            con.commit()
+        finally:
+            con.close()
+        await vm.upload("~/.config/google-chrome/Default/History", db.read_bytes())
 
 
 _PLACEHOLDER = re.compile(

@@ -200,16 +200,24 @@ def test_cli_fetch_then_status_and_capabilities_count_the_files_present(tmp_path
         "parameters": {"files": [{"url": inp, "path": "/home/user/in.xlsx"}]},
     }
     _write_task(
-        tasks_dir, "libreoffice_calc", "c1",
-        {"func": "compare_table", "result": result,
-         "expected": {"type": "cloud_file", "path": gold, "dest": "gold.xlsx"},
-         "options": {"rules": [{"type": "sheet_name"}]}},
+        tasks_dir,
+        "libreoffice_calc",
+        "c1",
+        {
+            "func": "compare_table",
+            "result": result,
+            "expected": {"type": "cloud_file", "path": gold, "dest": "gold.xlsx"},
+            "options": {"rules": [{"type": "sheet_name"}]},
+        },
         config=[download],
-    )  # fmt: skip
+    )
     _write_task(
-        tasks_dir, "chrome", "h1", {"func": "infeasible"},
+        tasks_dir,
+        "chrome",
+        "h1",
+        {"func": "infeasible"},
         config=[{"type": "update_browse_history", "parameters": {"history": []}}],
-    )  # fmt: skip
+    )
     (task,) = [t for t in load_tasks(tasks_dir) if t.id == "c1"]
     assert cache.remote_files(task) == [inp, gold]
     assert cache.HISTORY_EMPTY_URL in cache.remote_files(
@@ -225,8 +233,15 @@ def test_cli_fetch_then_status_and_capabilities_count_the_files_present(tmp_path
             srv.files[
                 f"{BASE}/chrome/44ee5668-ecd5-4366-a6ce-c1c9b8d4e938/history_empty.sqlite"
             ] = b"H"
-            argv = ["fetch", str(tasks_dir), "--cache-dir", str(cache_dir), "--no-progress",
-                    "--mirror", f"{HF}=http://127.0.0.1:{srv.port}"]  # fmt: skip
+            argv = [
+                "fetch",
+                str(tasks_dir),
+                "--cache-dir",
+                str(cache_dir),
+                "--no-progress",
+                "--mirror",
+                f"{HF}=http://127.0.0.1:{srv.port}",
+            ]
             return await asyncio.to_thread(cache.main, argv)
 
     assert asyncio.run(serve_and_fetch()) == 0
@@ -244,9 +259,16 @@ def test_cli_fetch_then_status_and_capabilities_count_the_files_present(tmp_path
 def test_status_counts_partial_downloads(tmp_path):
     tasks_dir = tmp_path / "examples"
     u = url("os/o1/f.txt")
-    _write_task(tasks_dir, "os", "o1", {"func": "exact_match",
-                "result": {"type": "cloud_file", "path": u, "dest": "f"},
-                "expected": {"type": "rule", "rules": {"expected": ""}}})  # fmt: skip
+    _write_task(
+        tasks_dir,
+        "os",
+        "o1",
+        {
+            "func": "exact_match",
+            "result": {"type": "cloud_file", "path": u, "dest": "f"},
+            "expected": {"type": "rule", "rules": {"expected": ""}},
+        },
+    )
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / f"{cache.cache_keys(u)[0]}.part").write_bytes(b"half")
     st = cache.cache_status(load_tasks(tasks_dir), tmp_path / "c")

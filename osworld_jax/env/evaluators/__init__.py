@@ -10,6 +10,8 @@ from osworld_jax.env.evaluators import browser as _browser  # noqa: F401 - regis
 from osworld_jax.env.evaluators import docs as _docs  # noqa: F401
 from osworld_jax.env.evaluators import files as _files  # noqa: F401
 from osworld_jax.env.evaluators import getters as _getters  # noqa: F401 - registers getters
+from osworld_jax.env.evaluators import getters_apps as _getters_apps  # noqa: F401
+from osworld_jax.env.evaluators import getters_chrome as _getters_chrome  # noqa: F401
 from osworld_jax.env.evaluators import images as _images  # noqa: F401
 from osworld_jax.env.evaluators import media as _media  # noqa: F401
 from osworld_jax.env.evaluators import metrics as _metrics  # noqa: F401

@@ -8,19 +8,19 @@ a path, several a list); command getters return the command's stdout (``vm_comma
 stderr (``vm_command_error``); ``rule`` returns its ``rules`` object.
 
 Getters that need more than the in-VM protocol's routes run a short Python program inside the
-desktop (``run_python``; both OSWorld's VM and the local jail have ``python3``) and read its JSON
-output, so they work the same on every backend.
+desktop (``osworld_jax.env.desktop_python.run_python``) and read its JSON output, so they work the
+same on every backend.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from osworld_jax.env import cache
 from osworld_jax.env.backend import SandboxEvalError, SandboxStepError
+from osworld_jax.env.desktop_python import run_python
 from osworld_jax.env.evaluators.registry import GETTERS, EvalContext
 from osworld_jax.env.protocol import VMProtocol, is_transient
 
@@ -185,23 +185,6 @@ def tree(d):
 p = os.path.expanduser(sys.argv[1])
 print(json.dumps(tree(p) if os.path.isdir(p) else None))
 """
-
-
-async def run_python(vm: VMProtocol, code: str, *args: str) -> Any:
-    """Runs ``python3 -c code args...`` in the desktop and returns its stdout parsed as JSON.
-
-    Raises:
-      SandboxEvalError: the program failed or printed something that is not JSON.
-    """
-    r = await vm.execute(["python3", "-c", code, *args])
-    out = str(r.get("output") or "").strip()
-    if r.get("returncode") not in (0, None) or not out:
-        err = str(r.get("error") or "").strip().splitlines()[-1:] or [f"rc={r.get('returncode')}"]
-        raise SandboxEvalError(f"python in the desktop failed: {err[0][:200]}")
-    try:
-        return json.loads(out.splitlines()[-1])
-    except json.JSONDecodeError as e:
-        raise SandboxEvalError(f"python in the desktop printed no JSON: {out[:200]!r}") from e
 
 
 @GETTERS.register("list_directory")

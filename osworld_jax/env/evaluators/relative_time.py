@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from osworld_jax.env.backend import SandboxEvalError
-from osworld_jax.env.evaluators.getters import run_python
+from osworld_jax.env.desktop_python import run_python
 from osworld_jax.env.evaluators.registry import GETTERS, EvalContext
 from osworld_jax.env.protocol import VMProtocol
 

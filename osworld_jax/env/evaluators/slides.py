@@ -336,14 +336,6 @@ def compare_pptx_files(result: str | None, expected: str, **options: Any) -> flo
     return 1.0
 
 
-def _unknown_options(options: Mapping[str, Any]) -> list[str]:
-    known = set(_DEFAULTS) | {"enable_debug"}
-    return [f"compare_pptx_files option {k}" for k in options if k not in known]
-
-
-compare_pptx_files.unsupported_options = _unknown_options  # type: ignore[attr-defined]
-
-
 # ------------------------------------------------------------------ single-property checks
 
 

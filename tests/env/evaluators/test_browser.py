@@ -56,12 +56,18 @@ def test_tabs_extensions_bookmarks():
     marks = {
         "bookmark_bar": {
             "children": [
-                {"type": "folder", "name": "Liked Authors", "children": [
-                    {"type": "url", "url": "https://a.org/x"}, {"type": "url", "url": "https://b.org/y"}]},
+                {
+                    "type": "folder",
+                    "name": "Liked Authors",
+                    "children": [
+                        {"type": "url", "url": "https://a.org/x"},
+                        {"type": "url", "url": "https://b.org/y"},
+                    ],
+                },
                 {"type": "url", "name": "News", "url": "https://news.org/"},
             ]
         }
-    }  # fmt: skip
+    }
     assert b(marks, {"type": "bookmark_bar_folders_names", "names": ["Liked Authors"]}) == 1.0
     assert b(marks, {"type": "bookmark_bar_websites_urls", "urls": ["https://news.org/"]}) == 1.0
     liked = {

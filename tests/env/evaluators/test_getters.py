@@ -108,11 +108,17 @@ def test_relative_time_templates():
     split = resolve_relative_time(
         {
             "relativeTime": {"from": "next Monday split", "to": "next Friday split"},
-            "expected": {"puDay": "{DayD}", "puMonth": "{MonthD}", "puYear": "{Year}",
-                         "doDay": "{DayD}", "doMonth": "{MonthD}", "doYear": "{Year}"},
+            "expected": {
+                "puDay": "{DayD}",
+                "puMonth": "{MonthD}",
+                "puYear": "{Year}",
+                "doDay": "{DayD}",
+                "doMonth": "{MonthD}",
+                "doYear": "{Year}",
+            },
         },
         now,
-    )["expected"]  # fmt: skip
+    )["expected"]
     assert (split["puDay"], split["doDay"]) == ("11", "15")  # that Monday and its Friday
     lst = {"relativeTime": {"from": "tomorrow"}, "expected": {"time": ["{DayD}", "{Day0D}"]}}
     assert resolve_relative_time(lst, now)["expected"]["time"] == ["7", "07"]
@@ -140,21 +146,32 @@ def _sheet_print_task(url_dir):
             "instruction": "x",
             "evaluator": {
                 "postconfig": [
-                    {"type": "activate_window",
-                     "parameters": {"window_name": window, "strict": True}},
+                    {
+                        "type": "activate_window",
+                        "parameters": {"window_name": window, "strict": True},
+                    },
                 ],
                 "func": "compare_table",
-                "result": {"type": "vm_file", "multi": True,
-                           "path": [f"/home/user/{stem}.xlsx", f"/home/user/{stem}-Sheet1.csv"],
-                           "dest": [f"{stem}.xlsx", f"{stem}-Sheet1.csv"]},
-                "expected": {"type": "cloud_file", "multi": True,
-                             "path": gold,
-                             "dest": [f"{stem}_gold.xlsx", f"{stem}_gold-Sheet1.csv"]},
-                "options": {"rules": [{"type": "sheet_print", "sheet_idx0": "RNSheet1",
-                                       "sheet_idx1": "ENSheet1"}]},
+                "result": {
+                    "type": "vm_file",
+                    "multi": True,
+                    "path": [f"/home/user/{stem}.xlsx", f"/home/user/{stem}-Sheet1.csv"],
+                    "dest": [f"{stem}.xlsx", f"{stem}-Sheet1.csv"],
+                },
+                "expected": {
+                    "type": "cloud_file",
+                    "multi": True,
+                    "path": gold,
+                    "dest": [f"{stem}_gold.xlsx", f"{stem}_gold-Sheet1.csv"],
+                },
+                "options": {
+                    "rules": [
+                        {"type": "sheet_print", "sheet_idx0": "RNSheet1", "sheet_idx1": "ENSheet1"}
+                    ]
+                },
             },
         }
-    )  # fmt: skip
+    )
 
 
 def test_sheet_print_task_end_to_end_with_a_missing_window(vm, tmp_path, src, caplog):
@@ -190,13 +207,17 @@ def test_missing_result_file_scores_zero_not_an_error(vm):
             "instruction": "x",
             "evaluator": {
                 "func": "literal_match",
-                "result": {"type": "content_from_vm_file", "path": "/home/user/none.xlsx",
-                           "file_type": "xlsx", "file_content": "last_row"},
+                "result": {
+                    "type": "content_from_vm_file",
+                    "path": "/home/user/none.xlsx",
+                    "file_type": "xlsx",
+                    "file_content": "last_row",
+                },
                 "expected": {"type": "rule", "rules": {"expected": ["a"]}},
                 "options": {"type": "list"},
             },
         }
-    )  # fmt: skip
+    )
     assert run(evaluate_task(t, vm, DONE, sleep=no_sleep)) == 0.0
 
 
@@ -209,9 +230,12 @@ def test_execute_until_is_met_by_any_condition(vm):
 
     step = SetupStep(
         type="execute",
-        parameters={"command": "echo ready; exit 3", "shell": True,
-                    "until": {"returncode": 0, "stdout": "ready"}},
-    )  # fmt: skip
+        parameters={
+            "command": "echo ready; exit 3",
+            "shell": True,
+            "until": {"returncode": 0, "stdout": "ready"},
+        },
+    )
     run(run_setup([step], vm, ctx=SetupContext(sleep=sleep)))
     assert calls == []  # met on the first try (stdout), though the return code is 3
 
@@ -222,11 +246,15 @@ def test_open_upload_file_and_close_window_steps(vm, tmp_path):
     asset.write_text("IN")
     vm.missing_windows.add("gone")
     steps = [
-        SetupStep(type="upload_file", parameters={"files": [
-            {"local_path": "assets/in.txt", "path": "/home/user/Desktop/in.txt"}]}),
+        SetupStep(
+            type="upload_file",
+            parameters={
+                "files": [{"local_path": "assets/in.txt", "path": "/home/user/Desktop/in.txt"}]
+            },
+        ),
         SetupStep(type="open", parameters={"path": "/home/user/Desktop/in.txt"}),
         SetupStep(type="close_window", parameters={"window_name": "gone", "strict": True}),
-    ]  # fmt: skip
+    ]
     run(run_setup(steps, vm, ctx=SetupContext(base_dir=tmp_path / "task")))
     assert vm.local("/home/user/Desktop/in.txt").read_text() == "IN"
     assert vm.log == ["open '/home/user/Desktop/in.txt'", "close_window 'gone'"]

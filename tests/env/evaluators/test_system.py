@@ -78,8 +78,12 @@ condition="OR (subject,contains,urgent) OR (subject,contains,asap)"
 def test_thunderbird_filter(src):
     f = m("check_thunderbird_filter")
     p = src.text("msgFilterRules.dat", FILTERS)
-    boss = {"name": "Move boss mail", "enabled": "yes", "action": "Move to folder",
-            "condition": ["AND (from,contains,boss@corp.com)"]}  # fmt: skip
+    boss = {
+        "name": "Move boss mail",
+        "enabled": "yes",
+        "action": "Move to folder",
+        "condition": ["AND (from,contains,boss@corp.com)"],
+    }
     assert f(p, {"expect": [boss]}) == 1.0
     assert f(p, {"expect": [{**boss, "enabled": "no"}]}) == 0.0
     urgent = {

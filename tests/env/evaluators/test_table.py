@@ -69,10 +69,15 @@ def test_sheet_fuzzy(src):
     a = src.xlsx("a.xlsx", {"Sheet1": [["12 Main Rd", " +1 555"], ["Alice", "x"]]})
     e = src.xlsx("e.xlsx", {"Sheet1": [["12 main road", "1 555"], ["ALICE", "x"]]})
     rules = [
-        {"range": ["A1:A1"], "type": "fuzzy_match", "threshold": 85,
-         "normalization": [["Rd", "Road"]], "ignore_case": True},
+        {
+            "range": ["A1:A1"],
+            "type": "fuzzy_match",
+            "threshold": 85,
+            "normalization": [["Rd", "Road"]],
+            "ignore_case": True,
+        },
         {"range": ["A2:B2"], "type": "exact_match", "ignore_case": True},
-    ]  # fmt: skip
+    ]
     rule = {"type": "sheet_fuzzy", "sheet_idx0": "RNSheet1", "sheet_idx1": "ENSheet1"}
     assert compare_table(a, e, rules=[{**rule, "rules": rules}]) == 1.0
     strict = [{**rules[1], "ignore_case": False}]
@@ -180,11 +185,14 @@ def _pivot(row_field=0, data_field=2, subtotal="sum"):
             items=[FieldItem(x=0), FieldItem(x=1), FieldItem(t="default")],
         )
         pt = TableDefinition(
-            name="PivotTable1", cacheId=1, dataCaption="Values",
+            name="PivotTable1",
+            cacheId=1,
+            dataCaption="Values",
             location=Location(ref="A1:B4", firstHeaderRow=1, firstDataRow=1, firstDataCol=1),
-            pivotFields=fields, rowFields=[RowColField(x=row_field)],
+            pivotFields=fields,
+            rowFields=[RowColField(x=row_field)],
             dataFields=[DataField(name="Sum", fld=data_field, subtotal=subtotal)],
-        )  # fmt: skip
+        )
         pt.cache = cache
         ws._pivots.append(pt)
 
@@ -295,11 +303,19 @@ def test_freeze_zoom_rows_validation(src):
 
         return edit
 
-    dv_rule = [{"type": "data_validation", "sheet_idx": 0, "dv_props": [{
-        "ranges": {"method": "spreadsheet_range", "ref": ["D2:D29", "D2:D1048576"]},
-        "type": {"method": "eq", "ref": "list"},
-        "formula1": {"method": "str_set_eq", "ref": ["Pass", "Fail", "Held"]},
-    }]}]  # fmt: skip
+    dv_rule = [
+        {
+            "type": "data_validation",
+            "sheet_idx": 0,
+            "dv_props": [
+                {
+                    "ranges": {"method": "spreadsheet_range", "ref": ["D2:D29", "D2:D1048576"]},
+                    "type": {"method": "eq", "ref": "list"},
+                    "formula1": {"method": "str_set_eq", "ref": ["Pass", "Fail", "Held"]},
+                }
+            ],
+        }
+    ]
     good = src.xlsx("dv.xlsx", {"Sheet1": ROWS}, edit=validate("D2:D40", "Pass,Fail,Held"))
     short = src.xlsx("dv2.xlsx", {"Sheet1": ROWS}, edit=validate("D2:D10", "Pass,Fail,Held"))
     other = src.xlsx("dv3.xlsx", {"Sheet1": ROWS}, edit=validate("D2:D40", "Pass,Fail"))
