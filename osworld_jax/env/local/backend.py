@@ -84,6 +84,8 @@ REQUIRED_BINARIES = {
     "wmctrl": "wmctrl",
     "dbus-run-session": "dbus",
     "cp": "coreutils",
+    "tar": "tar",
+    "prlimit": "util-linux",
 }
 DEFAULT_OPENERS: tuple[tuple[str, str], ...] = (
     (".txt", "mousepad"),

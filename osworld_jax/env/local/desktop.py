@@ -65,6 +65,7 @@ RUNTIME_DIR = f"/run/user/{JAIL_UID}"
 _HERE = Path(__file__).resolve().parent
 _BWRAP = "/usr/bin/bwrap"
 _LOG_MAX_BYTES = 4 << 20
+_PRLIMIT_NAMES = {resource.RLIMIT_NPROC: "nproc", resource.RLIMIT_AS: "as"}
 # The XDG user directories an Ubuntu desktop (OSWorld's VM) has in every home; tasks assume them.
 HOME_DIRS = (
     "Desktop",
@@ -337,10 +338,15 @@ class LocalDesktop:
                 "--ready-fd",
                 str(ready_w),
             ]
-            # A gate: the process waits on stdin until the host has put it into its cgroup and
-            # set its rlimits, then becomes bwrap (same pid) with no environment and no host path
-            # on its command line.
-            gate = f'read _ && exec {_BWRAP} --args {args_fd} -- "$@"'
+            # A gate: the process waits on stdin until the host has put it into its cgroup, then
+            # becomes bwrap (same pid; through prlimit, which lowers its own rlimits: that needs
+            # no privilege) with no environment and no host path on its command line.
+            limit_args = "".join(
+                f" --{_PRLIMIT_NAMES[res]}={value}:{value}"
+                for res, value in (rlimits or {}).items()
+            )
+            prefix = f"/usr/bin/prlimit{limit_args} -- " if limit_args else ""
+            gate = f'read _ && exec {prefix}{_BWRAP} --args {args_fd} -- "$@"'
             kwargs: dict = {}
             if host_uid is not None:
                 kwargs.update(user=host_uid, group=host_uid, extra_groups=[])
@@ -366,8 +372,6 @@ class LocalDesktop:
             try:
                 if cgroup is not None:
                     cgroup.attach(self._proc.pid)
-                for res, value in (rlimits or {}).items():
-                    resource.prlimit(self._proc.pid, res, (value, value))
             except OSError as e:
                 raise SandboxCreateError(
                     f"sandbox {self.id}: cannot apply its limits to the jail: {e}"

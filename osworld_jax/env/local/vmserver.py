@@ -980,8 +980,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self._text(404, "Wallpaper file not found")
             return
         status, data = read_file(path)
-        if status != 200:
-            self._text(404 if status == 404 else 500, "Unable to serve the wallpaper file")
+        if status != 200:  # upstream: send_file raised, abort(500)
+            self._text(500, "Unable to serve the wallpaper file")
             return
         self._send(200, data, "image/png")
 
