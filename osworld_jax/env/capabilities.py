@@ -212,6 +212,7 @@ def capabilities(
     backend_name: str,
     *,
     cache_dir: str | os.PathLike[str] | None = None,
+    assume_cached: bool = False,
 ) -> Runnable | NotRunnable:
     """Whether ``backend_name`` can run ``task`` here, and if not every reason why.
 
@@ -228,6 +229,8 @@ def capabilities(
       task: the task.
       backend_name: a ``BACKENDS`` name (``"local"``, ``"memory"``, ...).
       cache_dir: the local file cache (default: ``cache.default_cache_dir()``).
+      assume_cached: answer as if every remote file were in the cache (what a user who ran
+        ``python -m osworld_jax.env.cache fetch`` could run).
 
     Returns:
       ``Runnable()`` or ``NotRunnable(reasons)``.
@@ -267,6 +270,8 @@ def capabilities(
             reasons.append(Reason(ROOT, text[:80]))
     base_dir = task.path.parent if task.path is not None else None
     for url in _files_needed(task):
+        if assume_cached and cache.is_remote(url):
+            continue
         if cache.resolve(url, cache_dir, task.id, base_dir) is None:
             reasons.append(Reason(REMOTE_FILE, url))
     if host:
@@ -286,9 +291,14 @@ def runnable_tasks(
     backend_name: str,
     *,
     cache_dir: str | os.PathLike[str] | None = None,
+    assume_cached: bool = False,
 ) -> list[Task]:
     """The tasks under ``root`` that ``backend_name`` can run here (``capabilities``)."""
-    return [t for t in load_tasks(root) if capabilities(t, backend_name, cache_dir=cache_dir)]
+    return [
+        t
+        for t in load_tasks(root)
+        if capabilities(t, backend_name, cache_dir=cache_dir, assume_cached=assume_cached)
+    ]
 
 
 # --------------------------------------------------------------------------- report
@@ -299,8 +309,19 @@ class _DomainRow:
     total: int = 0
     runnable: int = 0
     infeasible: int = 0
+    apps_only: int = 0
     kinds: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     details: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    missing_apps: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+
+    def add(self, other: _DomainRow) -> None:
+        self.total += other.total
+        self.runnable += other.runnable
+        self.infeasible += other.infeasible
+        self.apps_only += other.apps_only
+        self.kinds.update(other.kinds)
+        self.details.update(other.details)
+        self.missing_apps.update(other.missing_apps)
 
 
 def report(
@@ -308,12 +329,15 @@ def report(
     backend_name: str = "local",
     *,
     cache_dir: str | os.PathLike[str] | None = None,
+    assume_cached: bool = False,
     top: int = 3,
 ) -> str:
     """A per-domain table: total, runnable on ``backend_name`` here, top reasons.
 
     The ``infeas.`` column counts the runnable tasks that are ``infeasible`` (scored by answering
-    FAIL).
+    FAIL); ``+apps`` counts the tasks whose only reason is "app not installed" (runnable once
+    those programs are installed), and the lines after the table name the programs they wait
+    for. With ``assume_cached`` every remote file counts as cached.
     Reason kinds are counted once per task; the detail column names the most common specific
     metric/app/step (remote file URLs are not listed one by one).
     """
@@ -322,7 +346,7 @@ def report(
         task = load_task(p)
         row = rows[task.domain]
         row.total += 1
-        cap = capabilities(task, backend_name, cache_dir=cache_dir)
+        cap = capabilities(task, backend_name, cache_dir=cache_dir, assume_cached=assume_cached)
         if cap:
             row.runnable += 1
             row.infeasible += task.evaluator.is_infeasible
@@ -330,34 +354,50 @@ def report(
         assert isinstance(cap, NotRunnable)
         row.kinds.update({r.kind for r in cap.reasons})
         row.details.update({str(r) for r in cap.reasons if r.kind != REMOTE_FILE})
+        if all(r.kind == APP for r in cap.reasons):
+            row.apps_only += 1
+            row.missing_apps.update({r.detail for r in cap.reasons})
     total = _DomainRow()
     for row in rows.values():
-        total.total += row.total
-        total.runnable += row.runnable
-        total.infeasible += row.infeasible
-        total.kinds.update(row.kinds)
-        total.details.update(row.details)
+        total.add(row)
+    cached = "  (remote files assumed cached)" if assume_cached else ""
     lines = [
         f"backend={backend_name}  tasks={total.total}  runnable={total.runnable} "
-        f"(of which infeasible={total.infeasible})"
+        f"(of which infeasible={total.infeasible})  +apps={total.apps_only}{cached}"
     ]
-    head = f"{'domain':<20} {'total':>5} {'runnable':>8} {'infeas.':>7}  top reasons (tasks)"
+    head = (
+        f"{'domain':<20} {'total':>5} {'runnable':>8} {'infeas.':>7} {'+apps':>5}"
+        "  top reasons (tasks)"
+    )
     lines += [head, "-" * len(head)]
     for name, row in [*sorted(rows.items()), ("ALL", total)]:
         reasons = "; ".join(f"{k} ({c})" for k, c in row.kinds.most_common(top))
-        lines.append(f"{name:<20} {row.total:>5} {row.runnable:>8} {row.infeasible:>7}  {reasons}")
+        lines.append(
+            f"{name:<20} {row.total:>5} {row.runnable:>8} {row.infeasible:>7} {row.apps_only:>5}"
+            f"  {reasons}"
+        )
+    lines.append("")
+    lines.append(
+        "reason kinds (tasks): " + "; ".join(f"{k} {c}" for k, c in total.kinds.most_common())
+    )
     lines.append("")
     lines.append("most common specific reasons:")
     for d, c in total.details.most_common(2 * top + 4):
         lines.append(f"  {c:>4}  {d}")
+    if total.missing_apps:
+        lines.append("")
+        lines.append(f"programs the {total.apps_only} '+apps' tasks wait for (tasks):")
+        for app, c in total.missing_apps.most_common():
+            lines.append(f"  {c:>4}  {app}")
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: ``python -m osworld_jax.env {report,runnable} DIR [--backend B] [--cache-dir C]``.
+    """CLI: ``python -m osworld_jax.env {report,runnable} DIR [options]``.
 
-    ``report`` prints the per-domain table; ``runnable`` prints ``domain/id`` of each task the
-    backend can run here, one per line.
+    Options: ``--backend B``, ``--cache-dir C``, ``--assume-cached``. ``report`` prints the
+    per-domain table; ``runnable`` prints ``domain/id`` of each task the backend can run here,
+    one per line.
     """
     parser = argparse.ArgumentParser(prog="python -m osworld_jax.env")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -369,16 +409,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("dir", help="a directory of task JSON files (<domain>/<id>.json)")
         p.add_argument("--backend", default="local", help="backend name (default: local)")
         p.add_argument("--cache-dir", default=None, help="local file cache directory")
+        p.add_argument(
+            "--assume-cached",
+            action="store_true",
+            help="count every remote file as cached (what a full cache would allow)",
+        )
     args = parser.parse_args(argv)
     if not Path(args.dir).is_dir():
         print(f"error: {args.dir} is not a directory of task files", file=sys.stderr)
         return 2
     try:
         if args.cmd == "runnable":
-            for t in runnable_tasks(args.dir, args.backend, cache_dir=args.cache_dir):
+            for t in runnable_tasks(
+                args.dir, args.backend, cache_dir=args.cache_dir, assume_cached=args.assume_cached
+            ):
                 print(f"{t.domain}/{t.id}")
             return 0
-        print(report(args.dir, args.backend, cache_dir=args.cache_dir))
+        print(
+            report(
+                args.dir, args.backend, cache_dir=args.cache_dir, assume_cached=args.assume_cached
+            )
+        )
     except TaskFormatError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -286,3 +286,47 @@ def test_status_counts_partial_downloads(tmp_path):
 )
 def test_server_sha256_headers(headers, want):
     assert fetch_mod._server_sha256(headers) == want
+
+
+def test_assume_cached_and_the_apps_column_of_the_report(tmp_path):
+    from osworld_jax.env.capabilities import main as env_main
+    from osworld_jax.env.capabilities import report
+
+    tasks_dir = tmp_path / "examples"
+    u = url("os/o1/f.txt")
+    rule = {"type": "rule", "rules": {"expected": ""}}
+    # o1 needs only a remote file; o2 only a program nobody has; o3 both
+    _write_task(
+        tasks_dir,
+        "os",
+        "o1",
+        {
+            "func": "exact_match",
+            "result": {"type": "cloud_file", "path": u, "dest": "f"},
+            "expected": rule,
+        },
+    )
+    missing_app = [{"type": "launch", "parameters": {"command": ["no-such-program-xyz"]}}]
+    _write_task(tasks_dir, "os", "o2", {"func": "infeasible"}, config=missing_app)
+    _write_task(
+        tasks_dir,
+        "os",
+        "o3",
+        {
+            "func": "exact_match",
+            "result": {"type": "cloud_file", "path": u, "dest": "f"},
+            "expected": rule,
+        },
+        config=missing_app,
+    )
+    (o1,) = [t for t in load_tasks(tasks_dir) if t.id == "o1"]
+    empty = tmp_path / "empty-cache"
+    assert not capabilities(o1, "local", cache_dir=empty)
+    assert capabilities(o1, "local", cache_dir=empty, assume_cached=True)
+    plain = report(tasks_dir, "local", cache_dir=empty)
+    assert "runnable=0" in plain and "+apps=1" in plain  # o2 waits for a program only
+    cached = report(tasks_dir, "local", cache_dir=empty, assume_cached=True)
+    assert "runnable=1" in cached and "+apps=2" in cached and "assumed cached" in cached
+    assert "     2  no-such-program-xyz" in cached  # the programs the +apps tasks wait for
+    argv = ["runnable", str(tasks_dir), "--cache-dir", str(empty), "--assume-cached"]
+    assert env_main(argv) == 0
