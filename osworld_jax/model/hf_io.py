@@ -8,6 +8,14 @@ parameter is built shard by shard with ``jax.make_array_from_callback``, each de
 only its slice from the memory-mapped files; no full copy ever sits on one device.
 
 Saving writes the per-expert layout (HF 5.x converts it to its fused modules on load).
+
+Qwen3-VL-MoE (``model_type: qwen3_vl_moe``): the LM lives under ``model.language_model.*``, the
+ViT under ``model.visual.*`` (patch embedding as HF's Conv3d weight [Hv, C, T, P, P]), the head
+at ``lm_head.weight``. Its experts are fused: the published checkpoints store
+``gate_up_proj`` [E, H, 2I] / ``down_proj`` [E, I, H] (transformers transposes them on load;
+its own 5.x ``save_pretrained`` writes the in-memory [E, 2I, H] / [E, H, I]). Both load here,
+told apart by shape (a square ambiguity, H = 2I or H = I, reads as the published layout);
+saving writes the published layout, which transformers and SGLang both load.
 """
 
 from __future__ import annotations
@@ -28,10 +36,11 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from osworld_jax.model.config import ModelRuntimeConfig, Qwen3MoeConfig
 from osworld_jax.model.errors import CheckpointError
-from osworld_jax.model.params import param_specs
+from osworld_jax.model.params import UNSTACKED_GROUPS, param_specs
 from osworld_jax.model.policy import Policy
 from osworld_jax.model.safetensors_io import SafetensorsFile, write_safetensors
 from osworld_jax.model.sharding import ShardingRules, param_shardings
+from osworld_jax.model.vl_config import Qwen3VLMoeConfig, VisionConfig
 
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -41,7 +50,12 @@ _TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
     "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
 )
+VISUAL = "model.visual."
 
 
 class _Tensors:
@@ -63,6 +77,9 @@ class _Tensors:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.get(name).shape)
+
     def get(self, name: str) -> np.ndarray:
         if name not in self._where:
             raise CheckpointError(f"{self.path}: tensor {name!r} missing from the checkpoint")
@@ -73,12 +90,18 @@ class _Tensors:
 Reader = Callable[[int | None, tuple[slice, ...]], np.ndarray]
 
 
+def _lm_prefix(config: Qwen3MoeConfig) -> str:
+    """Where the language model's tensors live."""
+    return "model.language_model." if isinstance(config, Qwen3VLMoeConfig) else "model."
+
+
 def _readers(config: Qwen3MoeConfig, t: _Tensors) -> dict[str, Reader]:
     """One reader per parameter, mapping HF tensors into our [in, out] stacked layout."""
     c = config
     N, KV, D, H = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.hidden_size
-    inter = c.moe_intermediate_size
-    pre = "model.layers.{}."
+    lm = _lm_prefix(c)
+    pre = lm + "layers.{}."
+    vl = isinstance(c, Qwen3VLMoeConfig)
 
     def top(name: str, transpose: bool = False) -> Reader:
         def read(_: int | None, idx: tuple[slice, ...]) -> np.ndarray:
@@ -95,8 +118,8 @@ def _readers(config: Qwen3MoeConfig, t: _Tensors) -> dict[str, Reader]:
 
     all_layers = tuple(range(c.num_hidden_layers))
     r: dict[str, Reader] = {
-        "top.embed": top("model.embed_tokens.weight"),
-        "top.final_norm": top("model.norm.weight"),
+        "top.embed": top(lm + "embed_tokens.weight"),
+        "top.final_norm": top(lm + "norm.weight"),
         "attn.input_norm": per_layer(lambda p: t.get(p + "input_layernorm.weight"), all_layers),
         "attn.post_norm": per_layer(
             lambda p: t.get(p + "post_attention_layernorm.weight"), all_layers
@@ -127,12 +150,9 @@ def _readers(config: Qwen3MoeConfig, t: _Tensors) -> dict[str, Reader]:
                 assert layer is not None
                 p = pre.format(moe_layers[layer]) + "mlp.experts."
                 if p + "gate_up_proj" in t:  # fused layout
-                    if which == "down":
-                        w = t.get(p + "down_proj")  # [E, H, I]
-                    else:
-                        w = t.get(p + "gate_up_proj")  # [E, 2I, H]
-                        w = w[:, :inter] if which == "gate" else w[:, inter:]
-                    return np.swapaxes(w[idx[0]], 1, 2)[(slice(None), *idx[1:])]
+                    name = p + ("down_proj" if which == "down" else "gate_up_proj")
+                    w = _fused_as_ours(t, name, which, c, prefer_published=vl)
+                    return w[idx]
                 ids = range(c.num_experts)[idx[0]]
                 return np.stack(
                     [t.get(f"{p}{j}.{which}_proj.weight").T[idx[1:]] for j in ids], axis=0
@@ -148,6 +168,99 @@ def _readers(config: Qwen3MoeConfig, t: _Tensors) -> dict[str, Reader]:
                 return t.get(p + f"mlp.{name}_proj.weight").T
 
             r[f"mlp.{name}"] = per_layer(dense, dense_layers)
+    if vl:
+        assert isinstance(c, Qwen3VLMoeConfig)
+        r |= _vision_readers(c.vision, t)
+    return r
+
+
+def _fused_as_ours(
+    t: _Tensors, name: str, which: str, c: Qwen3MoeConfig, *, prefer_published: bool
+) -> np.ndarray:
+    """A fused expert tensor as our [E, H, I] (gate/up) or [E, I, H] (down) (lazy views).
+
+    transformers' in-memory layout is gate_up [E, 2I, H] / down [E, H, I]; the published
+    Qwen3-VL-MoE files hold their transposes. A square shape is ambiguous and reads as the
+    published layout when ``prefer_published`` (Qwen3-VL-MoE), else as transformers' layout.
+    """
+    E, H, inter = c.num_experts, c.hidden_size, c.moe_intermediate_size
+    w = t.get(name)
+    rows = 2 * inter if which != "down" else H
+    cols = H if which != "down" else inter
+    memory, published = (E, rows, cols), (E, cols, rows)
+    shape = tuple(w.shape)
+    if shape not in (memory, published):
+        raise CheckpointError(f"{t.path}: {name}: shape {shape}, expected {memory} or {published}")
+    is_published = shape == published and (shape != memory or prefer_published)
+    if not is_published:
+        w = np.swapaxes(w, 1, 2)  # now [E, H, 2I] / [E, I, H]
+    if which == "gate":
+        return w[:, :, :inter]
+    if which == "up":
+        return w[:, :, inter:]
+    return w
+
+
+def _vision_readers(v: VisionConfig, t: _Tensors) -> dict[str, Reader]:
+    """Readers of the ViT (``model.visual.*``) into the ``vision*`` / ``deepstack`` groups."""
+    Hv, Nh, Dh = v.hidden_size, v.num_heads, v.head_dim
+
+    def one(name: str, fn: Callable[[np.ndarray], np.ndarray] = lambda a: a) -> Reader:
+        def read(_: int | None, idx: tuple[slice, ...]) -> np.ndarray:
+            return fn(t.get(VISUAL + name))[idx]
+
+        return read
+
+    def stacked(fmt: str, fn: Callable[[np.ndarray], np.ndarray] = lambda a: a) -> Reader:
+        def read(i: int | None, idx: tuple[slice, ...]) -> np.ndarray:
+            assert i is not None
+            return fn(t.get(VISUAL + fmt.format(i)))[idx]
+
+        return read
+
+    def tr(a: np.ndarray) -> np.ndarray:
+        return a.T
+
+    r: dict[str, Reader] = {
+        # Conv3d [Hv, C, T, P, P] (or an already flattened [Hv, C T P P]) -> [C T P P, Hv]
+        "vision.patch_embed": one("patch_embed.proj.weight", lambda a: a.reshape(Hv, -1).T),
+        "vision.patch_bias": one("patch_embed.proj.bias"),
+        "vision.pos_embed": one("pos_embed.weight"),
+        "vision.merger_norm": one("merger.norm.weight"),
+        "vision.merger_norm_bias": one("merger.norm.bias"),
+        "vision.merger_fc1": one("merger.linear_fc1.weight", tr),
+        "vision.merger_fc1_bias": one("merger.linear_fc1.bias"),
+        "vision.merger_fc2": one("merger.linear_fc2.weight", tr),
+        "vision.merger_fc2_bias": one("merger.linear_fc2.bias"),
+        "vision_blocks.norm1": stacked("blocks.{}.norm1.weight"),
+        "vision_blocks.norm1_bias": stacked("blocks.{}.norm1.bias"),
+        "vision_blocks.norm2": stacked("blocks.{}.norm2.weight"),
+        "vision_blocks.norm2_bias": stacked("blocks.{}.norm2.bias"),
+        "vision_blocks.qkv": stacked(
+            "blocks.{}.attn.qkv.weight", lambda a: a.T.reshape(Hv, 3, Nh, Dh)
+        ),
+        "vision_blocks.qkv_bias": stacked(
+            "blocks.{}.attn.qkv.bias", lambda a: a.reshape(3, Nh, Dh)
+        ),
+        "vision_blocks.proj": stacked(
+            "blocks.{}.attn.proj.weight", lambda a: a.T.reshape(Nh, Dh, Hv)
+        ),
+        "vision_blocks.proj_bias": stacked("blocks.{}.attn.proj.bias"),
+        "vision_blocks.fc1": stacked("blocks.{}.mlp.linear_fc1.weight", tr),
+        "vision_blocks.fc1_bias": stacked("blocks.{}.mlp.linear_fc1.bias"),
+        "vision_blocks.fc2": stacked("blocks.{}.mlp.linear_fc2.weight", tr),
+        "vision_blocks.fc2_bias": stacked("blocks.{}.mlp.linear_fc2.bias"),
+    }
+    if v.deepstack_visual_indexes:
+        ds = "deepstack_merger_list.{}."
+        r |= {
+            "deepstack.norm": stacked(ds + "norm.weight"),
+            "deepstack.norm_bias": stacked(ds + "norm.bias"),
+            "deepstack.fc1": stacked(ds + "linear_fc1.weight", tr),
+            "deepstack.fc1_bias": stacked(ds + "linear_fc1.bias"),
+            "deepstack.fc2": stacked(ds + "linear_fc2.weight", tr),
+            "deepstack.fc2_bias": stacked(ds + "linear_fc2.bias"),
+        }
     return r
 
 
@@ -159,7 +272,7 @@ def load_hf_checkpoint(
     runtime: ModelRuntimeConfig | None = None,
     rules: ShardingRules | None = None,
 ) -> Policy:
-    """Reads a HF Qwen3-MoE checkpoint directory into a `Policy`.
+    """Reads a HF Qwen3-MoE or Qwen3-VL-MoE checkpoint directory into a `Policy`.
 
     Args:
       path: directory with ``config.json`` and ``*.safetensors``.
@@ -187,7 +300,7 @@ def load_hf_checkpoint(
     abstract = nnx.eval_shape(lambda: Policy(config, runtime, rngs=nnx.Rngs(0)))
     for key, spec in specs.items():
         read = readers[key]
-        stacked = key.split(".")[0] != "top"
+        stacked = key.split(".")[0] not in UNSTACKED_GROUPS
 
         def callback(index: tuple[slice, ...], read=read, stacked=stacked, key=key, spec=spec):
             index = tuple(index) + (slice(None),) * (len(spec.shape) - len(tuple(index)))
@@ -211,48 +324,103 @@ def load_hf_checkpoint(
 def hf_tensors(
     params: Mapping[str, Mapping[str, Any]], config: Qwen3MoeConfig
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """Yields ``(hf_name, numpy array)`` in the per-expert HF layout, one layer at a time.
+    """Yields ``(hf_name, numpy array)`` in the HF layout, one layer at a time.
 
-    ``params`` is `Policy.params()` (or the same tree of numpy arrays).
+    Qwen3-MoE: per-expert tensors. Qwen3-VL-MoE: the published fused layout (see module
+    docstring) plus the ViT. ``params`` is `Policy.params()` (or the same tree of numpy arrays).
     """
     c = config
     H = c.hidden_size
-
-    def host(x: Any) -> np.ndarray:
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:  # multi-host: all gather
-            from jax.experimental import multihost_utils
-
-            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        return np.asarray(jax.device_get(x))
+    vl = isinstance(c, Qwen3VLMoeConfig)
+    lm = _lm_prefix(c)
 
     top = params["top"]
-    yield "model.embed_tokens.weight", host(top["embed"])
-    yield "model.norm.weight", host(top["final_norm"])
+    yield lm + "embed_tokens.weight", _host(top["embed"])
+    yield lm + "norm.weight", _host(top["final_norm"])
     if not c.tie_word_embeddings:
-        yield "lm_head.weight", host(top["lm_head"]).T
+        yield "lm_head.weight", _host(top["lm_head"]).T
     a = params["attn"]
     moe_index = {layer: m for m, layer in enumerate(c.moe_layers)}
     dense_index = {layer: d for d, layer in enumerate(c.dense_layers)}
     for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", host(a["input_norm"][i])
-        yield p + "post_attention_layernorm.weight", host(a["post_norm"][i])
-        yield p + "self_attn.q_norm.weight", host(a["q_norm"][i])
-        yield p + "self_attn.k_norm.weight", host(a["k_norm"][i])
+        p = f"{lm}layers.{i}."
+        yield p + "input_layernorm.weight", _host(a["input_norm"][i])
+        yield p + "post_attention_layernorm.weight", _host(a["post_norm"][i])
+        yield p + "self_attn.q_norm.weight", _host(a["q_norm"][i])
+        yield p + "self_attn.k_norm.weight", _host(a["k_norm"][i])
         for name in ("q_proj", "k_proj", "v_proj"):
-            yield p + f"self_attn.{name}.weight", host(a[name][i]).reshape(H, -1).T
-        yield p + "self_attn.o_proj.weight", host(a["o_proj"][i]).reshape(-1, H).T
+            yield p + f"self_attn.{name}.weight", _host(a[name][i]).reshape(H, -1).T
+        yield p + "self_attn.o_proj.weight", _host(a["o_proj"][i]).reshape(-1, H).T
         if i in moe_index:
             m = moe_index[i]
-            yield p + "mlp.gate.weight", host(params["moe"]["router"][m]).T
-            w = {n: host(params["moe"][n][m]) for n in ("gate", "up", "down")}
+            yield p + "mlp.gate.weight", _host(params["moe"]["router"][m]).T
+            w = {n: _host(params["moe"][n][m]) for n in ("gate", "up", "down")}
+            if vl:  # published fused layout: gate_up [E, H, 2I], down [E, I, H]
+                yield p + "mlp.experts.gate_up_proj", np.concatenate([w["gate"], w["up"]], -1)
+                yield p + "mlp.experts.down_proj", w["down"]
+                continue
             for j in range(c.num_experts):
                 for n in ("gate", "up", "down"):
                     yield p + f"mlp.experts.{j}.{n}_proj.weight", w[n][j].T
         else:
             d = dense_index[i]
             for n in ("gate", "up", "down"):
-                yield p + f"mlp.{n}_proj.weight", host(params["mlp"][n][d]).T
+                yield p + f"mlp.{n}_proj.weight", _host(params["mlp"][n][d]).T
+    if vl:
+        assert isinstance(c, Qwen3VLMoeConfig)
+        yield from _vision_tensors(params, c.vision)
+
+
+def _host(x: Any) -> np.ndarray:
+    """A numpy copy of ``x`` (multi-host: all-gathered first)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+def _vision_tensors(
+    params: Mapping[str, Mapping[str, Any]], v: VisionConfig
+) -> Iterator[tuple[str, np.ndarray]]:
+    """The ViT in HF names and layouts (the inverse of `_vision_readers`)."""
+    top, blocks = params["vision"], params["vision_blocks"]
+    Hv = v.hidden_size
+    conv = (Hv, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+    yield VISUAL + "patch_embed.proj.weight", _host(top["patch_embed"]).T.reshape(conv)
+    yield VISUAL + "patch_embed.proj.bias", _host(top["patch_bias"])
+    yield VISUAL + "pos_embed.weight", _host(top["pos_embed"])
+    for i in range(v.depth):
+        p = f"{VISUAL}blocks.{i}."
+        b = {k: _host(x[i]) for k, x in blocks.items()}
+        yield p + "norm1.weight", b["norm1"]
+        yield p + "norm1.bias", b["norm1_bias"]
+        yield p + "norm2.weight", b["norm2"]
+        yield p + "norm2.bias", b["norm2_bias"]
+        yield p + "attn.qkv.weight", b["qkv"].reshape(Hv, -1).T
+        yield p + "attn.qkv.bias", b["qkv_bias"].reshape(-1)
+        yield p + "attn.proj.weight", b["proj"].reshape(-1, Hv).T
+        yield p + "attn.proj.bias", b["proj_bias"]
+        yield p + "mlp.linear_fc1.weight", b["fc1"].T
+        yield p + "mlp.linear_fc1.bias", b["fc1_bias"]
+        yield p + "mlp.linear_fc2.weight", b["fc2"].T
+        yield p + "mlp.linear_fc2.bias", b["fc2_bias"]
+    mergers = [
+        (
+            "merger.",
+            {k[len("merger_") :]: _host(x) for k, x in top.items() if k.startswith("merger_")},
+        )
+    ]
+    ds = params.get("deepstack", {})
+    for j in range(len(v.deepstack_visual_indexes)):
+        mergers.append((f"deepstack_merger_list.{j}.", {k: _host(x[j]) for k, x in ds.items()}))
+    for prefix, w in mergers:
+        yield VISUAL + prefix + "norm.weight", w["norm"]
+        yield VISUAL + prefix + "norm.bias", w["norm_bias"]
+        yield VISUAL + prefix + "linear_fc1.weight", w["fc1"].T
+        yield VISUAL + prefix + "linear_fc1.bias", w["fc1_bias"]
+        yield VISUAL + prefix + "linear_fc2.weight", w["fc2"].T
+        yield VISUAL + prefix + "linear_fc2.bias", w["fc2_bias"]
 
 
 def write_hf_dir(

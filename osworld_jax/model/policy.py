@@ -9,6 +9,12 @@ softmax and the final logits are computed in float32.
 Packed rows: ``segment_ids`` (0 = padding) and ``positions`` are inputs; attention stays inside
 a segment and is causal by position. With a KV cache (the embedded server's decode path) the
 call scatters its k/v at ``positions`` and each query attends cache slots ``j <= position``.
+
+Qwen3-VL-MoE (a `Qwen3VLMoeConfig`): ``pixel_values`` + ``image_grid_thw`` run the vision tower
+(`osworld_jax.model.vision`); its merged features replace the embeddings of the image tokens
+(in order) and its DeepStack features are added to the outputs of LM layers ``0..D-1`` at those
+tokens (HF ``Qwen3VLMoeModel``). ``positions`` may then be the M-RoPE i32[3, B, S] of
+`mrope_positions`; attention stays causal by token order within a segment.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ from osworld_jax.model.config import ModelRuntimeConfig, Qwen3MoeConfig
 from osworld_jax.model.moe import load_balancing_loss
 from osworld_jax.model.params import layer_runs, param_specs
 from osworld_jax.model.remat import apply_remat
-from osworld_jax.model.rope import rope_cos_sin, rope_frequencies
+from osworld_jax.model.rope import mrope_cos_sin, rope_cos_sin, rope_frequencies
+from osworld_jax.model.vision import gather_rows, scatter_rows, vision_tower
+from osworld_jax.model.vl_config import Qwen3VLMoeConfig
 
 Params = dict[str, dict[str, jax.Array]]
 
@@ -71,11 +79,14 @@ def forward(
     runtime: ModelRuntimeConfig,
     input_ids: Int[Array, "B S"],
     *,
-    positions: Int[Array, "B S"] | None = None,
+    positions: Int[Array, "B S"] | Int[Array, "3 B S"] | None = None,
     segment_ids: Int[Array, "B S"] | None = None,
     replay_experts: Int[Array, "B S L K"] | None = None,
     kv_cache: KVCache | None = None,
     return_logits: bool = True,
+    pixel_values: jax.Array | None = None,
+    image_grid_thw: jax.Array | None = None,
+    cache_positions: Int[Array, "B S"] | None = None,
 ) -> PolicyOutput:
     """The policy as a pure function of its parameter tree (see `Policy.__call__`)."""
     b, s = input_ids.shape
@@ -85,16 +96,31 @@ def forward(
         segment_ids = jnp.ones((b, s), jnp.int32)
     top = params["top"]
     x = jnp.take(top["embed"], input_ids, axis=0)  # [B, S, H]
+    deep = None
+    if pixel_values is not None:
+        x, deep = _merge_vision(params, config, runtime, input_ids, x, pixel_values, image_grid_thw)
     x = layers.constrain_batch(x, runtime.activation_batch_axes)
     inv_freq, attn_scale = rope_frequencies(config)
-    cos, sin = rope_cos_sin(positions, inv_freq, attn_scale)  # [B, S, D]
-    mask = None if kv_cache is not None else layers.segment_mask(segment_ids, positions)
+    if positions.ndim == 3:  # M-RoPE [3, B, S]; causal by token order
+        if not isinstance(config, Qwen3VLMoeConfig):
+            raise ValueError("positions i32[3, B, S] (M-RoPE) need a Qwen3VLMoeConfig")
+        cos, sin = mrope_cos_sin(positions, inv_freq, attn_scale, config.mrope_axes)  # [B, S, D]
+        order = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    else:
+        cos, sin = rope_cos_sin(positions, inv_freq, attn_scale)  # [B, S, D]
+        order = positions
+    if cache_positions is None:
+        if kv_cache is not None and positions.ndim == 3:
+            raise ValueError("a KV cache with M-RoPE positions needs cache_positions i32[B, S]")
+        cache_positions = order
+    mask = None if kv_cache is not None else layers.segment_mask(segment_ids, order)
     valid = (segment_ids != 0).astype(jnp.float32)  # [B, S]
     common = dict(config=config, runtime=runtime, cos=cos, sin=sin, mask=mask)
-    common |= dict(positions=positions, valid=valid)
+    common |= dict(positions=cache_positions, valid=valid)
+    num_deep = 0 if deep is None else deep.levels
 
     routed, counts, prob_sums, z_sums, new_k, new_v = [], [], [], [], [], []
-    for is_moe, start, end, kind_start in layer_runs(config):
+    for is_moe, start, end, kind_start in _split_runs(layer_runs(config), num_deep):
         n = end - start
         xs = {
             "attn": _slice(params["attn"], start, end),
@@ -127,6 +153,8 @@ def forward(
                 x, o = body(x, jax.tree.map(lambda a, i=i: a[i], xs))
                 outs.append(o)
             out = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+        if deep is not None and end - 1 < num_deep:  # DeepStack: after LM layer end - 1
+            x = deep.add(x, end - 1)
         routed.append(out.routed)  # [n, B, S, K]
         counts.append(out.expert_count.sum(0))
         prob_sums.append(out.prob_sum.sum(0))
@@ -160,6 +188,76 @@ def forward(
     return PolicyOutput(logits, hidden, routed_experts, aux, cache)
 
 
+def _split_runs(
+    runs: list[tuple[bool, int, int, int]], cut: int
+) -> list[tuple[bool, int, int, int]]:
+    """`layer_runs` with every layer before ``cut`` on its own (DeepStack adds after it)."""
+    out = []
+    for is_moe, start, end, kind_start in runs:
+        for i in range(start, min(end, cut)):
+            out.append((is_moe, i, i + 1, kind_start + i - start))
+        if end > max(start, cut):
+            first = max(start, cut)
+            out.append((is_moe, first, end, kind_start + first - start))
+    return out
+
+
+class _DeepStack(NamedTuple):
+    """DeepStack features laid out by token group: features [G, D, M, H], is_image [G, T]."""
+
+    features: jax.Array
+    is_image: jax.Array
+    shape: tuple[int, int]
+
+    @property
+    def levels(self) -> int:
+        return self.features.shape[1]
+
+    def add(self, x: jax.Array, level: int) -> jax.Array:
+        """``x + features[level]`` at the image tokens (HF ``_deepstack_process``)."""
+        rows = gather_rows(self.features[:, level], self.is_image)  # [G, T, H]
+        rows = rows.reshape(*self.shape, -1).astype(x.dtype)
+        image = self.is_image.reshape(self.shape)[..., None]
+        return jnp.where(image, x + rows, x)
+
+
+def _merge_vision(
+    params: Params,
+    config: Qwen3MoeConfig,
+    runtime: ModelRuntimeConfig,
+    input_ids: jax.Array,
+    x: jax.Array,
+    pixel_values: jax.Array,
+    image_grid_thw: jax.Array | None,
+) -> tuple[jax.Array, _DeepStack]:
+    """Runs the vision tower and puts its features at the image tokens.
+
+    Layouts: flat ``pixel_values [N, P]`` + ``image_grid_thw [n, 3]`` (HF: images in row-major
+    token order over the whole batch), or per row ``[B, Np, P]`` + ``[B, m, 3]`` (row b's images
+    fill row b's image tokens; the tower runs per row, sharded like the batch).
+    """
+    if not isinstance(config, Qwen3VLMoeConfig):
+        raise ValueError("pixel_values need a Qwen3VLMoeConfig (a qwen3_vl_moe checkpoint)")
+    if image_grid_thw is None:
+        raise ValueError("pixel_values need image_grid_thw")
+    b, s, h = x.shape
+    is_image = input_ids == config.image_token_id  # [B, S]
+    tower = functools.partial(vision_tower, params, config.vision, runtime)
+    if pixel_values.ndim == 2:
+        out = tower(pixel_values, image_grid_thw)
+        feats, deep = out.embeds[None], out.deepstack[None]  # [1, M, H], [1, D, M, H]
+        groups = is_image.reshape(1, b * s)
+    elif pixel_values.ndim == 3 and pixel_values.shape[0] == b:
+        pixel_values = layers.constrain_batch(pixel_values, runtime.activation_batch_axes)
+        out = jax.vmap(tower)(pixel_values, image_grid_thw)
+        feats, deep = out.embeds, out.deepstack  # [B, M, H], [B, D, M, H]
+        groups = is_image
+    else:
+        raise ValueError(f"pixel_values shape {pixel_values.shape}: need [N, P] or [B={b}, N, P]")
+    x = scatter_rows(feats, groups, x.reshape(groups.shape[0], -1, h)).reshape(b, s, h)
+    return x, _DeepStack(deep, groups, (b, s))
+
+
 def _slice(tree: dict[str, jax.Array], start: int, end: int) -> dict[str, jax.Array]:
     return {k: v[start:end] for k, v in tree.items()}
 
@@ -184,10 +282,10 @@ def _init_values(config: Qwen3MoeConfig, dtype: str, key: jax.Array) -> dict[str
     keys = jax.random.split(rbg, len(specs))
     out = {}
     for k, (name, spec) in zip(keys, specs.items(), strict=True):
-        if spec.init == "ones":
-            out[name] = jnp.ones(spec.shape, dtype)
+        if spec.init in ("ones", "zeros"):
+            out[name] = (jnp.ones if spec.init == "ones" else jnp.zeros)(spec.shape, dtype)
         else:
-            std = config.initializer_range
+            std = config.initializer_range if spec.std is None else spec.std
             out[name] = (std * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype)
     return out
 
@@ -201,11 +299,13 @@ class _ParamGroup(nnx.Module):
 
 
 class Policy(nnx.Module):
-    """Qwen3-MoE causal LM (HF ``Qwen3MoeForCausalLM`` semantics) in Flax NNX.
+    """Qwen3-MoE causal LM (HF ``Qwen3MoeForCausalLM``) in Flax NNX, or Qwen3-VL-MoE.
 
+    With a `Qwen3VLMoeConfig` it is HF ``Qwen3VLMoeForConditionalGeneration``.
     Parameters live in groups ``top`` (embed, final_norm, lm_head), ``attn`` (stacked over all
-    layers), ``moe`` (stacked over MoE layers) and ``mlp`` (stacked over dense layers); each
-    ``nnx.Param`` carries ``logical_axes`` metadata for `osworld_jax.model.sharding`.
+    layers), ``moe`` (stacked over MoE layers) and ``mlp`` (stacked over dense layers), plus
+    ``vision``, ``vision_blocks`` and ``deepstack`` for Qwen3-VL; each ``nnx.Param`` carries
+    ``logical_axes`` metadata for `osworld_jax.model.sharding`.
     """
 
     def __init__(
@@ -227,6 +327,8 @@ class Policy(nnx.Module):
         self.attn = _ParamGroup(groups.pop("attn"))
         self.moe = _ParamGroup(groups.pop("moe", {}))
         self.mlp = _ParamGroup(groups.pop("mlp", {}))
+        for group, values in groups.items():  # the vision tower's groups
+            setattr(self, group, _ParamGroup(values))
 
     def params(self) -> Params:
         """The parameter values as a nested dict ``{group: {name: array}}``."""
@@ -244,27 +346,54 @@ class Policy(nnx.Module):
         self,
         input_ids: Int[Array, "B S"],
         *,
-        positions: Int[Array, "B S"] | None = None,
+        positions: Int[Array, "B S"] | Int[Array, "3 B S"] | None = None,
         segment_ids: Int[Array, "B S"] | None = None,
         replay_experts: Int[Array, "B S L K"] | None = None,
         kv_cache: KVCache | None = None,
         return_logits: bool = True,
+        pixel_values: jax.Array | None = None,
+        image_grid_thw: jax.Array | None = None,
+        cache_positions: Int[Array, "B S"] | None = None,
     ) -> PolicyOutput:
         """Runs the model on packed rows.
 
         Args:
           input_ids: i32[B, S] token ids.
-          positions: i32[B, S] position ids (default ``arange(S)`` per row).
+          positions: i32[B, S] position ids (default ``arange(S)`` per row), or the M-RoPE
+            i32[3, B, S] of `mrope_positions` (Qwen3-VL; computed here from ``input_ids`` and
+            ``image_grid_thw`` when omitted with concrete inputs).
           segment_ids: i32[B, S]; attention stays within equal non-zero ids; 0 = padding
             (default all ones). Ignored with a KV cache (each row is one sequence).
           replay_experts: i32[B, S, L, K] R3 routes (rows of -1 route live); validate on the
             host with `validate_replay` first.
           kv_cache: a `KVCache` to update and attend over (see module docstring).
           return_logits: False returns only ``hidden`` (for chunked logprobs via `unembed`).
+          pixel_values: f32[N, 3 T P P] patches of `ImageProcessor` (or [B, Np, 3 T P P] per row,
+            rows padded with trailing padding patches); Qwen3-VL only.
+          image_grid_thw: i32[n, 3] (or [B, m, 3] per row, unused slots t = 0) of those images.
+          cache_positions: i32[B, S] KV-cache slots of the tokens (default ``positions``;
+            required with a cache and M-RoPE positions).
 
         Returns:
           `PolicyOutput`.
         """
+        if image_grid_thw is not None and isinstance(self.config, Qwen3VLMoeConfig):
+            concrete = not any(
+                isinstance(a, jax.core.Tracer) for a in (input_ids, image_grid_thw, segment_ids)
+            )
+            if concrete:
+                import numpy as np
+
+                from osworld_jax.model.mrope import check_vision_inputs, mrope_positions
+
+                ids, grid = np.asarray(input_ids), np.asarray(image_grid_thw)
+                seg = None if segment_ids is None else np.asarray(segment_ids)
+                if pixel_values is not None:
+                    check_vision_inputs(ids, pixel_values.shape, grid, self.config)
+                if positions is None:
+                    positions = jnp.asarray(
+                        mrope_positions(ids, grid, self.config, segment_ids=seg)
+                    )
         return forward(
             self.params(),
             self.config,
@@ -275,4 +404,7 @@ class Policy(nnx.Module):
             replay_experts=replay_experts,
             kv_cache=kv_cache,
             return_logits=return_logits,
+            pixel_values=pixel_values,
+            image_grid_thw=image_grid_thw,
+            cache_positions=cache_positions,
         )

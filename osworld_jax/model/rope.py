@@ -88,6 +88,25 @@ def rope_cos_sin(
     return jnp.cos(emb) * attention_scaling, jnp.sin(emb) * attention_scaling
 
 
+def mrope_cos_sin(
+    positions: Int[Array, "3 B S"],
+    inv_freq: np.ndarray,
+    attention_scaling: float,
+    axes: tuple[int, ...],
+) -> tuple[Float[Array, "B S D"], Float[Array, "B S D"]]:
+    """Interleaved M-RoPE cos/sin f32[B, S, D] (HF Qwen3-VL ``recomposition_frequencies``).
+
+    Frequency ``i`` rotates by position row ``axes[i]`` (0 = t, 1 = h, 2 = w):
+    ``f_i = positions[axes[i]] * inv_freq[i]``, then ``emb = cat(f, f)`` as in `rope_cos_sin`.
+    Three equal rows give exactly `rope_cos_sin` of that row (the selection copies values).
+    """
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [3, B, S, D/2]
+    index = jnp.broadcast_to(jnp.asarray(axes, jnp.int32), (1, *freqs.shape[1:]))
+    freqs = jnp.take_along_axis(freqs, index, axis=0)[0]  # [B, S, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [B, S, D]
+    return jnp.cos(emb) * attention_scaling, jnp.sin(emb) * attention_scaling
+
+
 def apply_rope(
     x: Float[Array, "B S N D"], cos: Float[Array, "B S D"], sin: Float[Array, "B S D"]
 ) -> Float[Array, "B S N D"]:

@@ -28,7 +28,9 @@ class ShardingRules:
     Attributes:
       rules: ``(logical_axis, (mesh_axis, ...))`` pairs; axes not listed are replicated. The
         default shards embed dims over ``fsdp``, heads / MLP widths / vocab over ``tensor`` and
-        experts over ``expert``; activations' batch over ``data`` + ``fsdp`` + ``expert``.
+        experts over ``expert``; activations' batch over ``data`` + ``fsdp`` + ``expert``. The
+        ViT follows the same scheme (``vision_embed`` over ``fsdp``, ``vision_heads`` and
+        ``vision_mlp`` over ``tensor``); its activations (per-row pixels) split like the batch.
       batch_axes: mesh axes the batch (row) dimension of activations is split over.
     """
 
@@ -40,6 +42,9 @@ class ShardingRules:
         ("mlp", ("tensor",)),
         ("expert_mlp", ("tensor",)),
         ("experts", ("expert",)),
+        ("vision_embed", ("fsdp",)),
+        ("vision_heads", ("tensor",)),
+        ("vision_mlp", ("tensor",)),
     )
     batch_axes: tuple[str, ...] = ("data", "fsdp", "expert")
 

@@ -56,3 +56,30 @@ def test_attention_and_rope_annotations():
     assert checked(layers.rms_norm)(q, jnp.ones(D), 1e-6).shape == q.shape
     with pytest.raises(TypeCheckError):  # mask for another query length
         checked(layers.attention)(q, kv, kv, mask[:, :2])
+
+
+def test_vision_and_mrope_annotations():
+    from osworld_jax.model import vision
+    from tests.model.vl_helpers import ours_config
+
+    cfg = ours_config()
+    v = cfg.vision
+    pos3 = jnp.tile(jnp.arange(S), (3, B, 1))
+    inv_freq, scale = rope.rope_frequencies(cfg)
+    cos, _ = checked(rope.mrope_cos_sin)(pos3, inv_freq, scale, cfg.mrope_axes)
+    assert cos.shape == (B, S, cfg.head_dim)
+    grid = jnp.asarray([[1, 2, 4], [1, 2, 2]], jnp.int32)
+    n = 16  # 8 + 4 patches of two images, then 4 padding patches
+    layout = checked(vision.patch_layout)(grid, n, v)
+    assert layout.taps.shape == (n, 4) and layout.segment.shape == (n,)
+    vcos, vsin = checked(vision.vision_rope)(layout.row, layout.col, v)
+    assert vcos.shape == (n, v.head_dim)
+    q = jax.random.normal(KEY[0], (n, v.num_heads, v.head_dim))
+    assert checked(vision.segment_attention)(q, q, q, layout.segment, 4).shape == q.shape
+    x = jax.random.normal(KEY[1], (n, v.hidden_size))
+    ones, zeros = jnp.ones(v.hidden_size), jnp.zeros(v.hidden_size)
+    assert checked(vision.layer_norm)(x, ones, zeros).shape == x.shape
+    with pytest.raises(TypeCheckError):  # a grid row of two values
+        checked(vision.patch_layout)(grid[:, :2], n, v)
+    with pytest.raises(TypeCheckError):  # keys of another head width
+        checked(vision.segment_attention)(q, q[..., :4], q, layout.segment)

@@ -1,0 +1,91 @@
+"""The vision tower's pieces: patch layout == transformers' vision_utils; images stay apart."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from osworld_jax.model import Policy
+from osworld_jax.model.vision import patch_layout, segment_attention, vision_tower
+from tests.model.conftest import TINY_RT
+from tests.model.vl_helpers import PROCESSOR, images, ours_config
+
+# Wide, tall, square, a 2-frame clip, and a 1-block image; the 4x4 table is resampled to each.
+GRIDS = np.array([[1, 4, 8], [1, 10, 4], [1, 2, 2], [2, 4, 4], [1, 2, 2]])
+
+
+def test_patch_layout_equals_transformers_vision_utils():
+    import torch
+    from transformers.vision_utils import (
+        get_vision_interpolation_indices_and_weights,
+        get_vision_position_ids,
+    )
+
+    v = ours_config().vision
+    total = int(GRIDS.prod(-1).sum())
+    n = total + 8  # 8 padding patches
+    layout = jax.jit(patch_layout, static_argnums=(1, 2))(jnp.asarray(GRIDS), n, v)
+    grid = torch.as_tensor(GRIDS)
+    pos = get_vision_position_ids(grid, v.spatial_merge_size).numpy()  # [total, 2] (h, w)
+    np.testing.assert_array_equal(layout.row[:total], pos[:, 0])
+    np.testing.assert_array_equal(layout.col[:total], pos[:, 1])
+    taps, weights = get_vision_interpolation_indices_and_weights(
+        grid, v.grid_side, mode="bilinear", align_corners=True, spatial_merge_size=2
+    )
+    np.testing.assert_array_equal(layout.taps[:total], taps.numpy())
+    np.testing.assert_array_equal(layout.weights[:total], weights.numpy())
+    assert (np.asarray(layout.weights[total:]) == 0).all()
+    # One attention segment per image frame (HF's cu_seqlens); padding patches are alone.
+    frames = np.repeat(np.arange(6), [32, 40, 4, 16, 16, 4])
+    np.testing.assert_array_equal(layout.segment[:total], frames)
+    assert len(set(np.asarray(layout.segment[total:]).tolist()) | set(frames.tolist())) == 6 + 8
+
+
+def test_segment_attention_equals_each_segment_alone():
+    rng = np.random.RandomState(0)
+    lengths = [5, 12, 3]
+    q, k, v = (jnp.asarray(rng.normal(size=(20, 2, 8)), jnp.float32) for _ in range(3))
+    seg = jnp.asarray(np.repeat([0, 1, 2], lengths))
+    packed = segment_attention(q, k, v, seg)
+    start = 0
+    for n in lengths:
+        sl = slice(start, start + n)
+        alone = segment_attention(q[sl], k[sl], v[sl], jnp.zeros(n, jnp.int32))
+        chex.assert_trees_all_close(packed[sl], alone, rtol=1e-6, atol=1e-6)
+        start += n
+    for chunk in (1, 7, 64):  # query blocks: the same values, fewer live scores
+        chex.assert_trees_all_close(segment_attention(q, k, v, seg, chunk), packed, atol=1e-6)
+
+
+@functools.cache
+def _params():
+    cfg = dataclasses.replace(ours_config(), initializer_range=0.1)
+    return cfg, Policy(cfg, TINY_RT, rngs=nnx.Rngs(0)).params()
+
+
+def test_tower_on_packed_images_equals_each_image_alone():
+    """No padding to the largest image: images of different sizes packed in one sequence."""
+    cfg, params = _params()
+    pixel_values, grid = PROCESSOR(images(0, [(20, 36), (40, 17), (9, 9)]))
+    tower = jax.jit(functools.partial(vision_tower, params, cfg.vision, TINY_RT))
+    packed = tower(jnp.asarray(pixel_values), jnp.asarray(grid))
+    ends = np.cumsum(grid.prod(-1))
+    starts = ends - grid.prod(-1)
+    for i, (s, e) in enumerate(zip(starts, ends, strict=True)):
+        alone = tower(jnp.asarray(pixel_values[s:e]), jnp.asarray(grid[i : i + 1]))
+        rows = slice(s // 4, e // 4)
+        chex.assert_trees_all_close(packed.embeds[rows], alone.embeds, rtol=1e-5, atol=1e-6)
+        chex.assert_trees_all_close(
+            packed.deepstack[:, rows], alone.deepstack, rtol=1e-5, atol=1e-6
+        )
+    assert packed.deepstack.shape == (2, len(pixel_values) // 4, cfg.hidden_size)
+    # Trailing padding patches change nothing before them.
+    padded = np.concatenate([pixel_values, np.full((8, pixel_values.shape[1]), 3.0, np.float32)])
+    more = tower(jnp.asarray(padded), jnp.asarray(grid))
+    chex.assert_trees_all_close(more.embeds[: len(pixel_values) // 4], packed.embeds, atol=1e-6)
