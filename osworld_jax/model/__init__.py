@@ -26,7 +26,12 @@ from osworld_jax.model.processor import ImageProcessor, smart_resize
 from osworld_jax.model.vl_config import Qwen3VLMoeConfig, VisionConfig
 
 if TYPE_CHECKING:
-    from osworld_jax.model.freeze import is_router_path, router_param_labels
+    from osworld_jax.model.freeze import (
+        is_router_path,
+        is_vision_path,
+        param_labels,
+        router_param_labels,
+    )
     from osworld_jax.model.hf_io import load_hf_checkpoint, save_hf_checkpoint
     from osworld_jax.model.moe import EXPERT_BACKENDS
     from osworld_jax.model.policy import (
@@ -58,6 +63,8 @@ _LAZY = {
     "init_kv_cache": "policy",
     "unembed_matrix": "policy",
     "is_router_path": "freeze",
+    "is_vision_path": "freeze",
+    "param_labels": "freeze",
     "router_param_labels": "freeze",
     "load_hf_checkpoint": "hf_io",
     "save_hf_checkpoint": "hf_io",
@@ -103,10 +110,12 @@ __all__ = [
     "forward",
     "init_kv_cache",
     "is_router_path",
+    "is_vision_path",
     "load_hf_checkpoint",
     "make_mesh",
     "make_tiny_checkpoint",
     "mrope_positions",
+    "param_labels",
     "param_shardings",
     "policy_shardings",
     "router_param_labels",

@@ -194,3 +194,17 @@ def param_counts(config: Qwen3MoeConfig) -> dict[str, int]:
         "experts": experts,
         "active": language - experts * (e - k) // e,
     }
+
+
+def decay_mask(config: Qwen3MoeConfig) -> dict[str, dict[str, bool]]:
+    """Which parameters get weight decay: the normal-initialised matrices and embeddings.
+
+    Norm scales and biases (init "ones" / "zeros") are vectors even when stacked over layers
+    (``[L, H]``, ``[Lv, 3, heads, head_dim]``), so a rule on ``ndim`` alone would decay them.
+    Returns ``{group: {name: bool}}`` shaped like `Policy.params()`.
+    """
+    out: dict[str, dict[str, bool]] = {}
+    for key, spec in param_specs(config).items():
+        group, name = key.split(".")
+        out.setdefault(group, {})[name] = spec.init == "normal"
+    return out

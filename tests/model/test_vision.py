@@ -89,3 +89,28 @@ def test_tower_on_packed_images_equals_each_image_alone():
     padded = np.concatenate([pixel_values, np.full((8, pixel_values.shape[1]), 3.0, np.float32)])
     more = tower(jnp.asarray(padded), jnp.asarray(grid))
     chex.assert_trees_all_close(more.embeds[: len(pixel_values) // 4], packed.embeds, atol=1e-6)
+
+
+def test_vision_tower_can_be_frozen_and_is_not_weight_decayed():
+    import optax
+
+    from osworld_jax.model import param_labels, router_param_labels
+    from osworld_jax.model.params import decay_mask
+
+    cfg, params = _params()
+    labels = param_labels(params, freeze_vision=True)
+    frozen = {g for g, names in labels.items() for v in names.values() if v == "frozen"}
+    assert frozen == {"vision", "vision_blocks", "deepstack"}
+    both = param_labels(params, freeze_router=True, freeze_vision=True)
+    assert both["moe"]["router"] == "frozen" and both["moe"]["gate"] == "trainable"
+    assert router_param_labels(params, freeze_router=False)["vision"]["pos_embed"] == "trainable"
+    tx = optax.multi_transform({"trainable": optax.sgd(0.1), "frozen": optax.set_to_zero()}, labels)
+    grads = jax.tree.map(jnp.ones_like, params)
+    new = optax.apply_updates(params, tx.update(grads, tx.init(params), params)[0])
+    chex.assert_trees_all_equal(new["vision_blocks"], params["vision_blocks"])
+    assert not np.allclose(new["attn"]["q_proj"], params["attn"]["q_proj"])
+    # Stacked norm scales and biases are vectors: no weight decay, whatever their ndim.
+    mask = decay_mask(cfg)
+    assert mask["vision_blocks"]["qkv"] and mask["vision"]["pos_embed"] and mask["top"]["embed"]
+    assert not mask["vision_blocks"]["norm1"] and not mask["vision_blocks"]["qkv_bias"]
+    assert not mask["deepstack"]["norm_bias"] and not mask["attn"]["input_norm"]

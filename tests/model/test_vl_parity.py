@@ -238,3 +238,62 @@ def test_router_replay_on_image_prompts(hf_vl):
     first = int(np.flatnonzero(image)[0])
     np.testing.assert_array_equal(out.logits[0, :first], live.logits[0, :first])
     assert not np.allclose(out.logits[0, first:], live.logits[0, first:])
+
+
+def test_kv_cache_prefill_and_decode_with_mrope(hf_vl):
+    """The server's path: prefill an image prompt into a cache, decode the next token."""
+    from osworld_jax.model import init_kv_cache
+
+    _, policy = hf_vl
+    cfg = policy.config
+    pixel_values, grid = PROCESSOR(images(10, [(20, 36)]))
+    ids = prompt(np.random.RandomState(10), grid)
+    s = len(ids)
+    full = np.array([ids + [17]], np.int32)
+    pos = mrope_positions(full, grid, cfg)  # the decoded token continues at max + 1
+    assert (pos[:, 0, s] == pos[:, 0, :s].max() + 1).all()
+    vis = dict(pixel_values=jnp.asarray(pixel_values), image_grid_thw=jnp.asarray(grid))
+    ref = jforward(policy, jnp.asarray(full), positions=jnp.asarray(pos), **vis).logits
+    cache = init_kv_cache(cfg, 1, 64, jnp.float32)
+    pre = jforward(
+        policy,
+        jnp.asarray(full[:, :s]),
+        positions=jnp.asarray(pos[:, :, :s]),
+        cache_positions=jnp.arange(s, dtype=jnp.int32)[None],
+        kv_cache=cache,
+        **vis,
+    )
+    chex.assert_trees_all_close(pre.logits, ref[:, :s], rtol=1e-5, atol=1e-5)
+    dec = jforward(
+        policy,
+        jnp.asarray(full[:, s:]),
+        positions=jnp.asarray(pos[:, :, s:]),
+        cache_positions=jnp.asarray([[s]], jnp.int32),
+        kv_cache=pre.kv_cache,
+    )
+    chex.assert_trees_all_close(dec.logits[:, 0], ref[:, s], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="cache_positions"):
+        jforward(
+            policy, jnp.asarray(full[:, s:]), positions=jnp.asarray(pos[:, :, s:]), kv_cache=cache
+        )
+
+
+def test_scanned_and_rematerialised_layers_compute_the_same(hf_vl):
+    """scan_layers + remat (LM layers and ViT blocks, split at the DeepStack taps) == unrolled."""
+    import dataclasses
+
+    _, policy = hf_vl
+    pixel_values, grid = PROCESSOR(images(11, [(20, 36), (16, 16)]))
+    ids = np.array([prompt(np.random.RandomState(11), grid)], np.int32)
+    kw = dict(
+        positions=jnp.asarray(mrope_positions(ids, grid, policy.config)),
+        pixel_values=jnp.asarray(pixel_values),
+        image_grid_thw=jnp.asarray(grid),
+    )
+    base = jforward(policy, jnp.asarray(ids), **kw)
+    runtime = dataclasses.replace(policy.runtime, scan_layers=True, remat="full")
+    scanned = jforward(
+        policy.params(), jnp.asarray(ids), config=policy.config, runtime=runtime, **kw
+    )
+    chex.assert_trees_all_close(scanned.logits, base.logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(scanned.routed_experts, base.routed_experts)
