@@ -207,3 +207,14 @@ def test_tiny_vl_refuses_square_fused_experts_and_unknown_kinds(tmp_path):
         make_tiny_checkpoint(tmp_path / "k", kind="qwen2_vl")
     with pytest.raises(ModelConfigError, match="need kind='qwen3_vl_moe'"):
         make_tiny_checkpoint(tmp_path / "v", vision={"depth": 2})
+
+
+def test_bfloat16_vl_model_follows_the_precision_policy(tiny_vl):
+    """bf16 params/activations (the ViT included); float32 logits; close to the f32 model."""
+    p16 = load_hf_checkpoint(tiny_vl)  # default bfloat16
+    p32 = load_hf_checkpoint(tiny_vl, dtype=jnp.float32)
+    assert p16.params()["vision_blocks"]["qkv"].dtype == jnp.bfloat16
+    ids, pixel_values, grid = _screenshot_prompt(tiny_vl)
+    o16 = _ours(p16, ids, pixel_values, grid)
+    chex.assert_type(o16, jnp.float32)
+    assert rel_err(o16, _ours(p32, ids, pixel_values, grid)) < 5e-2
