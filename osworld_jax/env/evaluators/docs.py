@@ -15,6 +15,7 @@ from typing import Any
 from lxml import etree
 
 from osworld_jax.env.evaluators.registry import METRICS
+from osworld_jax.env.evaluators.rules import parse_xml_file
 
 _W = "http://schemas.openxmlformats.org/wordprocessingml/2006/main"
 _OOR = "http://openoffice.org/2001/registry"
@@ -395,7 +396,7 @@ def find_default_font(config_file: str | None, rules: Mapping[str, Any]) -> floa
         return 0.0
     font = None
     try:
-        root = etree.parse(config_file).getroot()
+        root = parse_xml_file(config_file)
         path = "/org.openoffice.Office.Writer/DefaultFont"
         for item in root.iterfind(f".//item[@{{{_OOR}}}path='{path}']"):
             for prop in item.iterfind(f".//prop[@{{{_OOR}}}name='Standard']"):

@@ -109,6 +109,45 @@ def check_pdf_pages(pdf: str | None, rules: Mapping[str, Any]) -> float:
     return float(getattr(operator, rules["relation"])(pages, rules["ref_value"]))
 
 
+# What an agent-made archive may unpack to on the host (members and total), in bytes.
+MAX_UNPACKED_BYTES = 2 << 30
+
+
+def safe_unpack(archive: str, dest: str) -> None:
+    """``shutil.unpack_archive`` for untrusted archives: members stay inside ``dest``.
+
+    Zip members with absolute paths or ``..`` are refused (as tar members, links and devices
+    are by tarfile's ``data`` filter), and the unpacked size is capped at
+    ``MAX_UNPACKED_BYTES``.
+
+    Raises:
+      ValueError: a member would leave ``dest`` or the archive unpacks too large.
+    """
+    import tarfile
+
+    if zipfile.is_zipfile(archive):
+        with zipfile.ZipFile(archive) as z:
+            infos = z.infolist()
+            for info in infos:
+                parts = Path(info.filename).parts
+                if info.filename.startswith("/") or ".." in parts:
+                    raise ValueError(f"{archive}: member {info.filename!r} leaves the archive")
+            if sum(i.file_size for i in infos) > MAX_UNPACKED_BYTES:
+                raise ValueError(f"{archive}: unpacks to more than {MAX_UNPACKED_BYTES} bytes")
+            z.extractall(dest)
+        return
+    if not hasattr(tarfile, "data_filter"):  # Python < 3.11.4
+        raise ValueError("unpacking tar archives safely needs Python 3.11.4 or newer")
+    with tarfile.open(archive) as t:
+        members = t.getmembers()
+        if sum(m.size for m in members) > MAX_UNPACKED_BYTES:
+            raise ValueError(f"{archive}: unpacks to more than {MAX_UNPACKED_BYTES} bytes")
+        try:
+            t.extractall(dest, filter="data")
+        except tarfile.FilterError as e:
+            raise ValueError(f"{archive}: {e}") from e
+
+
 def _archive_compare(file_type: str) -> Callable[..., float]:
     names = {
         "text": "compare_text_file", "pdf": "compare_pdfs", "docx": "compare_docx_files",
@@ -134,10 +173,13 @@ def compare_archive(pred: str | None, gold: str, **kwargs: Any) -> float:
     gold_dir = os.path.splitext(gold)[0] + "_gold"
     shutil.rmtree(pred_dir, ignore_errors=True)
     os.makedirs(pred_dir)
-    shutil.unpack_archive(pred, pred_dir)
+    try:
+        safe_unpack(pred, pred_dir)
+    except (ValueError, OSError, zipfile.BadZipFile):
+        return 0.0  # an archive that is unreadable or escapes its directory is not the answer
     if not os.path.exists(gold_dir):
         os.makedirs(gold_dir)
-        shutil.unpack_archive(gold, gold_dir)
+        safe_unpack(gold, gold_dir)
     p_files = sorted(os.listdir(os.path.join(pred_dir, sub)))
     g_files = sorted(os.listdir(os.path.join(gold_dir, sub)))
     if p_files != g_files:
@@ -209,6 +251,9 @@ def compare_zip_files(actual: str | None, expected: str, **options: Any) -> floa
 def _epub_parts(path: str) -> list[str]:
     """Upstream ``process_epub``: toc.ncx without navPoint lines, content.opf without
     dc:identifier lines, each .html pretty-printed, written beside the book; sorted paths.
+
+    Members named with an absolute path or ``..`` are skipped (upstream would write them
+    outside the book's directory).
     """  # noqa: D205
     import lxml.html
 
@@ -226,7 +271,11 @@ def _epub_parts(path: str) -> list[str]:
                         f.writelines(ln + "\n" for ln in lines if drop not in ln)
                     out.append(target)
             for name in names:
-                if name.endswith(".html"):
+                if (
+                    name.endswith(".html")
+                    and not name.startswith("/")
+                    and ".." not in name.split("/")
+                ):
                     raw = "".join(ch for ch in z.read(name).decode() if ch not in "\r\n")
                     html = lxml.html.fromstring(raw.encode())
                     target = os.path.join(base, name)

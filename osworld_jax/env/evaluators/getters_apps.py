@@ -16,11 +16,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lxml import etree
-
 from osworld_jax.env.desktop_python import run_python
 from osworld_jax.env.evaluators.getters import _fetch, _scratch, vm_file
 from osworld_jax.env.evaluators.registry import GETTERS, EvalContext
+from osworld_jax.env.evaluators.rules import parse_xml
 from osworld_jax.env.protocol import VMProtocol
 
 
@@ -137,7 +136,7 @@ async def _slide_media(
         if kind == "image":
             if slide not in names:
                 return None
-            root = etree.fromstring(z.read(slide))
+            root = parse_xml(z.read(slide))
             for bg in root.iter(f"{{{_P_NS}}}bgPr"):
                 blip = next(bg.iter(f"{{{_A_NS}}}blip"), None)
                 if blip is not None and blip.get(f"{{{_R_NS}}}embed"):
@@ -147,7 +146,7 @@ async def _slide_media(
                 return None
         if rels not in names:
             return None
-        for rel in etree.fromstring(z.read(rels)).iterfind(f"{{{_RELS}}}Relationship"):
+        for rel in parse_xml(z.read(rels)).iterfind(f"{{{_RELS}}}Relationship"):
             other_id = want_id is not None and rel.get("Id") != want_id
             if kind not in rel.get("Type", "") or other_id:
                 continue

@@ -24,6 +24,7 @@ from osworld_jax.env import setup
 from osworld_jax.env.desktop_python import run_python
 from osworld_jax.env.evaluators.getters import _fetch, _scratch
 from osworld_jax.env.evaluators.registry import GETTERS, EvalContext
+from osworld_jax.env.evaluators.rules import parse_xml
 from osworld_jax.env.protocol import VMProtocol
 
 PROFILE = "~/.config/google-chrome"
@@ -235,7 +236,7 @@ def active_url_from_tree(tree: str | None, goto_prefix: str = "https://") -> str
     if tree is None:
         return None
     try:
-        root = etree.fromstring(tree.encode() if isinstance(tree, str) else tree)
+        root = parse_xml(tree)
     except (ValueError, etree.XMLSyntaxError):
         return None
     for sel in _ADDRESS_BARS:

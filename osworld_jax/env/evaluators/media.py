@@ -13,10 +13,8 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
-from lxml import etree
-
 from osworld_jax.env.evaluators.registry import METRICS
-from osworld_jax.env.evaluators.rules import match_value_to_rule
+from osworld_jax.env.evaluators.rules import match_value_to_rule, parse_xml
 
 _FILE_KEYS = ("filename", "title", "uri", "location", "name")
 _URL_PATHS = (
@@ -41,7 +39,7 @@ def is_vlc_playing(status_path: str | None, rule: Mapping[str, Any]) -> float:
     if status_path is None:
         return 0.0
     with open(status_path, "rb") as f:
-        tree = etree.fromstring(f.read())
+        tree = parse_xml(f.read())
     if tree.findtext("state") != "playing":
         return 0.0
     if rule["type"] == "file_name":

@@ -14,7 +14,23 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from lxml import etree
+
 from osworld_jax.env.urls import compare_urls
+
+# Files the agent produced are parsed on the host: no entity expansion (no billion laughs, no
+# external entity reading a host file into a compared value), no DTD loading, no network.
+_SAFE_XML = etree.XMLParser(resolve_entities=False, load_dtd=False, no_network=True)
+
+
+def parse_xml(data: bytes | str) -> Any:
+    """The root element of an XML document from the desktop, parsed without entities or DTDs."""
+    return etree.fromstring(data.encode() if isinstance(data, str) else data, _SAFE_XML)
+
+
+def parse_xml_file(path: str | Path) -> Any:
+    """``parse_xml`` of a file's bytes."""
+    return parse_xml(Path(path).read_bytes())
 
 
 def match_record(pattern: Mapping[str, Any], item: Mapping[str, Any]) -> bool:

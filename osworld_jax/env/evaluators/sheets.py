@@ -18,20 +18,20 @@ from typing import Any
 
 from lxml import etree
 
-from osworld_jax.env.evaluators.rules import read_lines_any_encoding
+from osworld_jax.env.evaluators.rules import parse_xml, read_lines_any_encoding
 
 _MAIN = "http://schemas.openxmlformats.org/spreadsheetml/2006/main"
 _NS = {"oo": _MAIN}
 
 
 def _sheet_ids(z: zipfile.ZipFile) -> dict[str, str]:
-    root = etree.fromstring(z.read("xl/workbook.xml"))
+    root = parse_xml(z.read("xl/workbook.xml"))
     return {s.get("name"): s.get("sheetId") for s in root.iterfind("oo:sheets/oo:sheet", _NS)}
 
 
 def _shared_strings(z: zipfile.ZipFile) -> list[str]:
     try:
-        root = etree.fromstring(z.read("xl/sharedStrings.xml"))
+        root = parse_xml(z.read("xl/sharedStrings.xml"))
         return [
             "".join(t.text for t in si.iter(f"{{{_MAIN}}}t")) for si in root.iterfind("oo:si", _NS)
         ]
@@ -73,7 +73,7 @@ def read_cell_value(xlsx: str | Path, sheet_name: str, coordinate: str) -> Any:
         with zipfile.ZipFile(xlsx) as z:
             shared = _shared_strings(z)
             sheet_id = _sheet_ids(z)[sheet_name]
-            root = etree.fromstring(z.read(f"xl/worksheets/sheet{sheet_id}.xml"))
+            root = parse_xml(z.read(f"xl/worksheets/sheet{sheet_id}.xml"))
     except Exception:  # noqa: BLE001 - missing file/sheet, bad zip: upstream returns None
         return None
     cells = root.xpath("oo:sheetData/oo:row/oo:c[@r=$r]", namespaces=_NS, r=coordinate)
@@ -109,7 +109,7 @@ def load_sparklines(xlsx: str | Path, sheet_name: str) -> dict[str, str]:
     try:
         with zipfile.ZipFile(xlsx) as z:
             sheet_id = _sheet_ids(z)[sheet_name]
-            root = etree.fromstring(z.read(f"xl/worksheets/sheet{sheet_id}.xml"))
+            root = parse_xml(z.read(f"xl/worksheets/sheet{sheet_id}.xml"))
     except zipfile.BadZipFile:
         return {}
     out = {}

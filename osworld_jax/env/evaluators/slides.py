@@ -30,6 +30,7 @@ from typing import Any
 from lxml import etree
 
 from osworld_jax.env.evaluators.registry import METRICS
+from osworld_jax.env.evaluators.rules import parse_xml, parse_xml_file
 
 _A = "http://schemas.openxmlformats.org/drawingml/2006/main"
 _P = "http://schemas.openxmlformats.org/presentationml/2006/main"
@@ -104,7 +105,7 @@ def _color_differs(r1: Any, r2: Any) -> bool:
 
 
 def _bullets(xml: bytes) -> list[tuple[Any, str, str]]:
-    root = etree.fromstring(xml)
+    root = parse_xml(xml)
     out = []
     for p in root.iter(f"{{{_A}}}p"):
         ppr = p.find("a:pPr", _NS)
@@ -340,7 +341,7 @@ def compare_pptx_files(result: str | None, expected: str, **options: Any) -> flo
 
 
 def _registry_items(path: str, item_path: str) -> Iterator[Any]:
-    root = etree.parse(path).getroot()
+    root = parse_xml_file(path)
     yield from root.iterfind(f".//item[@{{{_OOR}}}path='{item_path}']")
 
 
@@ -395,7 +396,7 @@ def check_transition(pptx_file: str | None, rules: Mapping[str, Any]) -> float:
     with zipfile.ZipFile(pptx_file) as z:
         if name not in z.namelist():
             return 0.0
-        root = etree.fromstring(z.read(name))
+        root = parse_xml(z.read(name))
     tr = root.find(".//p:transition", _NS)
     if tr is None:
         return 0.0
@@ -446,7 +447,7 @@ def check_left_panel(accessibility_tree: str | None) -> float:
     """1 iff the accessibility tree has a ``document-frame`` named "Slides View" (panel shown)."""
     if not accessibility_tree:
         return 0.0
-    root = etree.fromstring(accessibility_tree.encode())
+    root = parse_xml(accessibility_tree)
     return float(any(e.get("name") == "Slides View" for e in root.iter("document-frame")))
 
 
@@ -493,7 +494,7 @@ def check_page_number_colors(pptx_file: str | None, rules: Mapping[str, Any]) ->
     if pptx_file is None:
         return 0.0
     with zipfile.ZipFile(pptx_file) as z:
-        master = etree.fromstring(z.read("ppt/slideMasters/slideMaster1.xml"))
+        master = parse_xml(z.read("ppt/slideMasters/slideMaster1.xml"))
     rgb = _hex_rgb(_slide_number_color(master))
     if rgb is None:
         return 0.0

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from osworld_jax.env.evaluators.registry import METRICS
-from osworld_jax.env.evaluators.rules import match_record, match_value_to_rule, read_text
+from osworld_jax.env.evaluators.rules import match_record, match_value_to_rule, parse_xml, read_text
 
 
 @METRICS.register("check_gnome_favorite_apps")
@@ -187,14 +187,13 @@ def check_accessibility_tree(
     selected scores 0. With ``text`` the rule scores the best element: 1 for an exact text
     (``exact``), else the rapidfuzz ratio; without ``text`` it scores 1.
     """
-    import lxml.etree
     from lxml.cssselect import CSSSelector
     from rapidfuzz import fuzz
 
     if result is None:
         return 0.0
     ns = _A11Y_NS[osname]
-    root = lxml.etree.fromstring(result.encode() if isinstance(result, str) else result)
+    root = parse_xml(result)
     total = 1.0
     for r in rules:
         if "xpath" in r:

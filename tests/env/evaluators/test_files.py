@@ -163,3 +163,65 @@ def test_compare_config_and_extension(src):
     assert g("mattn.lisp\n", {"type": "contain", "expected": "mattn.lisp"}) == 1.0
     assert g("", {"type": "contain", "expected": "mattn.lisp"}) == 0.0
     assert g("", {"type": "not_contain", "expected": "mattn.lisp"}) == 1.0
+
+
+def test_agent_archives_cannot_write_outside_their_directory(tmp_path):
+    # The agent makes the archive; the host unpacks it. A member "../x" or a symlink out of the
+    # directory must not write on the host: such an archive scores 0 and nothing is written.
+    import io
+    import tarfile
+
+    f = m("compare_archive")
+    gold_dir = tmp_path / "g"
+    (gold_dir / "notes").mkdir(parents=True)
+    (gold_dir / "notes" / "a.txt").write_text("alpha")
+    gold = shutil.make_archive(str(tmp_path / "gold"), "zip", gold_dir)
+    outside = tmp_path / "outside.txt"
+
+    tar_path = tmp_path / "evil.tar.gz"
+    with tarfile.open(tar_path, "w:gz") as t:
+        data = b"pwned"
+        info = tarfile.TarInfo("notes/../../outside.txt")
+        info.size = len(data)
+        t.addfile(info, io.BytesIO(data))
+    assert f(str(tar_path), gold, file_path="notes") == 0.0
+    link_path = tmp_path / "link.tar"
+    with tarfile.open(link_path, "w") as t:
+        info = tarfile.TarInfo("notes/a.txt")
+        info.type, info.linkname = tarfile.SYMTYPE, str(outside)
+        t.addfile(info)
+    assert f(str(link_path), gold, file_path="notes") == 0.0
+    zip_path = tmp_path / "evil.zip"
+    with zipfile.ZipFile(zip_path, "w") as z:
+        z.writestr("notes/a.txt", "alpha")
+        z.writestr("../outside.txt", "pwned")
+    assert f(str(zip_path), gold, file_path="notes") == 0.0
+    assert not outside.exists()
+    # an EPUB chapter named "../x.html" is skipped, not written beside the book's directory
+    book = tmp_path / "b.epub"
+    with zipfile.ZipFile(book, "w") as z:
+        z.writestr("../escape.html", "<html><body>x</body></html>")
+    assert m("compare_epub")(str(book), str(book)) == 0.0
+    assert not (tmp_path / "escape.html").exists()
+
+
+@pytest.mark.parametrize(
+    "entity",
+    [
+        '<!ENTITY x SYSTEM "file://{secret}">',  # a host file pulled into a compared value
+        '<!ENTITY a "Times "><!ENTITY b "New "><!ENTITY x "&a;&b;Roman">',  # nested expansion
+    ],
+)
+def test_agent_xml_entities_are_not_expanded(src, tmp_path, entity):
+    # A settings file the agent wrote is parsed on the host: its entities are not expanded
+    # (lxml's default parser would expand the internal ones into "Times New Roman").
+    secret = tmp_path / "secret.txt"
+    secret.write_text("Times New Roman")
+    xcu = src.text(
+        "registrymodifications.xcu",
+        f'<?xml version="1.0"?><!DOCTYPE oor:items [{entity.format(secret=secret)}]>'
+        '<oor:items xmlns:oor="http://openoffice.org/2001/registry">'
+        '<item oor:path="/org.openoffice.Office.Writer/DefaultFont">'
+        '<prop oor:name="Standard" oor:op="fuse"><value>&x;</value></prop></item></oor:items>',
+    )
+    assert m("find_default_font")(xcu, {"font_name": "Times New Roman"}) == 0.0
