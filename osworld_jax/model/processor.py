@@ -293,25 +293,38 @@ class ImageProcessor:
         if self.do_resize:  # HF resizes even when the size is unchanged (a copy then)
             image = image.resize((w, h), resample=self.resample)
         pixels: np.ndarray = np.asarray(image)  # [H', W', 3] uint8
-        if self.do_rescale:
-            x = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        else:
-            x = pixels.astype(np.float32)
+        return self._patchify(pixels.transpose(2, 0, 1))
+
+    def _value_table(self) -> np.ndarray:
+        """f32[3, 256]: each channel's processed value of every uint8 level.
+
+        ``(float32(u8 * rescale_factor in float64) - mean) / std`` in float32, i.e. HF's rescale
+        then normalise evaluated once per level, so a lookup gives bit-identical pixels.
+        """
+        levels = np.arange(256, dtype=np.float64)
+        x = (levels * self.rescale_factor if self.do_rescale else levels).astype(np.float32)
+        x = np.broadcast_to(x, (3, 256))
         if self.do_normalize:
-            mean = np.asarray(self.image_mean, np.float32)
-            std = np.asarray(self.image_std, np.float32)
+            mean = np.asarray(self.image_mean, np.float32)[:, None]
+            std = np.asarray(self.image_std, np.float32)[:, None]
             x = (x - mean) / std
-        return self._patchify(np.ascontiguousarray(x.transpose(2, 0, 1)))
+        return np.ascontiguousarray(x, np.float32)
 
     def _patchify(self, chw: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
-        """[C, H', W'] -> (patches [gh * gw, C * T * P * P], (1, gh, gw)) in HF's order."""
+        """uint8 [C, H', W'] -> (patches f32[gh * gw, C * T * P * P], (1, gh, gw)), HF's order."""
         c, h, w = chw.shape
         p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
         gh, gw = h // p, w // p
         blocks = chw.reshape(c, gh // m, m, p, gw // m, m, p)
-        blocks = blocks.transpose(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, C, P, P]
-        frames = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], t, p, p))
-        return frames.reshape(gh * gw, c * t * p * p).astype(np.float32), (1, gh, gw)
+        blocks = blocks.transpose(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, C, P, P] uint8
+        levels = np.ascontiguousarray(blocks).reshape(gh * gw, c, p * p)
+        table = self._value_table()
+        out = np.empty((gh * gw, c, t, p * p), np.float32)  # each frame repeats the image
+        for ch in range(c):
+            values = table[ch][levels[:, ch]]  # [N, P * P]
+            for frame in range(t):
+                out[:, ch, frame] = values
+        return out.reshape(gh * gw, c * t * p * p), (1, gh, gw)
 
 
 def _to_rgb(image: ImageLike, index: int, *, convert: bool) -> Image.Image:
