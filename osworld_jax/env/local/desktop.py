@@ -231,6 +231,15 @@ def _is_zombie(pid: int) -> bool:
     return stat[stat.rindex(")") + 2 :].startswith(("Z", "X"))
 
 
+def _start_time(pid: int) -> str | None:
+    """The process's start time (``/proc/PID/stat`` field 22): tells a reused pid apart."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()[19]
+
+
 def pid_namespace_members(ns: str) -> list[int]:
     """Pids (host view) of the running processes whose pid namespace is ``ns`` (``pid:[inode]``).
 
@@ -320,7 +329,14 @@ class LocalDesktop:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         ready_r, ready_w = os.pipe()
         try:
-            listener.bind(str(self.dir / "ctl" / "vm.sock"))
+            try:
+                listener.bind(str(self.dir / "ctl" / "vm.sock"))
+            except OSError as e:
+                raise SandboxCreateError(
+                    f"sandbox {self.id}: cannot create its socket {self.dir / 'ctl' / 'vm.sock'} "
+                    f"({e}); a UNIX socket path is limited to 107 bytes: choose a shorter "
+                    "LocalBackendConfig.root"
+                ) from e
             listener.listen(64)
             file_args: list[str] = []
             for i, (dest, data) in enumerate(spec.files.items()):
@@ -534,7 +550,7 @@ class LocalDesktop:
                 self._on_close(self.id)
 
     async def _terminate(self, remove_dir: bool, kill_timeout_s: float) -> None:
-        known = self.host_pids()
+        known = {pid: _start_time(pid) for pid in self.host_pids()}
         with contextlib.suppress(Exception):
             await self.client.aclose()
         if self._root_fd is not None:  # releases the jail's tmpfs
@@ -547,7 +563,9 @@ class LocalDesktop:
                 os.killpg(self._proc.pid, signal.SIGKILL)
             await self._proc.wait()
         end = time.monotonic() + kill_timeout_s
-        while left := [p for p in known if not _is_zombie(p) and _pid_ns(p) is not None]:
+        while left := [
+            p for p, t in known.items() if _start_time(p) == t and t and not _is_zombie(p)
+        ]:
             if time.monotonic() > end:
                 raise SandboxTimeout(f"sandbox {self.id}: processes {left} survived SIGKILL")
             await asyncio.sleep(0.01)

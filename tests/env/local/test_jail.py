@@ -252,3 +252,20 @@ def test_close_waits_for_a_close_in_progress(runner, backend: LocalBackend):
         assert not d.dir.exists()
 
     runner.run(main())
+
+
+def test_a_root_too_deep_for_a_socket_path_is_named(runner, tmp_path):
+    from osworld_jax.env.backend import SandboxCreateError
+    from osworld_jax.env.local import LocalBackendConfig
+
+    deep = Path("/tmp") / ("r" * 60) / ("s" * 60)
+    b = LocalBackend(LocalBackendConfig(root=str(deep)))
+    try:
+        with pytest.raises(SandboxCreateError, match="limited to 107 bytes"):
+            runner.run(b.start_desktop())
+        assert b.inventory() == []
+    finally:
+        runner.run(b.aclose())
+        import shutil
+
+        shutil.rmtree(deep.parent, ignore_errors=True)
