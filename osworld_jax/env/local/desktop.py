@@ -126,8 +126,9 @@ def jail_files() -> dict[str, bytes]:
         "/etc/hosts": b"127.0.0.1 localhost sandbox\n::1 localhost\n",
         "/opt/osworld/dbus-session.conf": _DBUS_CONFIG.encode(),
         "/opt/osworld/vmserver.py": (_HERE / "vmserver.py").read_bytes(),
-        "/opt/osworld/jailexec.py": (_HERE / "jailexec.py").read_bytes(),
     }
+    for name in ("jailexec.py", "screen.py", "a11y.py"):  # the server's own modules
+        files[f"/opt/osworld/{name}"] = (_HERE / name).read_bytes()
     for mod in sorted((_HERE / "shim").glob("*.py")):
         if mod.name != "__init__.py":
             files[f"/opt/osworld/lib/{mod.name}"] = mod.read_bytes()

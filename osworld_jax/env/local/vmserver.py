@@ -50,178 +50,44 @@ import shutil
 import signal
 import socket
 import socketserver
-import struct
 import subprocess
 import sys
-import threading
 import time
 import traceback
 import urllib.parse
-import xml.etree.ElementTree as ET
-import zlib
 
 if __package__:  # imported on the host as osworld_jax.env.local.vmserver (tests)
     from . import jailexec
+    from .a11y import accessibility_xml, terminal_text
+    from .screen import (
+        bgrx_to_rgb,
+        paint_cursor,
+        png_encode,
+        screen_size,
+        screenshot_png,
+        window_size,
+        wm_running,
+    )
 else:  # in the jail, run with python3 -I (no script directory on sys.path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import jailexec  # type: ignore[no-redef]
+    from a11y import accessibility_xml, terminal_text  # type: ignore[no-redef]
+    from screen import (  # type: ignore[no-redef]
+        bgrx_to_rgb,
+        paint_cursor,
+        png_encode,
+        screen_size,
+        screenshot_png,
+        window_size,
+        wm_running,
+    )
+
+__all__ = ["bgrx_to_rgb", "main", "paint_cursor", "parse_multipart", "png_encode"]
 
 EXEC_TIMEOUT_S = 120.0
 MAX_OUTPUT = 4 << 20
 MAX_FILE = 64 << 20
 _STATE: dict = {}
-_X_LOCK = threading.Lock()
-_A11Y_LOCK = threading.Lock()
-
-NS = {
-    "st": "https://accessibility.ubuntu.example.org/ns/state",
-    "attr": "https://accessibility.ubuntu.example.org/ns/attributes",
-    "cp": "https://accessibility.ubuntu.example.org/ns/component",
-    "doc": "https://accessibility.ubuntu.example.org/ns/document",
-    "docattr": "https://accessibility.ubuntu.example.org/ns/document/attributes",
-    "txt": "https://accessibility.ubuntu.example.org/ns/text",
-    "val": "https://accessibility.ubuntu.example.org/ns/value",
-    "act": "https://accessibility.ubuntu.example.org/ns/action",
-}
-for _prefix, _uri in NS.items():
-    ET.register_namespace(_prefix, _uri)
-
-
-def _q(ns: str, name: str) -> str:
-    """An ElementTree qualified name in one of the OSWorld a11y namespaces."""
-    return "{" + NS[ns] + "}" + name
-
-
-MAX_DEPTH = 50
-MAX_WIDTH = 1024
-MAX_NODES = 5000
-TABLE_ROWS = 200
-TABLE_COLS = 60
-
-
-# --------------------------------------------------------------------------------------------
-# Screenshots: X11 GetImage -> RGB -> PNG (stdlib zlib).
-
-
-def png_encode(width: int, height: int, rgb: bytes) -> bytes:
-    """Encodes 8-bit RGB pixels (row-major, no padding) as a PNG."""
-    stride = width * 3
-    raw = b"".join(b"\x00" + rgb[y * stride : (y + 1) * stride] for y in range(height))
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        body = kind + data
-        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", header)
-        + chunk(b"IDAT", zlib.compress(raw, 1))
-        + chunk(b"IEND", b"")
-    )
-
-
-def bgrx_to_rgb(data: bytes, npixels: int) -> bytearray:
-    """Converts 32-bit little-endian BGRX pixels to packed RGB."""
-    rgb = bytearray(npixels * 3)
-    rgb[0::3] = data[2::4]
-    rgb[1::3] = data[1::4]
-    rgb[2::3] = data[0::4]
-    return rgb
-
-
-def _x_display():
-    from Xlib import display as xdisplay  # python3-xlib
-
-    d = _STATE.get("xdisplay")
-    if d is None:
-        d = xdisplay.Display(_STATE["display"])
-        _STATE["xdisplay"] = d
-    return d
-
-
-def paint_cursor(rgb: bytearray, width: int, height: int, cursor) -> None:
-    """Alpha-blends an XFixes cursor image (premultiplied ARGB32 words) onto packed RGB pixels.
-
-    ``cursor`` has ``x``, ``y`` (pointer position), ``xhot``, ``yhot``, ``width``, ``height``
-    and ``cursor_image`` (row-major ARGB words), as XFixes GetCursorImage replies.
-    """
-    x0, y0 = cursor.x - cursor.xhot, cursor.y - cursor.yhot
-    pixels = cursor.cursor_image
-    for cy in range(cursor.height):
-        y = y0 + cy
-        if not 0 <= y < height:
-            continue
-        for cx in range(cursor.width):
-            x = x0 + cx
-            if not 0 <= x < width:
-                continue
-            argb = pixels[cy * cursor.width + cx]
-            a = (argb >> 24) & 0xFF
-            if a == 0:
-                continue
-            i = (y * width + x) * 3
-            inv = 255 - a
-            rgb[i] = min(255, ((argb >> 16) & 0xFF) + rgb[i] * inv // 255)
-            rgb[i + 1] = min(255, ((argb >> 8) & 0xFF) + rgb[i + 1] * inv // 255)
-            rgb[i + 2] = min(255, (argb & 0xFF) + rgb[i + 2] * inv // 255)
-
-
-def _cursor_image(d):
-    """The current cursor image (XFixes), or None when the extension is missing."""
-    if not _STATE.get("xfixes_ready"):
-        if not d.has_extension("XFIXES"):
-            return None
-        d.xfixes_query_version()
-        _STATE["xfixes_ready"] = True
-    return d.xfixes_get_cursor_image(d.screen().root)
-
-
-def screenshot_png() -> bytes:
-    """Grabs the whole root window, with the mouse cursor painted in (as upstream), as PNG."""
-    from Xlib import X
-
-    with _X_LOCK:
-        try:
-            d = _x_display()
-            root = d.screen().root
-            geom = root.get_geometry()
-            w, h = geom.width, geom.height
-            img = root.get_image(0, 0, w, h, X.ZPixmap, 0xFFFFFFFF)
-            cursor = _cursor_image(d)
-        except Exception:
-            _STATE.pop("xdisplay", None)
-            _STATE.pop("xfixes_ready", None)
-            raise
-    data = img.data if isinstance(img.data, bytes) else bytes(img.data)
-    if len(data) != w * h * 4:
-        raise RuntimeError(f"unexpected X image size {len(data)} for {w}x{h} (depth {img.depth})")
-    rgb = bgrx_to_rgb(data, w * h)
-    if cursor is not None:
-        paint_cursor(rgb, w, h, cursor)
-    return png_encode(w, h, bytes(rgb))
-
-
-def screen_size() -> tuple[int, int]:
-    """The root window's size."""
-    with _X_LOCK:
-        try:
-            s = _x_display().screen()
-            return s.width_in_pixels, s.height_in_pixels
-        except Exception:
-            _STATE.pop("xdisplay", None)
-            raise
-
-
-def wm_running() -> bool:
-    """True once a EWMH window manager has set ``_NET_SUPPORTING_WM_CHECK`` on the root."""
-    from Xlib import X
-
-    with _X_LOCK:
-        d = _x_display()
-        atom = d.intern_atom("_NET_SUPPORTING_WM_CHECK")
-        prop = d.screen().root.get_full_property(atom, X.AnyPropertyType)
-        return prop is not None and len(prop.value) > 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -445,28 +311,6 @@ def run_bash_script(script: str, timeout: float, working_dir: str | None) -> tup
     return 200, {"status": status, "output": res["output"], "error": "", "returncode": rc}
 
 
-def window_size(app_class_name: str) -> tuple[int, int] | None:
-    """Size of the first client window whose WM_CLASS (instance or class) matches, any case."""
-    from Xlib import X
-    from Xlib.error import XError
-
-    want = app_class_name.lower()
-    with _X_LOCK:
-        d = _x_display()
-        root = d.screen().root
-        prop = root.get_full_property(d.intern_atom("_NET_CLIENT_LIST"), X.AnyPropertyType)
-        for wid in prop.value if prop is not None else []:
-            try:
-                win = d.create_resource_object("window", wid)
-                wm_class = win.get_wm_class()
-                if wm_class and want in [n.lower() for n in wm_class]:
-                    geom = win.get_geometry()
-                    return geom.width, geom.height
-            except XError:
-                continue
-    return None
-
-
 def wallpaper_path() -> str | None:
     """The file of ``org.gnome.desktop.background picture-uri`` (None when unset/unavailable)."""
     cmd = ["gsettings", "get", "org.gnome.desktop.background", "picture-uri"]
@@ -513,170 +357,6 @@ def directory_tree(start: str) -> dict:
                 child = {"type": "file", "name": entry}
             node["children"].append(child)
     return root
-
-
-# --------------------------------------------------------------------------------------------
-# Accessibility (pyatspi), OSWorld-style XML.
-
-
-def _pyatspi():
-    import pyatspi  # python3-pyatspi; imported lazily (slow) and only when asked for
-
-    if not _STATE.get("atspi_timeout_set"):
-        try:
-            pyatspi.setTimeout(3000, 10000)
-        except Exception:
-            pass
-        _STATE["atspi_timeout_set"] = True
-    return pyatspi
-
-
-def _node_xml(node, pyatspi, depth: int, budget: list) -> ET.Element:
-    budget[0] -= 1
-    attrs = {"name": node.name or ""}
-    states = node.getState().getStates()
-    for st in states:
-        sname = pyatspi.StateType._enum_lookup.get(int(st), "")
-        sname = sname.split("_", 1)[1].lower() if "_" in sname else ""
-        if sname:
-            attrs[_q("st", sname)] = "true"
-    try:
-        for key, value in (node.get_attributes() or {}).items():
-            if key:
-                attrs[_q("attr", key)] = str(value)
-    except Exception:
-        pass
-    if attrs.get(_q("st", "visible")) == "true" and attrs.get(_q("st", "showing")) == "true":
-        try:
-            comp = node.queryComponent()
-            x, y, w, h = comp.getExtents(pyatspi.XY_SCREEN)
-            attrs[_q("cp", "screencoord")] = str((x, y))
-            attrs[_q("cp", "size")] = str((w, h))
-        except Exception:
-            pass
-    text = ""
-    try:
-        t = node.queryText()
-        text = t.getText(0, t.characterCount).replace("\ufffc", "").replace("\ufffd", "")
-    except Exception:
-        pass
-    for probe, key in (("queryImage", "image"), ("querySelection", "selection")):
-        try:
-            getattr(node, probe)()
-            attrs[key] = "true"
-        except Exception:
-            pass
-    try:
-        v = node.queryValue()
-        for key, getter in (
-            ("value", lambda: v.currentValue),
-            ("min", lambda: v.minimumValue),
-            ("max", lambda: v.maximumValue),
-            ("step", lambda: v.minimumIncrement),
-        ):
-            try:
-                attrs[_q("val", key)] = str(getter())
-            except Exception:
-                pass
-    except Exception:
-        pass
-    try:
-        a = node.queryAction()
-        for i in range(a.nActions):
-            aname = a.getName(i).replace(" ", "-")
-            attrs[_q("act", aname + "_desc")] = a.getDescription(i)
-            attrs[_q("act", aname + "_kb")] = a.getKeyBinding(i)
-    except Exception:
-        pass
-    role = (node.getRoleName().strip() or "unknown").replace(" ", "-")
-    el = ET.Element(role, attrs)
-    if text:
-        el.text = text
-    if depth >= MAX_DEPTH or budget[0] <= 0:
-        return el
-    try:
-        count = node.childCount
-    except Exception:
-        return el
-    if role == "table" and count > MAX_WIDTH:
-        _table_children(node, el, pyatspi, depth, budget)
-        return el
-    for i in range(min(count, MAX_WIDTH)):
-        if budget[0] <= 0:
-            break
-        try:
-            child = node.getChildAtIndex(i)
-            if child is not None:
-                el.append(_node_xml(child, pyatspi, depth + 1, budget))
-        except Exception:
-            continue
-    return el
-
-
-def _table_children(node, el, pyatspi, depth, budget) -> None:
-    """Showing cells of a huge table (a spreadsheet): the first TABLE_ROWS x TABLE_COLS."""
-    try:
-        table = node.queryTable()
-    except Exception:
-        return
-    for r in range(min(table.nRows, TABLE_ROWS)):
-        row_seen = False
-        for c in range(min(table.nColumns, TABLE_COLS)):
-            if budget[0] <= 0:
-                return
-            cell = table.getAccessibleAt(r, c)
-            if cell is None or not cell.getState().contains(pyatspi.STATE_SHOWING):
-                if row_seen:
-                    break
-                continue
-            row_seen = True
-            el.append(_node_xml(cell, pyatspi, depth + 1, budget))
-
-
-def accessibility_xml() -> str:
-    """The desktop's a11y tree; an empty tree with a ``note`` when at-spi is unavailable."""
-    root = ET.Element("desktop-frame")
-    try:
-        with _A11Y_LOCK:
-            pyatspi = _pyatspi()
-            desktop = pyatspi.Registry.getDesktop(0)
-            budget = [MAX_NODES]
-            for i in range(desktop.childCount):
-                app = desktop.getChildAtIndex(i)
-                if app is not None:
-                    root.append(_node_xml(app, pyatspi, 1, budget))
-    except Exception as e:  # at-spi down or broken: an explicit, empty tree
-        root = ET.Element("desktop-frame", {"note": f"accessibility unavailable: {e!r}"[:500]})
-    return ET.tostring(root, encoding="unicode")
-
-
-def terminal_text() -> str | None:
-    """Text of the focused terminal widget in the active frame, or None."""
-    try:
-        with _A11Y_LOCK:
-            pyatspi = _pyatspi()
-            desktop = pyatspi.Registry.getDesktop(0)
-            for i in range(desktop.childCount):
-                app = desktop.getChildAtIndex(i)
-                if app is None:
-                    continue
-                for j in range(app.childCount):
-                    frame = app.getChildAtIndex(j)
-                    if frame is None or not frame.getState().contains(pyatspi.STATE_ACTIVE):
-                        continue
-                    hit = pyatspi.findDescendant(
-                        frame,
-                        lambda n: (
-                            n.getRoleName() == "terminal"
-                            and n.getState().contains(pyatspi.STATE_FOCUSED)
-                        ),
-                    )
-                    if hit is not None:
-                        t = hit.queryText()
-                        return t.getText(0, t.characterCount).rstrip()
-    except Exception:
-        return None
-    return None
 
 
 # --------------------------------------------------------------------------------------------
