@@ -220,7 +220,8 @@ def run_trusted(command, *, shell: bool, timeout: float, max_output: int, cwd=No
 
 
 def _send(sock: socket.socket, obj: dict) -> None:
-    sock.sendall(json.dumps(obj).encode() + b"\n")
+    # UTF-8, not \uXXXX escapes: text decoded with replacement stays within 3 bytes a byte.
+    sock.sendall(json.dumps(obj, ensure_ascii=False).encode("utf-8", "surrogatepass") + b"\n")
 
 
 def _recv(sock: socket.socket, max_bytes: int, buf: bytearray) -> dict | None:

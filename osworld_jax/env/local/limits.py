@@ -105,8 +105,11 @@ def _detect_v2(own: dict[str, str], mounts: dict[str, Path]) -> CgroupSupport | 
     parent = base / _GROUP
     try:
         parent.mkdir(exist_ok=True)
-        # Children of `parent` get the controllers; `parent` itself holds no process.
-        (base / "cgroup.subtree_control").write_text("+pids +memory")
+        # Children of `parent` get the controllers; `parent` itself holds no process. `base`
+        # holds this process: the kernel lets it enable controllers for its children only when it
+        # holds none, so a delegated cgroup must have them enabled already (then no write).
+        if not {"pids", "memory"} <= set((base / "cgroup.subtree_control").read_text().split()):
+            (base / "cgroup.subtree_control").write_text("+pids +memory")
         (parent / "cgroup.subtree_control").write_text("+pids +memory")
     except OSError as e:
         return CgroupSupport(

@@ -813,7 +813,7 @@ def main(argv=None) -> int:
     here = os.path.dirname(os.path.abspath(__file__))
     desktop = jailexec.DesktopNamespace(
         os.path.join(here, "jailexec.py"),
-        max_reply=4 * args.max_output + (1 << 20),
+        max_reply=12 * args.max_output + (1 << 20),  # two streams, JSON escapes up to 6x
         on_start=lambda ns: ns.request({"op": "spawn", "command": args.wm}, timeout=30),
     )
     _STATE.update(

@@ -205,6 +205,12 @@ def test_output_over_the_cap_masks_the_owner(runner, make_backend):
         assert e2.value.limit == "file_bytes"
         with pytest.raises(SandboxError, match="3145728 bytes"):
             runner.run(sb.evaluate(None))
+        # Bytes that are not UTF-8 count as bytes (each becomes U+FFFD, 3 bytes in the reply).
+        with pytest.raises(SandboxLimitError, match="output exceeded") as e3:
+            act(runner, sb, "import sys\nsys.stdout.buffer.write(b'\\xff' * (3 << 20))")
+        assert e3.value.limit == "output_bytes"
+        res = run(runner, sb, "import sys\nsys.stdout.buffer.write(b'\\xff\\x00' * 450_000)")
+        assert res["output"] == "\ufffd\x00" * 450_000
         # Within the caps everything still flows.
         assert len(runner.run(sb.vm.execute(["head", "-c", "900000", "/dev/zero"]))["output"])
         assert run(runner, sb, "print('small')")["output"] == "small\n"
