@@ -41,6 +41,12 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 if [ "$DEV" -eq 1 ]; then
   .venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | grep -v "is ignored" || true
+  # Upstream OSWorld's own controllers (desktop_env/controllers/python.py) drive the local
+  # sandbox in tests/env/local/test_upstream_client.py: the wheel is kept, not installed.
+  UPSTREAM=.venv/share/osworld-upstream
+  ls "$UPSTREAM"/desktop_env-1.0.2-*.whl >/dev/null 2>&1 || \
+    .venv/bin/python -m pip download -q --no-deps desktop-env==1.0.2 -d "$UPSTREAM" 2>&1 \
+      | grep -v "is ignored" || true
 else
   .venv/bin/python -m pip install -q -e . 2>&1 | grep -v "is ignored" || true
 fi
