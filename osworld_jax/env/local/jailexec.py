@@ -53,9 +53,11 @@ ENV_ALLOW = (
     "SAL_USE_VCLPLUGIN",
     "DBUS_SESSION_BUS_ADDRESS",
 )
-#: Added for trusted commands: python ignores the current directory and the user's site-packages
-#: (files the agent can plant in its home), so the evaluator's python code runs only its own code.
-TRUSTED_ENV = {"PYTHONSAFEPATH": "1", "PYTHONNOUSERSITE": "1"}
+#: For the evaluator's inline python (``python -c``) and ``/run_python``: the current directory
+#: (the agent's home) and the script's directory (``/tmp``) are not put on ``sys.path``, so a module
+#: the agent left there (``~/json.py``) is not imported in place of the real one. Packages the
+#: agent installed (``pip install --user``) stay importable: checking them is what tasks do.
+SAFE_PATH_ENV = {"PYTHONSAFEPATH": "1"}
 JAIL_UID = "1000"
 BWRAP = "/usr/bin/bwrap"
 #: After a command exits, how long its output is still read (programs it started in the
@@ -201,8 +203,20 @@ def run_capped(
     return res
 
 
-def run_trusted(command, *, shell: bool, timeout: float, max_output: int, cwd=None, **kw) -> dict:
-    """Runs a setup/evaluation command in a throwaway nested pid namespace (module docstring)."""
+def _inline_python(argv: list) -> bool:
+    """``python[3[.X]] ... -c CODE``: code given on the command line, not a script file."""
+    name = os.path.basename(argv[0]) if argv else ""
+    is_python = name in ("python", "python3") or name.startswith("python3.")
+    return is_python and "-c" in argv[1:]
+
+
+def run_trusted(
+    command, *, shell: bool, timeout: float, max_output: int, cwd=None, safe_path=False, **kw
+) -> dict:
+    """Runs a setup/evaluation command in a throwaway nested pid namespace (module docstring).
+
+    ``safe_path`` (and any ``python -c``): ``PYTHONSAFEPATH`` (see ``SAFE_PATH_ENV``).
+    """
     argv = expand(command, shell)
     if shell:
         argv = ["/bin/sh", "-c", argv]
@@ -211,7 +225,8 @@ def run_trusted(command, *, shell: bool, timeout: float, max_output: int, cwd=No
     elif "/" not in argv[0] and shutil.which(argv[0]) is None:
         err = f"[Errno 2] No such file or directory: {argv[0]!r}"
         return {"status": "error", "output": "", "error": err, "returncode": 127}
-    wrapped = nested_argv(argv, cwd=cwd or os.getcwd(), env=jail_env(TRUSTED_ENV))
+    extra = SAFE_PATH_ENV if safe_path or _inline_python(argv) else {}
+    wrapped = nested_argv(argv, cwd=cwd or os.getcwd(), env=jail_env(extra))
     return run_capped(wrapped, timeout=timeout, max_output=max_output, **kw)
 
 

@@ -32,7 +32,10 @@ Differences from upstream, on purpose: a command that cannot be started (missing
 permission) or that runs past ``--exec-timeout`` on ``/execute`` is a deterministic result (HTTP
 200, ``returncode`` 127/126/-9), not a 500, so that 5xx keeps meaning "transient, retry"; the
 a11y tree of a huge spreadsheet table is limited to its first 200 x 60 cells that are showing;
-``/file`` refuses (404) a path that resolves into ``/proc``, ``/sys`` or ``/dev``; and every reply
+``/file`` refuses (404) a path that resolves into ``/proc``, ``/sys`` or ``/dev``; a command's
+background programs end with it (its namespace; ``/setup/launch`` starts lasting programs), and
+its output is read until 0.5 s after it exits; inline python (``python -c``) and ``/run_python``
+run with ``PYTHONSAFEPATH=1`` (no module from the current directory or ``/tmp``); and every reply
 is bounded: a command's stdout/stderr, a file, a directory tree, the a11y tree or the terminal
 text larger than its limit (``--max-output``/``--max-file``) is answered HTTP 413 with
 ``{"status": "error", "limit": ..., "message": ...}`` instead of being sent.
@@ -250,7 +253,7 @@ def run_python(code: str) -> tuple[int, dict]:
     try:
         with open(path, "w") as f:
             f.write(code)
-        res = run_trusted(["/usr/bin/python3", path], False, timeout=30)
+        res = run_trusted(["/usr/bin/python3", path], False, timeout=30, safe_path=True)
     except OSError as e:
         failed = {"status": "error", "message": f"Execution error: {e}", "error": repr(e)}
         return 500, {**failed, "need_more": False, "output": None}

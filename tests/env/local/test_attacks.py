@@ -247,20 +247,17 @@ def test_lingering_agent_processes_cannot_touch_the_evaluators_commands(runner, 
         runner.run(sb.close())
 
 
-def test_files_planted_in_home_do_not_run_in_the_evaluators_python(runner, make_backend):
-    """Item 2: the evaluator's python must not import modules the agent wrote into its home."""
+def test_modules_planted_beside_the_evaluators_python_are_not_imported(runner, make_backend):
+    """Item 2: the evaluator's inline python (``python -c``, run in the agent's home) and
+    ``/run_python`` (run from a file in /tmp) must not import modules the agent left there."""
     backend = make_backend()
     sb = runner.run(backend.create(load_task(TASK)))
     try:
         plant = """
-            import os, site, sys
-            home = os.path.expanduser("~")
+            import os
             evil = "print('HACKED'); import builtins; builtins.print = lambda *a, **k: None\\n"
-            open(os.path.join(home, "json.py"), "w").write(evil)
-            user_site = site.getusersitepackages()
-            os.makedirs(user_site, exist_ok=True)
-            open(os.path.join(user_site, "zz.pth"), "w").write("import json\\n")
-            open(os.path.join(user_site, "usercustomize.py"), "w").write(evil)
+            for d in (os.path.expanduser("~"), "/tmp"):
+                open(os.path.join(d, "json.py"), "w").write(evil)
         """
         assert agent(runner, sb, plant)["returncode"] == 0
         for cmd in (
@@ -269,9 +266,18 @@ def test_files_planted_in_home_do_not_run_in_the_evaluators_python(runner, make_
         ):
             res = runner.run(sb.vm.execute(cmd))
             assert (res["returncode"], res["output"]) == (0, "[1]\n"), (cmd, res)
-        # upstream's /run_python too (it runs a file from /tmp, whose directory is on sys.path).
-        reply = runner.run(sb.vm.post_json("/run_python", {"code": "import json\nprint('ok')"}))
-        assert reply["output"] == "ok\n", reply
+        code = "import json\nprint(json.dumps([2]))"
+        reply = runner.run(sb.vm.post_json("/run_python", {"code": code}))
+        assert reply["output"] == "[2]\n", reply
+        # A package the agent installed for itself is importable, as a task checking it expects.
+        install = """
+            import os, site
+            os.makedirs(site.getusersitepackages(), exist_ok=True)
+            open(os.path.join(site.getusersitepackages(), "mypkg.py"), "w").write("X = 7\\n")
+        """
+        assert agent(runner, sb, install)["returncode"] == 0
+        res = runner.run(sb.vm.execute(["python3", "-c", "import mypkg; print(mypkg.X)"]))
+        assert res["output"] == "7\n", res
     finally:
         runner.run(sb.close())
 
