@@ -44,7 +44,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from osworld_jax.batch import Batch, BatchMeta
+from osworld_jax.batch import Batch, BatchBounds
 from osworld_jax.model import ModelRuntimeConfig, Policy, Qwen3MoeConfig, make_mesh
 from osworld_jax.model.params import param_specs
 from osworld_jax.trainer import OptimizerConfig, Trainer, TrainerConfig
@@ -268,23 +268,22 @@ def main(argv: list[str] | None = None) -> None:
     def init_fn() -> Policy:
         return Policy(model, runtime, rngs=nnx.Rngs(0))
 
-    trainer = Trainer(config, nnx.eval_shape(init_fn), mesh=mesh)
+    bounds = BatchBounds(num_owners=b, num_groups=1, norm_length=s)
+    trainer = Trainer(config, nnx.eval_shape(init_fn), bounds=bounds, mesh=mesh)
     batch = random_batch(model, b, s)
-    meta = BatchMeta(num_owners=b, num_groups=1, norm_length=s)
     if args.memory_only:
-        _memory_report(trainer, batch, meta, args)
+        _memory_report(trainer, batch, args)
         return None
     state = trainer.init_state(init_fn=init_fn)
     if not args.host_batch:
-        trainer._check_batch(batch)  # once, as the loop below would on every step
-        batch = trainer._device_batch(batch)
+        batch = trainer._device_batch(batch)  # checked and uploaded once, as every step would
 
     times = []
     ctx = jax.set_mesh(mesh) if args.mesh_context else contextlib.nullcontext()
     with ctx:
         for i in range(args.warmup + args.steps):
             t0 = time.perf_counter()
-            state, metrics = trainer.train_step(state, batch, meta)  # host metrics: synced
+            state, metrics = trainer.train_step(state, batch)  # host metrics: synced
             dt = time.perf_counter() - t0
             if i >= args.warmup:
                 times.append(dt)
@@ -292,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
                 compile_s = dt
         if args.profile:
             with jax.profiler.trace(args.profile, create_perfetto_trace=True):
-                state, _ = trainer.train_step(state, batch, meta)
+                state, _ = trainer.train_step(state, batch)
                 jax.block_until_ready(state)
     jax.block_until_ready(state)
     est = trainer.check_memory(b, s, capacity=float("inf"))
@@ -351,9 +350,9 @@ def main(argv: list[str] | None = None) -> None:
     return None
 
 
-def _memory_report(trainer, batch, meta, args) -> None:
+def _memory_report(trainer, batch, args) -> None:
     """Compiles the step on abstract state (no run) and prints XLA's memory analysis, in GiB."""
-    fn = trainer._compiled_step(meta, False)
+    fn = trainer._train_step
     t0 = time.perf_counter()
     with jax.set_mesh(trainer.mesh):
         compiled = fn.lower(trainer.abstract_state, trainer._device_batch(batch), None).compile()

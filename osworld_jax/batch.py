@@ -41,18 +41,37 @@ class Batch(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class BatchMeta:
-    """Static integers that travel with a batch (they select a compiled bucket).
+class BatchBounds:
+    """The static sizes a compiled train step is built for (one set per run, from the config).
+
+    Owner and group ids are segment indices: the loss aggregation counts only the owners and
+    groups that have loss tokens, so a batch may use fewer ids than the bounds (dropped groups,
+    failed owners) without changing the result or the compiled step.
 
     Attributes:
-      num_owners: number of logical owners in the whole optimizer batch.
-      num_groups: number of prompt groups in the whole optimizer batch.
-      norm_length: constant L of the ``seq-mean-token-sum-norm`` aggregation (Dr.GRPO).
+      num_owners: owner ids lie in ``[0, num_owners)``: B x N logical owners per step.
+      num_groups: group ids lie in ``[0, num_groups)``: B prompt groups per step.
+      norm_length: the constant L of the ``seq-mean-token-sum-norm`` aggregation (Dr.GRPO).
     """
 
     num_owners: int
     num_groups: int
     norm_length: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_owners", "num_groups", "norm_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"BatchBounds.{name} must be >= 1, got {getattr(self, name)}")
+
+    def check(self, batch: Batch) -> None:
+        """Raises ``ValueError`` naming the field when an id of ``batch`` is out of bounds."""
+        for name, field in (("owner_ids", "num_owners"), ("group_ids", "num_groups")):
+            ids, bound = np.asarray(getattr(batch, name)), getattr(self, field)
+            if ids.size and (ids.min() < 0 or ids.max() >= bound):
+                raise ValueError(
+                    f"Batch.{name}: ids in [{ids.min()}, {ids.max()}] are outside "
+                    f"[0, BatchBounds.{field} = {bound})"
+                )
 
 
 def check_batch(batch: Batch) -> None:

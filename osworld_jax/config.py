@@ -30,6 +30,7 @@ from typing import Any
 import gin
 
 from osworld_jax.agent.config import AgentConfig, CompactionConfig, GroupPolicyConfig
+from osworld_jax.algorithms import LossConfig
 from osworld_jax.data import DataConfig
 from osworld_jax.env import BACKENDS, AgentEnvConfig
 from osworld_jax.errors import ConfigError
@@ -46,6 +47,7 @@ CONFIGURABLES: tuple[type, ...] = (
     ModelSourceConfig,
     ModelRuntimeConfig,
     TrainerConfig,
+    LossConfig,
     OptimizerConfig,
     CheckpointConfig,
     RolloutConfig,

@@ -1,13 +1,11 @@
 """osworld_jax.agent room: prompts, context compaction, history -> segments -> batches.
 
-See docs/INTERFACES.md. Numpy only (jax is imported lazily by ``owner_advantages``).
+See docs/INTERFACES.md. NumPy only: no jax import.
 """
 
 from osworld_jax.agent.batching import (
     GroupSelection,
     bucket_length,
-    estimator_inputs,
-    owner_advantages,
     pack_batch,
     select_groups,
 )
@@ -61,8 +59,6 @@ __all__ = [
     "SegmentIntegrityError",
     "bucket_length",
     "build_segments",
-    "estimator_inputs",
-    "owner_advantages",
     "pack_batch",
     "render_observation",
     "select_groups",

@@ -1,8 +1,11 @@
-"""Owners -> group policy -> per-owner advantages -> a padded ``Batch``.
+"""Owners -> group policy (the estimator's inputs, built once) -> a padded ``Batch``.
 
-One logical owner has one reward and one advantage, however many segments (rows) it has; the
-advantage is fanned out to every trainable token of every row of that owner, and ``owner_ids``
-lets ``aggregate_loss`` treat the owner's rows as one sequence.
+One logical owner has one reward and one advantage, however many segments (rows) it has.
+`select_groups` returns the kept owners with their reward / validity / group arrays; the RL loop
+feeds those to the jitted estimator (``osworld_jax.algorithms.compute_advantages``) and hands
+the advantages back to `pack_batch`, which fans each one out to every trainable token of every
+row of its owner (``owner_ids`` lets ``aggregate_loss`` treat the owner's rows as one sequence).
+NumPy only.
 """
 
 from __future__ import annotations
@@ -13,51 +16,66 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from osworld_jax.agent.config import GroupPolicyConfig
+from osworld_jax.agent.config import BASELINE_POPULATIONS, GroupPolicyConfig
 from osworld_jax.agent.errors import GroupPolicyError, PackingError
 from osworld_jax.agent.owner import OwnerRollout
 from osworld_jax.agent.segments import Segment
-from osworld_jax.batch import Batch, BatchMeta, check_batch
+from osworld_jax.batch import Batch, check_batch
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class GroupSelection:
-    """The owners a step trains on, and the estimator's inputs over them.
+    """The owners a step trains on, and the estimator's inputs over them (built once).
 
     Attributes:
       owners: the kept owners, in input order.
       dropped_group_ids: prompt groups dropped for too few healthy owners.
       rewards: f32[N] reward per kept owner (0 for failed owners).
       valid: bool[N] owners in the baseline population (see ``baseline_population``).
-      group_index: i32[N] dense group index in ``[0, num_groups)`` (sorted group ids).
+      failed: bool[N] owners masked for an infrastructure failure.
+      group_index: i32[N] dense group index in ``[0, num_groups)`` (rank of the sorted ids).
       num_groups: number of kept groups.
+      token_counts: f32[N] trainable tokens per owner, over all its segments.
     """
 
     owners: tuple[OwnerRollout, ...]
     dropped_group_ids: tuple[int, ...]
     rewards: np.ndarray
     valid: np.ndarray
+    failed: np.ndarray
     group_index: np.ndarray
     num_groups: int
+    token_counts: np.ndarray
 
+    @classmethod
+    def of(
+        cls,
+        owners: Sequence[OwnerRollout],
+        baseline_population: str = "healthy",
+        dropped_group_ids: tuple[int, ...] = (),
+    ) -> GroupSelection:
+        """The selection of exactly ``owners`` (no group policy applied).
 
-def estimator_inputs(
-    owners: Sequence[OwnerRollout], baseline_population: str = "healthy"
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """``(rewards f32[N], valid bool[N], group_index i32[N], num_groups)`` of ``owners``.
-
-    Failed owners have reward 0; ``valid`` is the healthy owners (``healthy``) or everyone
-    (``all_owners``: failed owners count with reward 0). Group indices are the rank of each
-    owner's ``group_id`` among the sorted distinct ids.
-    """
-    if baseline_population not in ("healthy", "all_owners"):
-        raise GroupPolicyError(f"unknown baseline_population {baseline_population!r}")
-    rewards = np.array([0.0 if o.failed else float(o.reward or 0.0) for o in owners], np.float32)
-    failed = np.array([o.failed for o in owners], bool)
-    valid = ~failed if baseline_population == "healthy" else np.ones_like(failed)
-    ids = np.array([o.group_id for o in owners], np.int64)
-    uniq, index = np.unique(ids, return_inverse=True)
-    return rewards, valid, index.astype(np.int32), int(uniq.size)
+        Failed owners have reward 0; ``valid`` is the healthy owners (``healthy``) or everyone
+        (``all_owners``: failed owners count with reward 0). Group indices are the rank of each
+        owner's ``group_id`` among the sorted distinct ids.
+        """
+        BASELINE_POPULATIONS.validate(baseline_population, "baseline_population")
+        owners = tuple(owners)
+        failed = np.array([o.failed for o in owners], bool)
+        rewards = np.array([0.0 if o.failed else float(o.reward or 0.0) for o in owners])
+        ids = np.array([o.group_id for o in owners], np.int64)
+        uniq, index = np.unique(ids, return_inverse=True)
+        return cls(
+            owners=owners,
+            dropped_group_ids=dropped_group_ids,
+            rewards=rewards.astype(np.float32),
+            valid=~failed if baseline_population == "healthy" else np.ones_like(failed),
+            failed=failed,
+            group_index=index.astype(np.int32).reshape(-1),
+            num_groups=int(uniq.size),
+            token_counts=np.array([o.num_trainable for o in owners], np.float32),
+        )
 
 
 def select_groups(
@@ -99,51 +117,7 @@ def select_groups(
             f"(min_step_batch_fraction={config.min_step_batch_fraction}); dropped groups: "
             f"{list(dropped)}"
         )
-    rewards, valid, index, num_groups = estimator_inputs(kept, config.baseline_population)
-    return GroupSelection(
-        owners=kept,
-        dropped_group_ids=dropped,
-        rewards=rewards,
-        valid=valid,
-        group_index=index,
-        num_groups=num_groups,
-    )
-
-
-def owner_advantages(
-    owners: Sequence[OwnerRollout], estimator: str, *, baseline_population: str = "healthy"
-) -> np.ndarray:
-    """One advantage per owner, by ``osworld_jax.algorithms.compute_advantages`` (one call).
-
-    Args:
-      owners: the owners to train on (after ``select_groups``).
-      estimator: a name of ``osworld_jax.algorithms.ESTIMATORS``.
-      baseline_population: ``healthy`` or ``all_owners`` (see ``GroupPolicyConfig``).
-
-    Returns:
-      f32[N] advantages; failed owners get 0 (they are masked rows anyway).
-    """
-    import jax.numpy as jnp  # the estimators are jax functions; segment building stays numpy
-
-    from osworld_jax.algorithms import compute_advantages
-
-    if not owners:
-        return np.zeros((0,), np.float32)
-    rewards, valid, index, num_groups = estimator_inputs(owners, baseline_population)
-    tokens = np.array([o.num_trainable for o in owners], np.float32)
-    adv = np.asarray(
-        compute_advantages(
-            estimator,
-            jnp.asarray(rewards),
-            jnp.asarray(index),
-            num_groups,
-            valid=jnp.asarray(valid),
-            token_counts=jnp.asarray(tokens),
-        ),
-        np.float32,
-    )
-    failed = np.array([o.failed for o in owners], bool)
-    return np.where(failed, np.float32(0.0), adv).astype(np.float32)
+    return GroupSelection.of(kept, config.baseline_population, dropped)
 
 
 def bucket_length(n: int, length_buckets: Sequence[int] | None, min_length: int = 128) -> int:
@@ -173,7 +147,7 @@ def _num_rows(n: int, dp_size: int, row_buckets: Sequence[int] | None) -> int:
 
 
 def pack_batch(
-    owners: Sequence[OwnerRollout],
+    selection: GroupSelection,
     advantages: Sequence[float] | np.ndarray,
     *,
     num_layers: int,
@@ -182,36 +156,34 @@ def pack_batch(
     length_buckets: Sequence[int] | None = None,
     min_length: int = 128,
     row_buckets: Sequence[int] | None = None,
-    norm_length: int | None = None,
-) -> tuple[Batch, BatchMeta]:
-    """Packs owners' segments into padded rows (one segment per row).
+) -> Batch:
+    """Packs the selected owners' segments into padded rows (one segment per row).
 
-    Row order: owners in input order, each owner's segments in order; a failed owner is one fully
-    masked placeholder row (row weight 0); padding rows (row weight 0, owner 0, group 0) bring R
-    to a multiple of ``dp_size`` (after ``row_buckets``). ``owner_ids[r]`` is the owner's index in
-    ``owners``; ``group_ids[r]`` the rank of its ``group_id`` among the distinct ids.
-    ``advantages[t] = advantage[owner] * loss_mask[t]``.
+    Row order: owners in selection order, each owner's segments in order; a failed owner is one
+    fully masked placeholder row (row weight 0); padding rows (row weight 0, owner 0, group 0)
+    bring R to a multiple of ``dp_size`` (after ``row_buckets``). ``owner_ids[r]`` is the
+    owner's index in ``selection.owners`` (< N); ``group_ids[r]`` its ``selection.group_index``
+    (< ``num_groups``). ``advantages[t] = advantage[owner] * loss_mask[t]``.
 
     Args:
-      owners: the step's owners (after ``select_groups``).
-      advantages: f32[N] one advantage per owner (``owner_advantages``).
+      selection: the step's owners and groups (``select_groups`` or ``GroupSelection.of``).
+      advantages: f32[N] one advantage per selected owner.
       num_layers: L of ``routed_experts``.
       top_k: K of ``routed_experts``.
       dp_size: the data-parallel size R must be a multiple of.
       length_buckets: allowed T values (else next power of two >= max(len, ``min_length``)).
       min_length: the smallest power-of-two T.
       row_buckets: allowed R values before rounding to ``dp_size`` (bounds recompiles).
-      norm_length: ``BatchMeta.norm_length`` (default T).
 
     Returns:
-      ``(Batch, BatchMeta)`` with ``num_owners = len(owners)`` and the number of distinct groups.
+      The `Batch` (checked against the contract).
     """
+    owners, group_index = selection.owners, selection.group_index
     adv = np.asarray(advantages, np.float32).reshape(-1)
     if adv.size != len(owners):
         raise PackingError(f"{adv.size} advantages for {len(owners)} owners")
     if dp_size < 1:
         raise PackingError(f"dp_size must be >= 1, got {dp_size}")
-    _, _, group_index, num_groups = estimator_inputs(owners)
     rows: list[tuple[int, int, Segment | None]] = []  # (owner index, group index, segment)
     for i, o in enumerate(owners):
         if o.failed or not o.segments:
@@ -263,9 +235,4 @@ def pack_batch(
         routed_experts=routes,
     )
     check_batch(batch)
-    meta = BatchMeta(
-        num_owners=len(owners),
-        num_groups=num_groups,
-        norm_length=t if norm_length is None else int(norm_length),
-    )
-    return batch, meta
+    return batch

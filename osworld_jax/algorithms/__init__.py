@@ -15,7 +15,7 @@ from osworld_jax.algorithms.advantages import (
 from osworld_jax.algorithms.aggregation import aggregate_loss
 from osworld_jax.algorithms.filtering import dapo_band_keep, dynamic_sampling_keep
 from osworld_jax.algorithms.gates import binary_kl, flash_reinforce_gate, no_gate, ratio_band_gate
-from osworld_jax.algorithms.loss import policy_loss
+from osworld_jax.algorithms.loss import LossConfig, policy_loss
 from osworld_jax.algorithms.registries import (
     ESTIMATORS,
     GATES,
@@ -34,6 +34,7 @@ __all__ = [
     "Gate",
     "GateLevel",
     "LossAggMode",
+    "LossConfig",
     "aggregate_loss",
     "batch_mean_advantages",
     "binary_kl",

@@ -8,6 +8,8 @@ rows it becomes) and returns one advantage per owner. ``valid`` marks healthy ow
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
@@ -222,6 +224,7 @@ def _batch_mean(rewards, group_ids, num_groups, *, valid, token_counts):
     return batch_mean_advantages(rewards, valid=valid)
 
 
+@functools.partial(jax.jit, static_argnames=("name", "num_groups"))
 def compute_advantages(
     name: str,
     rewards: Float[Array, " N"],
@@ -231,10 +234,14 @@ def compute_advantages(
     valid: Bool[Array, " N"] | None = None,
     token_counts: Float[Array, " N"] | None = None,
 ) -> Float[Array, " N"]:
-    """Advantages by estimator name (a key of ``ESTIMATORS``); an unknown name raises.
+    """Advantages by estimator name (a key of ``ESTIMATORS``), jitted; an unknown name raises.
+
+    ``name`` and ``num_groups`` are static: one compile per (estimator, N, G); the RL loop pads
+    to its fixed bounds (``N = B x N`` owners with ``valid = False`` padding, ``G = B``), so it
+    compiles once per run.
 
     Args:
-      name: estimator name, one of :class:`Estimator` (static under jit).
+      name: estimator name, one of :class:`Estimator` (static).
       rewards: f32[N] one reward per logical owner.
       group_ids: i32[N] prompt group of each owner.
       num_groups: static number of groups G.

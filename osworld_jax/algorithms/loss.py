@@ -2,14 +2,52 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from osworld_jax.algorithms.aggregation import aggregate_loss
 from osworld_jax.algorithms.gates import binary_kl
-from osworld_jax.algorithms.registries import GATES, GateLevel, check_gate_level
+from osworld_jax.algorithms.registries import GATES, LOSS_AGG_MODES, GateLevel, check_gate_level
 from osworld_jax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossConfig:
+    """The knobs of `policy_loss`: off-policy gate, aggregation and PPO clipping (hashable).
+
+    Frozen and hashable, so it is a static argument under ``jax.jit``. Validated at
+    construction: an unknown gate / level / aggregation mode or ratio bounds that are not
+    ``0 < low <= 1 <= high`` raise ``ConfigError`` naming the field.
+
+    Attributes:
+      gate: off-policy gate (a name of ``GATES``: ``"binary_kl"``, ``"ratio"``, ``"none"``).
+      gate_threshold: the gate's threshold (binary-KL mean, or the log-ratio band half-width).
+      gate_level: where the gate decides: ``"sequence"`` (one decision per row) or
+        ``"token"`` (one per token).
+      agg_mode: loss aggregation (a name of ``LOSS_AGG_MODES``).
+      ratio_clip: PPO ratio bounds ``(low, high)`` with ``0 < low <= 1 <= high`` (e.g.
+        ``(0.8, 1.28)`` for clip epsilons 0.2 / 0.28), or ``None`` (one update per rollout
+        batch needs none: the ratio is 1).
+    """
+
+    gate: str = "binary_kl"
+    gate_threshold: float = 0.01
+    gate_level: str = "sequence"
+    agg_mode: str = "prompt-mean-token-mean"
+    ratio_clip: tuple[float, float] | None = None
+
+    def __post_init__(self) -> None:
+        GATES.validate(self.gate, "LossConfig.gate")
+        LOSS_AGG_MODES.validate(self.agg_mode, "LossConfig.agg_mode")
+        try:
+            check_gate_level(self.gate_level)
+        except ConfigError as e:
+            raise ConfigError(f"LossConfig.gate_level: {e}") from None
+        if self.ratio_clip is not None:
+            object.__setattr__(self, "ratio_clip", _check_ratio_clip(self.ratio_clip))
 
 
 def _masked_mean(x: Float[Array, "R T"], mask: Array) -> Float[Array, ""]:
@@ -17,10 +55,14 @@ def _masked_mean(x: Float[Array, "R T"], mask: Array) -> Float[Array, ""]:
 
 
 def _check_ratio_clip(ratio_clip: tuple[float, float]) -> tuple[float, float]:
-    low, high = (float(v) for v in ratio_clip)
-    if not 0.0 < low <= 1.0 <= high:
+    try:
+        low, high = (float(v) for v in ratio_clip)
+        ok = 0.0 < low <= 1.0 <= high
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
         raise ConfigError(
-            f"policy_loss: ratio_clip={ratio_clip!r} must be bounds with 0 < low <= 1 <= high, "
+            f"LossConfig.ratio_clip={ratio_clip!r} must be bounds with 0 < low <= 1 <= high, "
             "e.g. (0.8, 1.28) for clip epsilons 0.2/0.28"
         )
     return low, high
@@ -32,12 +74,8 @@ def policy_loss(
     advantages: Float[Array, "R T"],
     loss_mask: Float[Array, "R T"],
     *,
+    config: LossConfig = LossConfig(),
     old_logprobs: Float[Array, "R T"] | None = None,
-    gate: str = "binary_kl",
-    gate_threshold: float = 0.01,
-    gate_level: str = "sequence",
-    agg_mode: str = "prompt-mean-token-mean",
-    ratio_clip: tuple[float, float] | None = None,
     group_ids: Int[Array, " R"] | None = None,
     num_groups: int | None = None,
     owner_ids: Int[Array, " R"] | None = None,
@@ -50,11 +88,13 @@ def policy_loss(
     when ``old_logprobs`` is None: one optimizer step per rollout batch, ratio 1) and ``mu`` the
     behaviour (rollout-engine) logprobs:
 
-    - gate: ``(keep, w) = GATES[gate](mu, pi_old, mask, threshold, level)`` compares mu with
-      pi_old; ``coef = stop_gradient(keep * exp(pi_old - mu))`` (0 on masked tokens);
-    - ``ratio = exp(pi - pi_old)``; ``l_t = -coef * ratio * A``, or with ``ratio_clip=(lo, hi)``
-      the PPO form ``l_t = -coef * min(ratio A, clip(ratio, lo, hi) A)``;
-    - ``loss = aggregate_loss(l, mask, mode=agg_mode, ...)``: a gated row keeps its denominators.
+    - gate: ``(keep, w) = GATES[config.gate](mu, pi_old, mask, threshold, level)`` compares mu
+      with pi_old; ``coef = stop_gradient(keep * exp(pi_old - mu))`` (0 on masked tokens);
+    - ``ratio = exp(pi - pi_old)``; ``l_t = -coef * ratio * A``, or with
+      ``config.ratio_clip=(lo, hi)`` the PPO form ``l_t = -coef * min(ratio A, clip(ratio, lo,
+      hi) A)``;
+    - ``loss = aggregate_loss(l, mask, mode=config.agg_mode, ...)``: a gated row keeps its
+      denominators.
 
     Hence, at ``pi = pi_old`` (and outside the clipped region),
     ``d loss / d pi_t = -(coef_t * A_t) / D_t`` with ``D_t`` the aggregation denominator of token
@@ -68,12 +108,8 @@ def policy_loss(
       behavior_logprobs: f32[R, T] rollout-engine logprobs of the same tokens.
       advantages: f32[R, T] advantage of each token (its owner's, fanned out).
       loss_mask: f32[R, T] 1 on trainable tokens.
+      config: gate, threshold, level, aggregation mode and ratio clip (`LossConfig`); static.
       old_logprobs: f32[R, T] pi_old when several optimizer steps reuse one rollout batch.
-      gate: a key of ``GATES`` (``"binary_kl"``, ``"none"``, ``"ratio"``); static.
-      gate_threshold: the gate's threshold (binary-KL mean, or half-width of the log-ratio band).
-      gate_level: ``"sequence"`` or ``"token"``; static.
-      agg_mode: a key of ``LOSS_AGG_MODES``; static.
-      ratio_clip: optional PPO ratio bounds ``(low, high)`` with ``0 < low <= 1 <= high``.
       group_ids: i32[R] prompt group of each row (for ``prompt-mean-token-mean``).
       num_groups: static number of groups.
       owner_ids: i32[R] logical owner of each row.
@@ -87,9 +123,9 @@ def policy_loss(
       over loss tokens with finite mu), ``is_weight_mean``, ``ratio_mean``, ``clip_fraction``,
       ``loss_tokens``, ``nonfinite_behavior_tokens``.
     """
-    gate_fn = GATES.get(gate)
-    level = check_gate_level(gate_level)
-    clip = None if ratio_clip is None else _check_ratio_clip(ratio_clip)
+    gate_fn = GATES.get(config.gate)
+    level = check_gate_level(config.gate_level)
+    clip = config.ratio_clip
     logprobs = jnp.asarray(logprobs, jnp.float32)
     behavior = jnp.asarray(behavior_logprobs, jnp.float32)
     advantages = jnp.asarray(advantages, jnp.float32)
@@ -98,7 +134,9 @@ def policy_loss(
     old = logprobs if old_logprobs is None else jnp.asarray(old_logprobs, jnp.float32)
     pi_old = jax.lax.stop_gradient(old)
 
-    keep, is_weight = gate_fn(behavior, pi_old, mask_f, threshold=gate_threshold, level=level.value)
+    keep, is_weight = gate_fn(
+        behavior, pi_old, mask_f, threshold=config.gate_threshold, level=level.value
+    )
     coef = jax.lax.stop_gradient(jnp.where(mask, is_weight, 0.0))
     ratio = jnp.exp(logprobs - pi_old)
     surrogate = ratio * advantages
@@ -112,7 +150,7 @@ def policy_loss(
     loss = aggregate_loss(
         token_loss,
         mask_f,
-        mode=agg_mode,
+        mode=config.agg_mode,
         group_ids=group_ids,
         num_groups=num_groups,
         owner_ids=owner_ids,

@@ -146,6 +146,8 @@ class LayerOut(NamedTuple):
     prob_sum: jax.Array  # f32[E]
     z_sum: jax.Array  # f32[]
     cache: LayerCache | None
+    agreeing_routes: jax.Array  # f32[] replayed routes equal to the live top-k (R3 agreement)
+    replayed_routes: jax.Array  # f32[] valid tokens with a replayed route
 
 
 def _scatter_cache(
@@ -231,14 +233,14 @@ def decoder_layer(
     x = x + attn_out
     y = rms_norm(x, attn_p["post_norm"], eps).reshape(b * s, h)  # [T, H]
     k, e = config.num_experts_per_tok, config.num_experts
+    zero = jnp.zeros((), jnp.float32)
+    agreeing, replayed = zero, zero
     if is_moe:
+        replay_rows = None if replay is None else replay.reshape(b * s, k)  # [T, K]
         routing = moe.route(
-            y,
-            mlp_p["router"],
-            top_k=k,
-            norm_topk_prob=config.norm_topk_prob,
-            replay=None if replay is None else replay.reshape(b * s, k),
+            y, mlp_p["router"], top_k=k, norm_topk_prob=config.norm_topk_prob, replay=replay_rows
         )
+        agreeing, replayed = moe.replay_agreement(routing, replay_rows, valid.reshape(-1))
         expert_fn = moe.EXPERT_BACKENDS.get(runtime.expert_backend)
         out = expert_fn(
             y, routing.experts, routing.weights.astype(y.dtype), *_experts(mlp_p)
@@ -251,7 +253,7 @@ def decoder_layer(
         z_sum = jnp.zeros((), jnp.float32)
         routed = jnp.full((b, s, k), -1, jnp.int32)
     x = constrain_batch(x + out.reshape(b, s, h).astype(x.dtype), runtime.activation_batch_axes)
-    return x, LayerOut(routed, count, prob_sum, z_sum, cache)
+    return x, LayerOut(routed, count, prob_sum, z_sum, cache, agreeing, replayed)
 
 
 def _experts(p: dict[str, Any]) -> tuple[jax.Array, jax.Array, jax.Array]:

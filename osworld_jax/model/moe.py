@@ -87,6 +87,27 @@ def router_stats(
     return count, prob_sum, jnp.sum(valid * z * z)
 
 
+def replay_agreement(
+    routing: Routing, replay: Int[Array, "T K"] | None, valid: Float[Array, " T"]
+) -> tuple[Float[Array, ""], Float[Array, ""]]:
+    """R3 route agreement counts of one layer: replayed routes equal to this model's own top-k.
+
+    A token counts as replayed when it is valid and its replay row is a route (no -1); it agrees
+    when the replayed expert *set* equals ``routing.live_experts`` (the top-k of this model's
+    router on the same input, computed anyway). Both are stop-gradient counts.
+
+    Returns:
+      ``(agreeing f32[], replayed f32[])`` token counts.
+    """
+    if replay is None:
+        zero = jnp.zeros((), jnp.float32)
+        return zero, zero
+    replayed = jnp.all(replay >= 0, axis=-1) & (valid > 0)  # [T]
+    same = jnp.all(jnp.sort(replay, axis=-1) == jnp.sort(routing.live_experts, axis=-1), -1)
+    agreeing = jnp.sum((replayed & same).astype(jnp.float32))
+    return jax.lax.stop_gradient(agreeing), jnp.sum(replayed.astype(jnp.float32))
+
+
 def load_balancing_loss(count: jax.Array, prob_sum: jax.Array, rows: jax.Array) -> jax.Array:
     r"""HF's Switch-Transformer loss over all MoE layers' valid rows.
 

@@ -61,8 +61,12 @@ class PolicyOutput(NamedTuple):
       logits: f32[B, S, V] (None when called with ``return_logits=False``).
       hidden: [B, S, H] final-normed hidden states (``logits = hidden @ unembed``).
       routed_experts: i32[B, S, L, K] experts used per token and layer (-1 on dense layers).
-      aux: {"load_balancing_loss", "router_z_loss", "total"} float32 scalars; ``total`` is
-        ``router_aux_loss_coef * lb + router_z_loss_coef * z`` of the runtime config.
+      aux: {"load_balancing_loss", "router_z_loss", "total", "agreeing_routes",
+        "replayed_routes"} float32 scalars; ``total`` is ``router_aux_loss_coef * lb +
+        router_z_loss_coef * z`` of the runtime config; with ``replay_experts``,
+        ``replayed_routes`` counts the valid (token, MoE layer) pairs with a replayed route and
+        ``agreeing_routes`` those whose replayed expert set equals the model's own top-k there
+        (R3 route agreement = agreeing / replayed).
       kv_cache: the updated `KVCache` when one was passed, else None.
     """
 
@@ -120,6 +124,7 @@ def forward(
     num_deep = 0 if deep is None else deep.levels
 
     routed, counts, prob_sums, z_sums, new_k, new_v = [], [], [], [], [], []
+    agreeing, replayed = [], []
     for is_moe, start, end, kind_start in _split_runs(layer_runs(config), num_deep):
         n = end - start
         xs = {
@@ -159,6 +164,8 @@ def forward(
         counts.append(out.expert_count.sum(0))
         prob_sums.append(out.prob_sum.sum(0))
         z_sums.append(out.z_sum.sum())
+        agreeing.append(out.agreeing_routes.sum())
+        replayed.append(out.replayed_routes.sum())
         if out.cache is not None:
             new_k.append(out.cache.k)
             new_v.append(out.cache.v)
@@ -180,6 +187,8 @@ def forward(
         "load_balancing_loss": lb,
         "router_z_loss": z,
         "total": runtime.router_aux_loss_coef * lb + runtime.router_z_loss_coef * z,
+        "agreeing_routes": sum(agreeing, jnp.zeros(())),
+        "replayed_routes": sum(replayed, jnp.zeros(())),
     }
     routed_experts = jnp.moveaxis(jnp.concatenate(routed, axis=0), 0, 2)  # [B, S, L, K]
     cache = None

@@ -46,8 +46,6 @@ class RLConfig:
       metrics_dir: where ``metrics.jsonl`` and TensorBoard events go, relative to the run dir.
       weights_keep: how many exported HF weight directories (``weights/step_*``) to keep.
       progress_bar: show a tqdm bar with per-stage timing.
-      route_agreement_every: measure the R3 route agreement (one extra forward pass without
-        replay) every this many steps; 0 never.
       success_reward: a healthy owner with reward >= this counts as a pass (``reward/pass_rate``).
       norm_length: the constant L of ``seq-mean-token-sum-norm`` (Dr.GRPO); ``None`` uses the
         generation budget ``max_new_tokens x max_turns``.
@@ -67,7 +65,6 @@ class RLConfig:
     metrics_dir: str = "."
     weights_keep: int = 2
     progress_bar: bool = True
-    route_agreement_every: int = 1
     success_reward: float = 1.0
     norm_length: int | None = None
     mesh: dict[str, int] = field(default_factory=dict)
@@ -222,11 +219,6 @@ class ExperimentConfig:
                 f"AgentConfig.action_space ({self.agent.action_space!r}) and "
                 f"AgentEnvConfig.action_space ({self.env.action_space!r}) differ: the prompt "
                 "would describe one action space and the parser expect another"
-            )
-        if self.distributed.rollout_on != "process0":
-            raise ConfigError(
-                "DistributedConfig.rollout_on: the RL loop runs 'process0' (process 0 rolls out "
-                f"and broadcasts the batch), got {self.distributed.rollout_on!r}"
             )
 
     def replace(self, **changes: Any) -> ExperimentConfig:

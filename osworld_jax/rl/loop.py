@@ -14,7 +14,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from osworld_jax.agent import pack_batch
+from osworld_jax.agent import pack_batch, select_groups
 from osworld_jax.rl import stages
 from osworld_jax.rl.config import ExperimentConfig
 from osworld_jax.rl.metrics import StageTimer
@@ -54,7 +54,7 @@ def train(
     rl, last_step = experiment.rl, steps if steps is not None else experiment.rl.steps
     with RunResources(experiment, Path(run_dir)) as run, run.metrics_logger(last_step) as log:
         for step in range(run.start_step + 1, last_step + 1):
-            t, batch, meta = StageTimer(), None, None
+            t, batch = StageTimer(), None
             with t.stage("data"):
                 tasks = next(run.stream)  # every process draws: one checkpointed position
             if run.rolls_out:  # process 0 of a multi-host job; the only process otherwise
@@ -63,22 +63,21 @@ def train(
                 with t.stage("segments"):
                     rollouts = stages.collect_owners(raw, rl, step)
                 with t.stage("advantages"):
-                    kept, adv, dropped = stages.advantages(rollouts, rl, experiment.group)
+                    selection = select_groups(rollouts.owners, experiment.group, rl.num_prompts)
+                    adv = stages.owner_advantages(selection, rl.estimator, run.trainer.bounds)
                 with t.stage("batch"):
-                    batch, meta = pack_batch(kept, adv, **run.pack_kwargs)
+                    batch = pack_batch(selection, adv, **run.pack_kwargs)
             with t.stage("broadcast"):
-                batch, meta = broadcast_host_batch(batch, meta)  # no-op for one process
-            with t.stage("r3"):
-                r3 = stages.route_metrics(run.trainer, run.state, batch, step, rl)
+                batch = broadcast_host_batch(batch)  # no-op for one process
             with t.stage("train"):
-                run.state, tm = run.trainer.train_step(run.state, batch, meta)
+                run.state, tm = run.trainer.train_step(run.state, batch)
             with t.stage("refit"):
                 run.refit(step)
             with t.stage("checkpoint"):
                 run.save(step, force=step == last_step)
             if log is not None:
-                m = stages.step_metrics(rollouts, kept, adv, dropped, batch, tm, rl.success_reward)
-                log.log(step, {**m, **r3, **t.metrics(), **raw.timing()})
-                run.write_owner_records(stages.owner_records(step, rollouts, kept, adv))
+                m = stages.step_metrics(rollouts, selection, adv, batch, tm, rl.success_reward)
+                log.log(step, {**m, **t.metrics(), **raw.timing()})
+                run.write_owner_records(stages.owner_records(step, rollouts, selection, adv))
         history, summary = (log.history, log.summary()) if log is not None else ([], "")
     return TrainResult(Path(run_dir), run.start_step + 1, last_step, history, summary)

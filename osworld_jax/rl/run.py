@@ -19,6 +19,7 @@ from typing import Any, Self
 import jax.numpy as jnp
 
 from osworld_jax.agent import AgentTokenizer
+from osworld_jax.batch import BatchBounds
 from osworld_jax.data import TaskRef, make_task_stream
 from osworld_jax.env import AgentEnv, load_task, make_backend
 from osworld_jax.errors import ConfigError
@@ -132,7 +133,11 @@ class RunResources(RolloutResources):
         policy = load_hf_checkpoint(
             self.model_path, dtype=jnp.dtype(exp.runtime.dtype), mesh=mesh, runtime=exp.runtime
         )
-        self.trainer = Trainer(exp.trainer, policy, mesh=mesh)
+        norm = rl.norm_length or exp.rollout.sampling.max_new_tokens * exp.env.max_turns
+        bounds = BatchBounds(
+            num_owners=rl.num_logical_owners, num_groups=rl.num_prompts, norm_length=norm
+        )
+        self.trainer = Trainer(exp.trainer, policy, bounds=bounds, mesh=mesh)
         self.callback(self.trainer.close)  # waits for an in-flight save: the checkpoint stays whole
         runnable = stages.RunnableFilter(exp.env.backend, exp.env.cache_dir)
         keep = runnable if exp.data.only_runnable else None
@@ -145,7 +150,6 @@ class RunResources(RolloutResources):
             skipped = self.run_dir / "skipped_tasks.json"
             skipped.write_text(json.dumps(runnable.skipped, indent=1, sort_keys=True))
             log.warning("%d not-runnable tasks skipped (see %s)", len(runnable.skipped), skipped)
-        norm = rl.norm_length or exp.rollout.sampling.max_new_tokens * exp.env.max_turns
         owners = rl.num_logical_owners
         self.pack_kwargs: dict[str, Any] = dict(
             num_layers=model_config.num_hidden_layers,
@@ -153,7 +157,6 @@ class RunResources(RolloutResources):
             dp_size=self.trainer.data_parallel * exp.trainer.num_micro_batches,
             length_buckets=rl.length_buckets or None,
             row_buckets=[owners * k for k in range(1, 9)],
-            norm_length=norm,
         )
         self.weights_dir = self.run_dir / WEIGHTS
         self.weights_dir.mkdir(exist_ok=True, parents=True)

@@ -1,9 +1,9 @@
 """The stages of one RL step, as small helpers the loop in `osworld_jax.rl.loop` calls in order.
 
-Rollout (all B x N owners concurrently under asyncio), group policy + advantages, the device
-batch, the R3 route-agreement probe, weight export + refit, and the step's metrics. No math that
-belongs in ``algorithms/`` lives here: advantages come from ``compute_advantages`` through the
-agent room's ``owner_advantages``.
+Rollout (all B x N owners concurrently under asyncio), segments, advantages, weight export +
+refit, and the step's metrics. No math that belongs in ``algorithms/`` lives here: the
+advantages are one call of the jitted, registered estimator (``compute_advantages``) over the
+arrays `select_groups` built.
 """
 
 from __future__ import annotations
@@ -17,21 +17,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from osworld_jax.agent import (
     AgentConfig,
     AgentTokenizer,
-    GroupPolicyConfig,
+    GroupSelection,
     OwnerAgent,
     OwnerRollout,
-    owner_advantages,
-    select_groups,
 )
-from osworld_jax.batch import Batch
+from osworld_jax.algorithms import compute_advantages
+from osworld_jax.batch import Batch, BatchBounds
 from osworld_jax.data import TaskRef
 from osworld_jax.env import capabilities, load_task
 from osworld_jax.errors import InfraError, OsworldJaxError
@@ -240,61 +236,40 @@ def _failed(owner: int, group: int, error: str) -> OwnerRollout:
     )
 
 
-def advantages(
-    rollouts: StepRollouts, rl: RLConfig, group: GroupPolicyConfig
-) -> tuple[tuple[OwnerRollout, ...], np.ndarray, tuple[int, ...]]:
-    """Group policy then the configured estimator over the kept logical owners.
+def owner_advantages(
+    selection: GroupSelection, estimator: str, bounds: BatchBounds | None = None
+) -> np.ndarray:
+    """One advantage per selected owner: the registered estimator, jitted, in one call.
+
+    With ``bounds`` the estimator's inputs are padded to ``bounds.num_owners`` owners (the
+    padding is not ``valid``: it enters no statistic) over ``bounds.num_groups`` groups, so the
+    estimator compiles once per run whatever the step dropped. Failed owners get 0 (they are
+    masked rows; under ``baseline_population='all_owners'`` they still shaped the baseline).
 
     Returns:
-      ``(kept owners, f32[kept] advantages, dropped group ids)``.
+      f32[N] advantages of ``selection.owners``.
     """
-    selection = select_groups(rollouts.owners, group, rl.num_prompts)
-    adv = owner_advantages(
-        selection.owners, rl.estimator, baseline_population=group.baseline_population
+    n = len(selection.owners)
+    size, groups = n, selection.num_groups
+    if bounds is not None:
+        size, groups = bounds.num_owners, bounds.num_groups
+    if n == 0:
+        return np.zeros((0,), np.float32)
+    if n > size:
+        raise ValueError(f"{n} owners exceed BatchBounds.num_owners = {size}")
+
+    def pad(x: np.ndarray, fill: Any) -> np.ndarray:
+        return np.concatenate([x, np.full((size - n,), fill, x.dtype)])
+
+    adv = compute_advantages(
+        estimator,
+        pad(selection.rewards, 0.0),
+        pad(selection.group_index, 0),
+        groups,
+        valid=pad(selection.valid, False),
+        token_counts=pad(selection.token_counts, 0.0),
     )
-    return selection.owners, adv, selection.dropped_group_ids
-
-
-@nnx.jit
-def _free_routes(model: nnx.Module, tokens: jax.Array, positions: jax.Array, seg: jax.Array):
-    return model(tokens, positions=positions, segment_ids=seg, return_logits=False).routed_experts
-
-
-def route_agreement(policy: nnx.Module, batch: Batch) -> float:
-    """R3 route agreement: how often the trainer's own router picks the engine's experts.
-
-    The fraction of (token, MoE layer) whose engine top-k expert set equals the trainer's own
-    (un-replayed) top-k set for the same input token.
-
-    Only tokens with a recorded engine route count (``routed_experts >= 0`` on real tokens).
-    NaN when no token has a route.
-    """
-    engine = np.asarray(batch.routed_experts)  # [R, T, L, K]
-    has = (engine >= 0).all(-1) & (np.asarray(batch.segment_ids) > 0)[..., None]  # [R, T, L]
-    if not has.any():
-        return float("nan")
-    ours = np.asarray(
-        _free_routes(
-            policy,
-            jnp.asarray(batch.tokens),
-            jnp.asarray(batch.positions),
-            jnp.asarray(batch.segment_ids),
-        )
-    )
-    same = (np.sort(ours, -1) == np.sort(engine, -1)).all(-1)
-    return float(same[has].mean())
-
-
-def route_metrics(
-    trainer: Any, state: Any, batch: Batch, step: int, rl: RLConfig
-) -> dict[str, float]:
-    """``{"r3/route_agreement": ...}`` on the steps ``rl.route_agreement_every`` selects.
-
-    Single-process runs only (multi-host: the probe's forward would need global input arrays).
-    """
-    if not rl.route_agreement_every or step % rl.route_agreement_every or jax.process_count() > 1:
-        return {}
-    return {"r3/route_agreement": route_agreement(trainer.policy(state.params), batch)}
+    return np.where(selection.failed, 0.0, np.asarray(adv)[:n]).astype(np.float32)
 
 
 def export_and_refit(
@@ -329,14 +304,13 @@ def export_and_refit(
 
 def step_metrics(
     rollouts: StepRollouts,
-    kept: Sequence[OwnerRollout],
+    selection: GroupSelection,
     adv: np.ndarray,
-    dropped: Sequence[int],
     batch: Batch,
     train_metrics: dict[str, float],
     success_reward: float,
 ) -> dict[str, float]:
-    """The scalars logged for one step (rewards, gate, KL, R3, tokens, failures)."""
+    """The scalars logged for one step (rewards, gate, KL, R3 agreement, tokens, failures)."""
     healthy = [o for o in rollouts.owners if not o.failed]
     rewards = np.array([o.reward for o in healthy], np.float64)
     seg_counts = [len(o.segments) for o in healthy]
@@ -349,8 +323,8 @@ def step_metrics(
         else float("nan"),
         "owners/total": len(rollouts.owners),
         "owners/failed": len(rollouts.owners) - len(healthy),
-        "owners/trained": len(kept),
-        "groups/dropped": len(dropped),
+        "owners/trained": len(selection.owners),
+        "groups/dropped": len(selection.dropped_group_ids),
         "segments/per_owner": float(np.mean(seg_counts)) if seg_counts else 0.0,
         "turns/mean": float(np.mean(rollouts.turns)),
         "tokens/trainable": float(np.asarray(batch.loss_mask).sum()),
@@ -364,6 +338,7 @@ def step_metrics(
         "gate_rejected_fraction": "gate/rejected_fraction",
         "binary_kl_mean": "gate/binary_kl_mean",
         "logprob_abs_diff": "logprob/train_rollout_abs_diff",
+        "route_agreement": "r3/route_agreement",
     }
     for k, v in train_metrics.items():
         if k != "step":
@@ -372,10 +347,10 @@ def step_metrics(
 
 
 def owner_records(
-    step: int, rollouts: StepRollouts, kept: Sequence[OwnerRollout], adv: np.ndarray
+    step: int, rollouts: StepRollouts, selection: GroupSelection, adv: np.ndarray
 ) -> list[dict[str, Any]]:
     """One ``rollouts.jsonl`` record per owner of the step (reward, advantage, failure, ...)."""
-    adv_of = {o.owner_id: float(a) for o, a in zip(kept, adv, strict=True)}
+    adv_of = {o.owner_id: float(a) for o, a in zip(selection.owners, adv, strict=True)}
     n = len(rollouts.owners) // max(len(rollouts.tasks), 1)
     out = []
     for o, turns in zip(rollouts.owners, rollouts.turns, strict=True):

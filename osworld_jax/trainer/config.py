@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from osworld_jax.algorithms import LossConfig
 from osworld_jax.errors import ConfigError
 
 SCHEDULES = ("constant", "cosine")
@@ -89,17 +90,13 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
-    """The train step: loss choice, micro-batching, memory-safe logprobs, R3, sharding.
+    """The train step: the loss, micro-batching, memory-safe logprobs, R3, master weights.
 
     Attributes:
       optimizer: the optimizer and its learning-rate schedule.
       checkpoint: checkpointing (directory, cadence, retention).
-      gate: off-policy gate of ``policy_loss`` (a name of ``osworld_jax.algorithms.GATES``).
-      gate_threshold: the gate's threshold (binary KL, or the log-ratio band half-width).
-      gate_level: ``"sequence"`` or ``"token"``.
-      agg_mode: loss aggregation (a name of ``osworld_jax.algorithms.LOSS_AGG_MODES``).
-      ratio_clip: PPO ratio clipping ``(low, high)``, or ``None`` (one update per batch needs
-        none: the ratio is 1).
+      loss: the policy loss: off-policy gate, aggregation mode, ratio clipping
+        (``osworld_jax.algorithms.LossConfig``).
       num_micro_batches: gradient-accumulation micro-batches per optimizer step; the batch rows
         must divide by ``num_micro_batches * data-parallel size``. Loss denominators are always
         computed over the whole optimizer batch.
@@ -111,7 +108,6 @@ class TrainerConfig:
         bfloat16 policy computes in bfloat16 while its updates accumulate in float32 (a 5e-6
         step is far below one bfloat16 ulp of a typical weight and would round away). ``None``
         keeps the policy's dtype (half the state memory, lossy updates).
-      seed: seed of the train-state RNG (the step key is ``fold_in(rng, step)``).
       check_finite: raise ``NonFiniteError`` naming the step when the loss or gradient norm is
         NaN/Inf. (A non-finite update is always skipped in-graph: the state stays that of the
         previous step; without this check the step would pass silently.)
@@ -119,29 +115,14 @@ class TrainerConfig:
 
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
-    gate: str = "binary_kl"
-    gate_threshold: float = 0.01
-    gate_level: str = "sequence"
-    agg_mode: str = "prompt-mean-token-mean"
-    ratio_clip: tuple[float, float] | None = None
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     num_micro_batches: int = 1
     logprob_chunk: int = 1024
     router_replay: bool = True
     master_dtype: str | None = "float32"
-    seed: int = 0
     check_finite: bool = True
 
     def __post_init__(self) -> None:
-        from osworld_jax.algorithms import GATES, LOSS_AGG_MODES
-        from osworld_jax.algorithms.registries import GateLevel
-
-        GATES.validate(self.gate, "TrainerConfig.gate")
-        LOSS_AGG_MODES.validate(self.agg_mode, "TrainerConfig.agg_mode")
-        if self.gate_level not in {v.value for v in GateLevel}:
-            raise ConfigError(
-                f"TrainerConfig.gate_level: unknown gate level {self.gate_level!r}; "
-                f"choose one of {[v.value for v in GateLevel]}"
-            )
         if self.master_dtype not in (None, "float32", "bfloat16"):
             raise ConfigError(
                 f"TrainerConfig.master_dtype: {self.master_dtype!r}; "
@@ -151,9 +132,3 @@ class TrainerConfig:
             raise ConfigError(f"TrainerConfig.num_micro_batches: {self.num_micro_batches} < 1")
         if self.logprob_chunk < 1:
             raise ConfigError(f"TrainerConfig.logprob_chunk: {self.logprob_chunk} < 1")
-        if self.ratio_clip is not None and not (
-            len(self.ratio_clip) == 2 and 0.0 <= self.ratio_clip[0] and self.ratio_clip[1] >= 0.0
-        ):
-            raise ConfigError(
-                f"TrainerConfig.ratio_clip: expected (low, high) >= 0, got {self.ratio_clip!r}"
-            )

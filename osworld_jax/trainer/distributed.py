@@ -12,15 +12,10 @@ Roles of the processes:
 - metrics: only `is_primary` (process 0) writes them;
 - checkpoints: every process calls ``Trainer.save`` / ``Trainer.restore`` (orbax writes and reads
   each process's shards; the checkpoint directory must be on a filesystem all hosts share);
-- data: ``osworld_jax.data.make_task_stream`` shards tasks by ``jax.process_index/count``;
-  `task_stream_shard` says which shard a process draws under ``rollout_on``;
-- rollouts (``DistributedConfig.rollout_on``; `host_step_batch` does the right one):
-
-  - ``"process0"``: process 0 drives all B x N owners (against its embedded server or any list
-    of SGLang URLs), packs the batch, and `broadcast_host_batch` copies it to every process;
-  - ``"dedicated"``: the SGLang servers live on dedicated hosts outside the JAX job; every
-    trainer process drives its own share of the prompts (its task-stream shard) and
-    `allgather_host_batch` assembles the global batch (ids made globally unique, lengths padded).
+- data: every process draws the same task stream (one checkpointed position); process 0 uses
+  the tasks;
+- rollouts: process 0 drives all B x N owners (against its embedded server or any list of SGLang
+  URLs), packs the batch, and `broadcast_host_batch` copies it to every process.
 
 Process 0 also exports the refit weights (`export_hf_all_processes`: every process joins the
 gather of the sharded parameters, process 0 writes).
@@ -31,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +33,13 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from osworld_jax.batch import Batch, BatchMeta, check_batch
+from osworld_jax.batch import Batch, check_batch
 from osworld_jax.errors import ConfigError
 from osworld_jax.trainer.state import TrainerError
 
 logger = logging.getLogger(__name__)
 
 AUTO_MODES = ("none", "slurm", "env")
-ROLLOUT_ON = ("process0", "dedicated")
 CPU_COLLECTIVES = ("gloo", "mpi")
 
 # The JAX_* variables of ``auto="env"`` (the first and last are also read by jax itself).
@@ -78,9 +71,6 @@ class DistributedConfig:
       local_device_ids: the local accelerators this process uses (``None``: all of them; with
         SLURM and several tasks per node, ``(SLURM_LOCALID,)``, one device per task, as jax
         does). Ignored by the CPU backend.
-      rollout_on: ``"process0"`` (process 0 rolls out and broadcasts the host batch) or
-        ``"dedicated"`` (servers on dedicated hosts; every process rolls out its task shard and
-        the batch is all-gathered).
       cpu_collectives: cross-process collectives of the CPU backend (``"gloo"`` or ``"mpi"``);
         set before the backend starts. ``"gloo"`` ships with jaxlib.
       initialization_timeout_s: how long process start-up waits for the others (seconds).
@@ -93,7 +83,6 @@ class DistributedConfig:
     num_processes: int | None = None
     process_id: int | None = None
     local_device_ids: tuple[int, ...] | None = None
-    rollout_on: str = "process0"
     cpu_collectives: str = "gloo"
     initialization_timeout_s: int = 300
     heartbeat_timeout_s: int = 100
@@ -101,7 +90,6 @@ class DistributedConfig:
     def __post_init__(self) -> None:
         for name, value, allowed in (
             ("auto", self.auto, AUTO_MODES),
-            ("rollout_on", self.rollout_on, ROLLOUT_ON),
             ("cpu_collectives", self.cpu_collectives, CPU_COLLECTIVES),
         ):
             if value not in allowed:
@@ -301,30 +289,9 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
-def does_rollouts(config: DistributedConfig) -> bool:
-    """Whether this process drives agents/sandboxes: process 0, or every one when dedicated."""
-    return config.rollout_on == "dedicated" or is_primary()
-
-
-def task_stream_shard(config: DistributedConfig) -> tuple[int, int] | None:
-    """``(shard_index, shard_count)`` for ``make_task_stream``; None if this process draws none.
-
-    ``"process0"``: process 0 draws the whole task set (the others draw nothing);
-    ``"dedicated"``: process ``i`` of ``n`` draws shard ``i`` of ``n`` (and ``B / n`` prompts).
-    """
-    if config.rollout_on == "dedicated":
-        return jax.process_index(), jax.process_count()
-    return (0, 1) if is_primary() else None
-
-
 # ---------------------------------------------------------------------- host batches
 
-_HEADER = 7  # R, T, L, K, num_owners, num_groups, norm_length
-
-
-def _header(batch: Batch, meta: BatchMeta) -> np.ndarray:
-    r, t, layers, k = batch.routed_experts.shape
-    return np.array([r, t, layers, k, meta.num_owners, meta.num_groups, meta.norm_length], np.int64)
+_HEADER = 4  # R, T, L, K
 
 
 def _empty_batch(r: int, t: int, layers: int, k: int) -> Batch:
@@ -343,122 +310,29 @@ def _empty_batch(r: int, t: int, layers: int, k: int) -> Batch:
     )
 
 
-def pad_batch(batch: Batch, rows: int, length: int) -> Batch:
-    """``batch`` padded to ``[rows, length]``: zero-weight rows, masked tokens past the end.
+def broadcast_host_batch(batch: Batch | None) -> Batch:
+    """Process 0's host batch on every process.
 
-    Padded tokens are 0 with segment id 0 and no loss, their positions continue counting, and
-    their routes are -1, so the loss and the gradients are exactly those of ``batch``.
+    Process 0 passes its packed batch, the others None; all must call it (it runs two
+    collectives: the shapes, then the arrays). Returns numpy arrays equal to process 0's bit
+    for bit (the broadcast is a sum with zeros). With one process it returns ``batch``.
     """
-    r, t, layers, k = batch.routed_experts.shape
-    if rows < r or length < t:
-        raise DistributedError(f"pad_batch: cannot shrink [{r}, {t}] to [{rows}, {length}]")
-    out = _empty_batch(rows, length, layers, k)
-    fields = []
-    for name, src, dst in zip(Batch._fields, batch, out, strict=True):
-        dst = dst.copy()
-        if name == "positions":
-            # Continue each row's count past its old end (the padding convention).
-            dst[:r, :t] = src
-            dst[:r, t:] = src[:, -1:] + np.arange(1, length - t + 1, dtype=np.int32)
-        elif np.ndim(src) == 1:
-            dst[:r] = src
-        else:
-            dst[:r, :t] = src
-        fields.append(dst)
-    return Batch._make(fields)
-
-
-def concat_host_batches(
-    batches: Sequence[Batch], metas: Sequence[BatchMeta]
-) -> tuple[Batch, BatchMeta]:
-    """Joins per-process batches into one optimizer batch (rows in process order).
-
-    Lengths are padded to the longest; owner and group ids of part ``p`` are shifted by the
-    owners / groups of parts ``< p``, so logical owners and prompt groups stay distinct and the
-    aggregation denominators are those of the whole batch.
-
-    Raises:
-      DistributedError: the parts disagree on routes ``[L, K]`` or ``norm_length``.
-    """
-    if not batches or len(batches) != len(metas):
-        raise DistributedError("concat_host_batches: need one meta per batch, at least one")
-    shapes = {b.routed_experts.shape[2:] for b in batches}
-    norms = {m.norm_length for m in metas}
-    if len(shapes) != 1 or len(norms) != 1:
-        raise DistributedError(
-            f"concat_host_batches: parts disagree on routes [L, K] {sorted(shapes)} or "
-            f"norm_length {sorted(norms)}"
-        )
-    length = max(b.tokens.shape[1] for b in batches)
-    parts, owners, groups = [], 0, 0
-    for b, m in zip(batches, metas, strict=True):
-        b = pad_batch(b, b.tokens.shape[0], length)
-        parts.append(b._replace(owner_ids=b.owner_ids + owners, group_ids=b.group_ids + groups))
-        owners, groups = owners + m.num_owners, groups + m.num_groups
-    batch = Batch._make(np.concatenate(cols, axis=0) for cols in zip(*parts, strict=True))
-    return batch, BatchMeta(num_owners=owners, num_groups=groups, norm_length=norms.pop())
-
-
-def broadcast_host_batch(batch: Batch | None, meta: BatchMeta | None) -> tuple[Batch, BatchMeta]:
-    """``rollout_on="process0"``: process 0's host batch on every process.
-
-    Process 0 passes its packed ``(batch, meta)``, the others ``(None, None)``; all must call
-    it (it runs two collectives: the shapes, then the arrays). Returns numpy arrays equal to
-    process 0's bit for bit (the broadcast is a sum with zeros).
-    """
+    if is_primary() and batch is None:
+        raise DistributedError("broadcast_host_batch: process 0 passed no batch")
     if jax.process_count() == 1:
-        if batch is None or meta is None:
-            raise DistributedError("broadcast_host_batch: process 0 passed no batch")
-        return batch, meta
+        assert batch is not None
+        return batch
     if is_primary():
-        if batch is None or meta is None:
-            raise DistributedError("broadcast_host_batch: process 0 passed no batch")
+        assert batch is not None
         check_batch(batch)
-        header = _header(batch, meta)
+        header = np.array(batch.routed_experts.shape, np.int64)
     else:
         header = np.zeros((_HEADER,), np.int64)
     header = np.asarray(multihost_utils.broadcast_one_to_all(header))
-    r, t, layers, k, owners, groups, norm = (int(v) for v in header)
+    r, t, layers, k = (int(v) for v in header)
     local = batch if is_primary() and batch is not None else _empty_batch(r, t, layers, k)
     out = multihost_utils.broadcast_one_to_all(tuple(local))
-    out_batch = Batch._make(np.asarray(x) for x in out)
-    return out_batch, BatchMeta(num_owners=owners, num_groups=groups, norm_length=norm)
-
-
-def allgather_host_batch(batch: Batch, meta: BatchMeta) -> tuple[Batch, BatchMeta]:
-    """``rollout_on="dedicated"``: every process's rows joined into one batch on every process.
-
-    Each process passes the batch of its own prompts (ids local to it). The result is
-    `concat_host_batches` of all parts in process order, identical on every process.
-    """
-    check_batch(batch)
-    if jax.process_count() == 1:
-        return concat_host_batches([batch], [meta])
-    headers = np.asarray(multihost_utils.process_allgather(_header(batch, meta)))  # [P, 7]
-    rows, length = int(headers[:, 0].max()), int(headers[:, 1].max())
-    gathered = multihost_utils.process_allgather(tuple(pad_batch(batch, rows, length)))
-    parts, metas = [], []
-    for p, (r, t, _, _, owners, groups, norm) in enumerate(headers.tolist()):
-        fields = [np.asarray(x[p]) for x in gathered]
-        parts.append(Batch._make(f[:r] if f.ndim == 1 else f[:r, :t] for f in fields))
-        metas.append(BatchMeta(num_owners=owners, num_groups=groups, norm_length=norm))
-    return concat_host_batches(parts, metas)
-
-
-def host_step_batch(
-    config: DistributedConfig, produce: Callable[[], tuple[Batch, BatchMeta]]
-) -> tuple[Batch, BatchMeta]:
-    """The step's host batch on every process, produced where ``config.rollout_on`` says.
-
-    ``produce()`` runs the rollouts of this process and packs them (e.g. ``pack_batch(...)``);
-    it is called on process 0 only (``"process0"``, then `broadcast_host_batch`) or on every
-    process (``"dedicated"``, then `allgather_host_batch`). Every process must call this.
-    """
-    if config.rollout_on == "dedicated":
-        return allgather_host_batch(*produce())
-    if is_primary():
-        return broadcast_host_batch(*produce())
-    return broadcast_host_batch(None, None)
+    return Batch._make(np.asarray(x) for x in out)
 
 
 # ---------------------------------------------------------------------- parameters, export

@@ -51,7 +51,6 @@ class TrainState:
         ``nnx.Param`` state of the policy in pure-dict form), in ``TrainerConfig.master_dtype``.
       opt_state: the optax state of those parameters.
       step: i32[] optimizer steps taken.
-      rng: u32[2] base PRNG key; step ``s`` uses ``fold_in(rng, s)``.
       weight_version: i32[] version of the weights (incremented by every applied update), the
         number the RL loop hands to the rollout engine on refit.
     """
@@ -60,7 +59,6 @@ class TrainState:
     params: Any
     opt_state: Any
     step: Any
-    rng: Any
     weight_version: Any
 
     def replace(self, **changes: Any) -> TrainState:

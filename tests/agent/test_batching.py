@@ -16,20 +16,32 @@ from osworld_jax.agent import (
     Compaction,
     GroupPolicyConfig,
     GroupPolicyError,
+    GroupSelection,
     History,
     OwnerRollout,
     PackingError,
     Segment,
     bucket_length,
     build_segments,
-    owner_advantages,
     pack_batch,
     select_groups,
 )
 from osworld_jax.algorithms import aggregate_loss
 from osworld_jax.batch import check_batch
+from osworld_jax.rl.stages import owner_advantages as selection_advantages
 
 L, K = 2, 2
+
+
+def owner_advantages(owners, estimator, *, baseline_population="healthy"):
+    """The RL loop's reward -> advantage path over exactly ``owners``."""
+    return selection_advantages(GroupSelection.of(owners, baseline_population), estimator)
+
+
+def pack(owners, adv, **kw):
+    """``pack_batch`` of exactly ``owners`` (no group policy), and their selection."""
+    sel = GroupSelection.of(owners)
+    return pack_batch(sel, adv, **kw), sel
 
 
 def segment(owner, group, n_prompt, n_out, *, seed=0, media=()):
@@ -122,7 +134,7 @@ def test_pack_batch_equals_a_plain_python_reference(spec, dp):
         built = [segment(i, g, p, o, seed=100 * i + j) for j, (p, o) in enumerate(segs)]
         owners.append(owner(i, g, float(i % 2), built, failed=failed))
     adv = np.linspace(-1.0, 1.0, len(owners)).astype(np.float32)
-    batch, meta = pack_batch(owners, adv, num_layers=L, top_k=K, dp_size=dp, min_length=16)
+    batch, sel = pack(owners, adv, num_layers=L, top_k=K, dp_size=dp, min_length=16)
     check_batch(batch)
     rows = sum(1 if o.failed else len(o.segments) for o in owners)
     longest = (
@@ -139,8 +151,9 @@ def test_pack_batch_equals_a_plain_python_reference(spec, dp):
         np.testing.assert_allclose(
             getattr(batch, name), np.array(want), rtol=0, atol=0, err_msg=name
         )
-    assert meta.num_owners == len(owners)
-    assert meta.num_groups == len({o.group_id for o in owners})
+    assert len(sel.owners) == len(owners)
+    assert sel.num_groups == len({o.group_id for o in owners})
+    assert batch.owner_ids.max() < len(owners) and batch.group_ids.max() < sel.num_groups
 
 
 def test_failed_owner_is_one_masked_row_and_siblings_are_kept():
@@ -151,19 +164,19 @@ def test_failed_owner_is_one_masked_row_and_siblings_are_kept():
         owner(1, 5, None, failed=True),
         owner(2, 5, 0.0, [segment(2, 5, 3, 3, seed=3)]),
     ]
-    batch, meta = pack_batch(owners, [0.5, 0.0, -0.5], num_layers=L, top_k=K, dp_size=2)
+    batch, sel = pack(owners, [0.5, 0.0, -0.5], num_layers=L, top_k=K, dp_size=2)
     np.testing.assert_array_equal(batch.owner_ids, [0, 0, 1, 2])
     np.testing.assert_array_equal(batch.row_weight, [1, 1, 0, 1])
     np.testing.assert_array_equal(batch.group_ids, [0, 0, 0, 0])
     assert batch.loss_mask[2].sum() == 0 and batch.segment_ids[2].sum() == 0
     assert np.all(batch.routed_experts[2] == -1)
     assert batch.loss_mask[3].sum() == 3 and batch.advantages[3].sum() == pytest.approx(-1.5)
-    assert (meta.num_owners, meta.num_groups, batch.tokens.shape[1]) == (3, 1, 128)
+    assert (len(sel.owners), sel.num_groups, batch.tokens.shape[1]) == (3, 1, 128)
 
 
 def test_rows_padded_to_dp_size_are_fully_masked():
     owners = [owner(0, 0, 1.0, [segment(0, 0, 3, 2)])]
-    batch, _ = pack_batch(owners, [1.0], num_layers=L, top_k=K, dp_size=4)
+    (batch, _) = pack(owners, [1.0], num_layers=L, top_k=K, dp_size=4)
     assert batch.tokens.shape[0] == 4
     np.testing.assert_array_equal(batch.row_weight, [1, 0, 0, 0])
     assert batch.loss_mask[1:].sum() == 0 and batch.advantages[1:].sum() == 0
@@ -181,7 +194,7 @@ def test_length_and_row_buckets():
     with pytest.raises(PackingError, match="exceeds the largest length bucket 512"):
         bucket_length(600, [256, 512])
     owners = [owner(i, 0, 1.0, [segment(i, 0, 3, 2, seed=i)]) for i in range(3)]
-    batch, _ = pack_batch(
+    (batch, _) = pack(
         owners,
         [0, 0, 0],
         num_layers=L,
@@ -196,13 +209,13 @@ def test_length_and_row_buckets():
 def test_routes_with_the_wrong_layer_count_are_rejected():
     owners = [owner(0, 0, 1.0, [segment(0, 0, 3, 2)])]
     with pytest.raises(PackingError, match=r"expected \(4, 2\)"):
-        pack_batch(owners, [1.0], num_layers=4, top_k=K)
+        pack(owners, [1.0], num_layers=4, top_k=K)
 
 
 def test_generated_media_tokens_get_no_advantage():
     # Output starts with media token 7 (history media id): its mask and advantage are 0.
     seg = segment(0, 0, 3, 4, media=(7,))
-    batch, _ = pack_batch([owner(0, 0, 1.0, [seg])], [2.0], num_layers=L, top_k=K)
+    (batch, _) = pack([owner(0, 0, 1.0, [seg])], [2.0], num_layers=L, top_k=K)
     np.testing.assert_array_equal(batch.loss_mask[0, :7], [0, 0, 0, 0, 1, 1, 1])
     np.testing.assert_array_equal(batch.advantages[0, :7], [0, 0, 0, 0, 2, 2, 2])
 
@@ -260,7 +273,7 @@ def test_three_segment_owner_same_advantage_weighted_once():
     b = owner(1, 0, 0.0, [segment(1, 0, 3, 4, seed=9)])
     adv = owner_advantages([a, b], "grpo")
     np.testing.assert_allclose(adv, [0.70711, -0.70711], rtol=1e-4)
-    batch, meta = pack_batch([a, b], adv, num_layers=L, top_k=K)
+    batch, sel = pack([a, b], adv, num_layers=L, top_k=K)
     np.testing.assert_array_equal(batch.owner_ids, [0, 0, 0, 1])
     for row, n_trainable in zip(range(3), (2, 3, 1), strict=True):
         m = batch.loss_mask[row] > 0
@@ -275,7 +288,7 @@ def test_three_segment_owner_same_advantage_weighted_once():
         jnp.asarray(batch.loss_mask),
         mode="seq-mean-token-mean",
         owner_ids=jnp.asarray(batch.owner_ids),
-        num_owners=meta.num_owners,
+        num_owners=len(sel.owners),
     )
     per_row = aggregate_loss(
         jnp.asarray(token_loss), jnp.asarray(batch.loss_mask), mode="seq-mean-token-mean"
@@ -292,16 +305,16 @@ MODES = [
 ]
 
 
-def _aggregate(batch, meta, token_loss, mode, owner_ids):
+def _aggregate(batch, sel, token_loss, mode, owner_ids):
     return float(
         aggregate_loss(
             jnp.asarray(token_loss),
             jnp.asarray(batch.loss_mask * batch.row_weight[:, None]),
             mode=mode,
             group_ids=jnp.asarray(batch.group_ids),
-            num_groups=meta.num_groups,
+            num_groups=sel.num_groups,
             owner_ids=None if owner_ids is None else jnp.asarray(owner_ids),
-            num_owners=None if owner_ids is None else meta.num_owners,
+            num_owners=None if owner_ids is None else len(sel.owners),
             norm_length=64.0,
         )
     )
@@ -320,13 +333,13 @@ def test_owner_aggregation_of_segmented_rows_equals_the_unsegmented_rollout(mode
         owner(4, 1, 0.0, [segment(4, 1, 2, 5, seed=4)]),
     ]
     adv = owner_advantages(owners, "grpo")
-    batch, meta = pack_batch(owners, adv, num_layers=L, top_k=K, dp_size=4)
+    batch, sel = pack(owners, adv, num_layers=L, top_k=K, dp_size=4)
     token_loss = -batch.advantages * batch.behavior_logprobs
-    got = _aggregate(batch, meta, token_loss, mode, batch.owner_ids)
+    got = _aggregate(batch, sel, token_loss, mode, batch.owner_ids)
     healthy = [o for o in owners if not o.failed]
-    ref_batch, ref_meta = pack_batch(healthy, adv[[0, 1, 3, 4]], num_layers=L, top_k=K)
+    ref_batch, ref_sel = pack(healthy, adv[[0, 1, 3, 4]], num_layers=L, top_k=K)
     ref_loss = -ref_batch.advantages * ref_batch.behavior_logprobs
-    want = _aggregate(ref_batch, ref_meta, ref_loss, mode, None)
+    want = _aggregate(ref_batch, ref_sel, ref_loss, mode, None)
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
@@ -343,9 +356,9 @@ def test_owner_aggregation_pools_an_owners_segments_like_one_sequence(mode):
     )
     b = owner(1, 0, 0.0, [segment(1, 0, 3, 4, seed=9)])
     adv = owner_advantages([a, b], "dr_grpo")  # +0.5, -0.5
-    batch, meta = pack_batch([a, b], adv, num_layers=L, top_k=K)
+    batch, sel = pack([a, b], adv, num_layers=L, top_k=K)
     token_loss = -batch.advantages * batch.behavior_logprobs
-    got = _aggregate(batch, meta, token_loss, mode, batch.owner_ids)
+    got = _aggregate(batch, sel, token_loss, mode, batch.owner_ids)
     # Unsegmented: row 0 = A's trainable losses concatenated, row 1 = B's.
     t = batch.tokens.shape[1]
     flat_loss = np.zeros((2, t), np.float32)

@@ -17,6 +17,7 @@ from osworld_jax.agent import (
     AgentConfig,
     AgentTokenizer,
     CompactionConfig,
+    GroupSelection,
     OwnerAgent,
     OwnerRollout,
     pack_batch,
@@ -78,7 +79,7 @@ def test_embedded_server_rows_reproduce_behaviour_logprobs(tmp_path):
         owner_id=0, group_id=0, segments=tuple(agent.segments()), reward=1.0, failed=False
     )
     assert [s.call_indices for s in owner.segments] == [(0, 1), (2,)]
-    batch, _ = pack_batch([owner], [1.0], num_layers=layers, top_k=top_k)
+    batch = pack_batch(GroupSelection.of([owner]), [1.0], num_layers=layers, top_k=top_k)
     real = batch.segment_ids > 0
     # Routes: every real position but each row's last has one on the MoE layers (dense layer 0
     # is -1 by the server contract); the last token of a row was never an input.

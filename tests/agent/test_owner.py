@@ -14,7 +14,6 @@ from osworld_jax.agent import (
     GroupPolicyConfig,
     OwnerAgent,
     build_segments,
-    owner_advantages,
     pack_batch,
     select_groups,
 )
@@ -22,6 +21,7 @@ from osworld_jax.batch import check_batch
 from osworld_jax.env.agent_env import AgentEnv, AgentEnvConfig, OwnerResult
 from osworld_jax.env.backend import Observation
 from osworld_jax.errors import InfraError
+from osworld_jax.rl.stages import owner_advantages
 from osworld_jax.rollout import SamplingParams, ServerUnavailable
 from osworld_jax.testing.memory import MemoryBackend, word_task
 
@@ -123,9 +123,9 @@ def test_a_group_through_agent_env_becomes_rows(agent_tokenizer):
     assert [len(o.segments) for o in owners] == [1, 1, 0, 1]
     assert owners[2].failed and "ServerUnavailable" in owners[2].error
     sel = select_groups(owners, GroupPolicyConfig(), num_prompts=1)
-    adv = owner_advantages(sel.owners, "grpo")
+    adv = owner_advantages(sel, "grpo")
     np.testing.assert_allclose(adv, [0.57735, -1.1547, 0.0, 0.57735], rtol=1e-4)
-    batch, meta = pack_batch(sel.owners, adv, num_layers=2, top_k=2, dp_size=2)
+    batch = pack_batch(sel, adv, num_layers=2, top_k=2, dp_size=2)
     check_batch(batch)
     np.testing.assert_array_equal(batch.owner_ids, [0, 1, 2, 3])
     np.testing.assert_array_equal(batch.row_weight, [1, 1, 0, 1])
@@ -138,7 +138,7 @@ def test_a_group_through_agent_env_becomes_rows(agent_tokenizer):
             batch.tokens[i, : calls[1].length],
             np.concatenate([calls[1].prompt_ids, calls[1].output_ids]),
         )
-    assert (meta.num_owners, meta.num_groups) == (4, 1)
+    assert (len(sel.owners), sel.num_groups) == (4, 1)
 
 
 def test_real_client_wire_path_gives_exact_rows(agent_tokenizer):

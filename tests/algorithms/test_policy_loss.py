@@ -10,24 +10,30 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from osworld_jax.algorithms import LossAggMode, flash_reinforce_gate, policy_loss
+from osworld_jax.algorithms import LossAggMode, LossConfig, flash_reinforce_gate, policy_loss
 from osworld_jax.errors import ConfigError
 
 SETTINGS = settings(max_examples=25, deadline=None)
-STATIC = (
-    "gate",
-    "gate_threshold",
-    "gate_level",
-    "agg_mode",
-    "ratio_clip",
-    "num_groups",
-    "num_owners",
-    "norm_length",
-)
+STATIC = ("config", "num_groups", "num_owners", "norm_length")
+LOSS_KEYS = ("gate", "gate_threshold", "gate_level", "agg_mode", "ratio_clip")
 # the production path is jitted; one compile per configuration is also far faster than eager
-jit_loss = jax.jit(policy_loss, static_argnames=STATIC)
+_jit_loss = jax.jit(policy_loss, static_argnames=STATIC)
 # ((loss, metrics), d loss / d logprobs) in one compile
-loss_and_grad = jax.jit(jax.value_and_grad(policy_loss, has_aux=True), static_argnames=STATIC)
+_loss_and_grad = jax.jit(jax.value_and_grad(policy_loss, has_aux=True), static_argnames=STATIC)
+
+
+def _with_config(fn):
+    """``fn(*args, gate=..., agg_mode=..., **rest)``: the loss keywords become one LossConfig."""
+
+    def call(*args, **kw):
+        loss = {k: kw.pop(k) for k in LOSS_KEYS if k in kw}
+        return fn(*args, config=LossConfig(**loss), **kw)
+
+    return call
+
+
+jit_loss = _with_config(_jit_loss)
+loss_and_grad = _with_config(_loss_and_grad)
 
 # pi = 0.5 on every token. Behaviour per row: 0.5 (KL 0, coef 1); 0.48 (KL 0.48 ln .96 +
 # .52 ln 1.04 = 0.000800 <= 0.01: kept, coef 0.5/0.48 = 1.0416667); 0.25 (KL 0.25 ln .5 +

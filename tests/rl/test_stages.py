@@ -1,13 +1,10 @@
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from osworld_jax.agent import GroupPolicyConfig, OwnerRollout, Segment, pack_batch
+from osworld_jax.agent import GroupPolicyConfig, OwnerRollout, Segment, pack_batch, select_groups
+from osworld_jax.batch import BatchBounds
 from osworld_jax.data import TaskRef
 from osworld_jax.env import OwnerResult, SandboxCreateError
-from osworld_jax.model import ModelRuntimeConfig, Policy
-from osworld_jax.model.tiny import tiny_config
 from osworld_jax.rl import RLConfig, stages
 
 
@@ -99,22 +96,23 @@ def test_advantages_and_metrics_over_logical_owners():
     rl = RLConfig(num_prompts=2, num_owners=2, estimator="dr_grpo")
     owners = owners_with_segments([1.0, 0.0, 1.0, 1.0], n=2)
     ro = stages.StepRollouts(tasks=refs(2), owners=tuple(owners), turns=(1, 2, 1, 1))
-    kept, adv, dropped = stages.advantages(ro, rl, GroupPolicyConfig())
+    sel = select_groups(ro.owners, GroupPolicyConfig(), rl.num_prompts)
+    adv = stages.owner_advantages(sel, rl.estimator)
     # Dr.GRPO: r - mean_g -> group 0: (1, 0) - 0.5 = (0.5, -0.5); group 1 constant -> 0.
     np.testing.assert_allclose(adv, [0.5, -0.5, 0.0, 0.0])
-    assert dropped == ()
-    batch, _ = pack_batch(kept, adv, num_layers=3, top_k=2)
+    assert sel.dropped_group_ids == ()
+    batch = pack_batch(sel, adv, num_layers=3, top_k=2)
     m = stages.step_metrics(
         ro,
-        kept,
+        sel,
         adv,
-        dropped,
         batch,
         {
             "gate_rejected_fraction": 0.25,
             "binary_kl_mean": 1e-3,
             "logprob_abs_diff": 0.1,
             "loss": 2.0,
+            "route_agreement": 0.75,
             "step": 1,
         },
         1.0,
@@ -126,8 +124,8 @@ def test_advantages_and_metrics_over_logical_owners():
     assert m["turns/mean"] == pytest.approx(1.25)
     assert m["gate/rejected_fraction"] == 0.25 and m["gate/binary_kl_mean"] == 1e-3
     assert m["logprob/train_rollout_abs_diff"] == 0.1 and m["train/loss"] == 2.0
-    assert "train/step" not in m
-    records = stages.owner_records(4, ro, kept, adv)
+    assert m["r3/route_agreement"] == 0.75 and "train/step" not in m
+    records = stages.owner_records(4, ro, sel, adv)
     assert [r["advantage"] for r in records] == [0.5, -0.5, 0.0, 0.0]
     assert records[2]["task_id"] == "t1" and records[0]["step"] == 4
 
@@ -139,67 +137,29 @@ def test_dropped_group_is_excluded_from_advantages():
         owner_id=3, group_id=1, segments=(), reward=None, failed=True, error="x"
     )
     ro = stages.StepRollouts(tasks=refs(2), owners=tuple(owners), turns=(1, 1, 1, 0))
-    kept, adv, dropped = stages.advantages(ro, rl, GroupPolicyConfig(min_healthy_per_group=2))
-    assert dropped == (1,) and [o.owner_id for o in kept] == [0, 1]
+    sel = select_groups(ro.owners, GroupPolicyConfig(min_healthy_per_group=2), rl.num_prompts)
+    adv = stages.owner_advantages(sel, rl.estimator)
+    assert sel.dropped_group_ids == (1,) and [o.owner_id for o in sel.owners] == [0, 1]
     assert adv[0] > 0 > adv[1]
 
 
-@pytest.fixture(scope="module")
-def tiny_policy():
-    cfg = tiny_config(128, 1)
-    return Policy(cfg, ModelRuntimeConfig(), rngs=nnx.Rngs(0))
-
-
-def test_route_agreement(tiny_policy):
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(2, 128, size=(2, 16)).astype(np.int32)
-    positions = np.broadcast_to(np.arange(16, dtype=np.int32), (2, 16)).copy()
-    seg_ids = np.ones((2, 16), np.int32)
-    seg_ids[1, 12:] = 0  # padding never counts
-    own = np.asarray(
-        tiny_policy(
-            jnp.asarray(tokens),
-            positions=jnp.asarray(positions),
-            segment_ids=jnp.asarray(seg_ids),
-            return_logits=False,
-        ).routed_experts
-    )
-    engine = own[..., ::-1].copy()  # same sets, other order -> agreement 1
-    engine[:, :, 0] = -1  # the dense layer has no route
-    batch = pack_like(tokens, positions, seg_ids, engine)
-    assert stages.route_agreement(tiny_policy, batch) == 1.0
-    moe = engine[:, :, 1:]
-    changed = moe.copy()
-    changed[0, :8, 0, :] = (changed[0, :8, 0, :] + 1) % 8  # 8 of 2 x (16 + 12) token-layers
-    engine2 = engine.copy()
-    engine2[:, :, 1:] = changed
-    # token-layer pairs with a route: 28 real tokens x 2 MoE layers = 56; 8 disagree.
-    assert stages.route_agreement(tiny_policy, pack_like(tokens, positions, seg_ids, engine2)) == (
-        pytest.approx(48 / 56)
-    )
-    none = np.full_like(engine, -1)
-    assert np.isnan(
-        stages.route_agreement(tiny_policy, pack_like(tokens, positions, seg_ids, none))
-    )
-
-
-def pack_like(tokens, positions, seg_ids, routes):
-    from osworld_jax.batch import Batch
-
-    r, t = tokens.shape
-    z = np.zeros((r, t), np.float32)
-    return Batch(
-        tokens=tokens,
-        loss_mask=z,
-        behavior_logprobs=z,
-        advantages=z,
-        positions=positions,
-        segment_ids=seg_ids,
-        owner_ids=np.zeros(r, np.int32),
-        group_ids=np.zeros(r, np.int32),
-        row_weight=np.ones(r, np.float32),
-        routed_experts=routes.astype(np.int32),
-    )
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_baseline"])
+@pytest.mark.parametrize("population", ["healthy", "all_owners"])
+def test_padding_to_the_bounds_leaves_the_advantages_unchanged(estimator, population):
+    # Group 1 of 3 is dropped (one healthy owner) and owner 4 failed: 5 of the 9 bound owners
+    # and 2 of 3 bound groups are used; the padded call equals the unpadded one.
+    owners = owners_with_segments([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.5, 0.5], n=3)
+    for i in (4, 5):
+        owners[i] = OwnerRollout(owner_id=i, group_id=1, segments=(), reward=None, failed=True)
+    owners[6] = OwnerRollout(owner_id=6, group_id=2, segments=(), reward=None, failed=True)
+    sel = select_groups(owners, GroupPolicyConfig(baseline_population=population), 3)
+    assert sel.dropped_group_ids == (1,) and len(sel.owners) == 6
+    bounds = BatchBounds(num_owners=9, num_groups=3, norm_length=8)
+    padded = stages.owner_advantages(sel, estimator, bounds)
+    exact = stages.owner_advantages(sel, estimator)
+    np.testing.assert_allclose(padded, exact, rtol=1e-6, atol=1e-7)
+    assert padded[3] == 0.0  # the failed owner of a kept group: a masked row, no advantage
+    assert np.abs(padded).sum() > 0
 
 
 def test_runnable_filter_drops_tasks_the_backend_cannot_run(tmp_path):

@@ -5,10 +5,9 @@
 of the job (``fsdp`` spans the processes in the 2 x 4 layout, so parameters, optimizer moments
 and gradient reductions cross process boundaries), with the real ``Trainer``:
 
-1. step 1 on a batch built by process 0 only and broadcast (``host_step_batch`` with
-   ``rollout_on="process0"``);
-2. step 2 on a batch assembled from per-process parts of different lengths
-   (``rollout_on="dedicated"``: every process builds the rows of its own prompts);
+1. step 1 on a batch built by process 0 only and broadcast (``broadcast_host_batch``);
+2. step 2 on another broadcast batch of another padded length (a second compiled bucket), whose
+   owner ids leave some of the bounds unused;
 3. an orbax save by every process, then a restore;
 4. an HF export (process 0 writes, after an all-gather of the sharded parameters).
 
@@ -60,9 +59,8 @@ def main() -> None:
     from osworld_jax.trainer.distributed import (
         DistributedConfig,
         DistributedError,
-        concat_host_batches,
+        broadcast_host_batch,
         export_hf_all_processes,
-        host_step_batch,
         initialize_distributed,
         is_primary,
         params_to_host,
@@ -90,10 +88,9 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from osworld_jax.batch import BatchMeta
     from osworld_jax.model import make_mesh
     from osworld_jax.trainer import CheckpointConfig, Trainer
-    from tests.trainer._tiny import META, make_batch, make_policy, trainer_config
+    from tests.trainer._tiny import BOUNDS, make_batch, make_policy, trainer_config
 
     out = Path(args.out)
     pid, nproc = jax.process_index(), jax.process_count()
@@ -104,7 +101,7 @@ def main() -> None:
     cfg = trainer_config(
         checkpoint=CheckpointConfig(directory=str(out / "ckpt"), async_save=False, keep=1)
     )
-    trainer = Trainer(cfg, policy, mesh=mesh)
+    trainer = Trainer(cfg, policy, bounds=BOUNDS, mesh=mesh)
     state = trainer.init_state()
     _tick("init")
     snapshots = {"init": params_to_host(state.params)}
@@ -114,49 +111,37 @@ def main() -> None:
     # overlap instead of stalling the collectives of step 2).
     full = make_batch(policy, seed=2)
 
-    # Step 1 (rollout_on="process0"): process 0 rolls out (here: builds the batch); the others
-    # receive it.
+    # Step 1: process 0 rolls out (here: builds the batch); the others receive it.
     produced = []
 
-    def rollout_step1():
+    def rollout(make):
+        if not is_primary():
+            return broadcast_host_batch(None)
         produced.append(pid)
-        return make_batch(policy, seed=1), META
+        return broadcast_host_batch(make())
 
-    batch, meta = host_step_batch(config, rollout_step1)
-    state, m = trainer.train_step(state, batch, meta)
+    batch = rollout(lambda: make_batch(policy, seed=1))
+    state, m = trainer.train_step(state, batch)
     metrics.append(m)
     _tick("step 1")
     snapshots["step1"] = params_to_host(state.params)
 
-    # Step 2: every process owns the prompts of its part (two parts, lengths 16 and 12).
-    # Part 0: rows 0-3 (owners 0 0 1 2, one group, length 16); part 1: rows 4-7 cut to length 12
-    # (owners 0 1 1 + a masked row, one group). Joined: 5 owners in 2 groups, the BatchMeta of
-    # step 1 (one compiled step). Sliced from the [8, 16] batch ``full``.
-    parts, metas = [], []
-    for p, (owners, n_owners, length) in enumerate((([0, 0, 1, 2], 3, 16), ([0, 1, 1, 0], 2, 12))):
-        sl = slice(4 * p, 4 * p + 4)
-        rows = type(full)._make(x[sl] if x.ndim == 1 else x[sl, :length] for x in full)
-        rows = rows._replace(
-            owner_ids=np.array(owners, np.int32),
-            group_ids=np.zeros(4, np.int32),
-            row_weight=np.array([1, 1, 1, 1 - p], np.float32),
+    # Step 2: the rows of ``full`` cut to length 12 (a second padded shape), regrouped: owners
+    # 0 0 1 2 in group 0, owners 3 4 4 + a masked row in group 1.
+    def step2_batch():
+        rows = type(full)._make(x if x.ndim == 1 else x[:, :12] for x in full)
+        return rows._replace(
+            owner_ids=np.array([0, 0, 1, 2, 3, 4, 4, 0], np.int32),
+            group_ids=np.array([0, 0, 0, 0, 1, 1, 1, 1], np.int32),
+            row_weight=np.array([1, 1, 1, 1, 1, 1, 1, 0], np.float32),
         )
-        parts.append(rows)
-        metas.append(BatchMeta(num_owners=n_owners, num_groups=1, norm_length=16))
-    if nproc == 1:  # the reference: one process holds both parts
-        batch, meta = concat_host_batches(parts, metas)
-    else:
-        dedicated = dataclasses.replace(config, rollout_on="dedicated")
-        batch, meta = host_step_batch(dedicated, lambda: (parts[pid], metas[pid]))
-    assert meta == META, meta
-    state, m = trainer.train_step(state, batch, meta)
+
+    batch = rollout(step2_batch)
+    state, m = trainer.train_step(state, batch)
     metrics.append(m)
     _tick("step 2")
     snapshots["step2"] = params_to_host(state.params)
-    digest = {
-        "batch_sum": float(sum(np.abs(np.asarray(x, np.float64)).sum() for x in batch)),
-        "meta": [meta.num_owners, meta.num_groups, meta.norm_length],
-    }
+    digest = {"batch_sum": float(sum(np.abs(np.asarray(x, np.float64)).sum() for x in batch))}
 
     # Every process takes part in the orbax save and the restore.
     assert trainer.save(state, force=True)

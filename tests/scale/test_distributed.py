@@ -10,22 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from osworld_jax.batch import Batch, BatchMeta, check_batch
+from osworld_jax.batch import Batch
 from osworld_jax.errors import ConfigError
 from osworld_jax.trainer.distributed import (
-    ROLLOUT_ON,
     DistributedConfig,
     DistributedError,
     ProcessValues,
-    allgather_host_batch,
     broadcast_host_batch,
-    concat_host_batches,
-    does_rollouts,
-    host_step_batch,
     initialize_distributed,
-    pad_batch,
     resolve_process_values,
-    task_stream_shard,
 )
 
 SLURM = {
@@ -48,8 +41,6 @@ def clean_env(monkeypatch):
 
 
 def test_config_validation():
-    with pytest.raises(ConfigError, match="rollout_on"):
-        DistributedConfig(rollout_on="everywhere")
     with pytest.raises(ConfigError, match="auto"):
         DistributedConfig(auto="mpi")
     with pytest.raises(ConfigError, match="process_id"):
@@ -102,12 +93,6 @@ def test_slurm_values(clean_env):
     assert resolve_process_values(explicit).local_device_ids == (0, 1, 2, 3)
 
 
-def test_roles_in_a_single_process():
-    assert does_rollouts(DistributedConfig()) and task_stream_shard(DistributedConfig()) == (0, 1)
-    dedicated = DistributedConfig(rollout_on="dedicated")
-    assert does_rollouts(dedicated) and task_stream_shard(dedicated) == (0, 1)
-
-
 def _batch(rows: int, length: int, seed: int, owners, groups, layers=2, k=2) -> Batch:
     rng = np.random.default_rng(seed)
     lens = rng.integers(2, length + 1, rows)
@@ -129,74 +114,12 @@ def _batch(rows: int, length: int, seed: int, owners, groups, layers=2, k=2) -> 
     )
 
 
-def test_pad_batch_keeps_the_rows_and_masks_the_padding():
-    b = _batch(3, 5, 0, [0, 1, 1], [0, 0, 0])
-    p = pad_batch(b, 4, 8)
-    check_batch(p)
-    for name, x, y in zip(Batch._fields, b, p, strict=True):
-        np.testing.assert_array_equal(y[:3] if x.ndim == 1 else y[:3, :5], x, err_msg=name)
-    assert p.row_weight[3] == 0 and not p.loss_mask[:, 5:].any() and not p.segment_ids[:, 5:].any()
-    assert (p.routed_experts[:, 5:] == -1).all() and (p.tokens[:, 5:] == 0).all()
-    np.testing.assert_array_equal(p.positions[:3], np.broadcast_to(np.arange(8), (3, 8)))
-    with pytest.raises(DistributedError, match="shrink"):
-        pad_batch(b, 2, 8)
-
-
-def test_concat_makes_owner_and_group_ids_global():
+def test_broadcast_in_one_process_is_identity():
     a = _batch(2, 6, 1, [0, 1], [0, 0])
-    b = _batch(3, 4, 2, [0, 0, 1], [0, 0, 1])
-    joined, meta = concat_host_batches(
-        [a, b],
-        [
-            BatchMeta(num_owners=2, num_groups=1, norm_length=9),
-            BatchMeta(num_owners=2, num_groups=2, norm_length=9),
-        ],
-    )
-    check_batch(joined)
-    assert meta == BatchMeta(num_owners=4, num_groups=3, norm_length=9)
-    np.testing.assert_array_equal(joined.owner_ids, [0, 1, 2, 2, 3])
-    np.testing.assert_array_equal(joined.group_ids, [0, 0, 1, 1, 2])
-    np.testing.assert_array_equal(joined.tokens[2:, :4], b.tokens)
-    assert joined.tokens.shape == (5, 6) and not joined.loss_mask[2:, 4:].any()
-    with pytest.raises(DistributedError, match="norm_length"):
-        concat_host_batches(
-            [a, b],
-            [
-                BatchMeta(num_owners=2, num_groups=1, norm_length=9),
-                BatchMeta(num_owners=2, num_groups=2, norm_length=8),
-            ],
-        )
-
-
-def test_broadcast_and_allgather_in_one_process_are_identity():
-    a = _batch(2, 6, 1, [0, 1], [0, 0])
-    meta = BatchMeta(num_owners=2, num_groups=1, norm_length=6)
-    out, m = broadcast_host_batch(a, meta)
-    assert m == meta and all(x is y for x, y in zip(out, a, strict=True))
+    out = broadcast_host_batch(a)
+    assert all(x is y for x, y in zip(out, a, strict=True))
     with pytest.raises(DistributedError, match="no batch"):
-        broadcast_host_batch(None, None)
-    out, m = allgather_host_batch(a, meta)
-    assert m == meta
-    for x, y in zip(out, a, strict=True):
-        np.testing.assert_array_equal(x, y)
-
-
-def test_host_step_batch_runs_the_rollout_here_in_one_process():
-    a = _batch(2, 6, 1, [0, 1], [0, 0])
-    meta = BatchMeta(num_owners=2, num_groups=1, norm_length=6)
-    calls: list[str] = []
-
-    def produce(mode: str):
-        calls.append(mode)
-        return a, meta
-
-    for mode in ROLLOUT_ON:
-        config = DistributedConfig(rollout_on=mode)
-        out, m = host_step_batch(config, lambda mode=mode: produce(mode))
-        assert calls[-1] == mode and m == meta
-        for x, y in zip(out, a, strict=True):
-            np.testing.assert_array_equal(x, y)
-    assert calls == list(ROLLOUT_ON)  # exactly once per step
+        broadcast_host_batch(None)
 
 
 def test_joining_after_jax_started_is_a_clear_error(tmp_path):

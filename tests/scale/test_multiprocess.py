@@ -108,7 +108,7 @@ def test_two_processes_are_one_job(runs):
         assert runs[p]["process_count"] == 2
     assert (runs["p0"]["process_index"], runs["p1"]["process_index"]) == (0, 1)
     assert runs["one"]["process_count"] == 1
-    # rollout_on="process0": only process 0 ran the rollout of step 1.
+    # Only process 0 ran the rollout of step 1.
     assert runs["p0"]["produced_step1"] and not runs["p1"]["produced_step1"]
     # initialize_distributed is idempotent, and refuses to re-join as another process.
     assert runs["p0"]["refused_other_values"] and runs["p1"]["refused_other_values"]

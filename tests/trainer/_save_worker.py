@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -23,7 +22,6 @@ def make_state(step: int) -> TrainState:
         params={"w": jnp.asarray(big), "b": jnp.full((3,), float(step))},
         opt_state=(),
         step=jnp.int32(step),
-        rng=jax.random.PRNGKey(step),
         weight_version=jnp.int32(step),
     )
 

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from osworld_jax.batch import Batch, BatchMeta
+from osworld_jax.algorithms import LossConfig
+from osworld_jax.batch import Batch, BatchBounds
 from osworld_jax.model import ModelRuntimeConfig, Policy, Qwen3MoeConfig
 from osworld_jax.trainer import OptimizerConfig, TrainerConfig
 
@@ -32,16 +33,19 @@ RUNTIME = ModelRuntimeConfig(dtype="float32", expert_backend="dense")
 # Rows -> logical owners (owners 0 and 3 have two segments each; row 7 is padding) and groups.
 OWNERS = np.array([0, 0, 1, 2, 3, 3, 4, 0], np.int32)
 GROUP_OF_OWNER = np.array([0, 0, 0, 1, 1], np.int32)
-META = BatchMeta(num_owners=5, num_groups=2, norm_length=16)
+BOUNDS = BatchBounds(num_owners=5, num_groups=2, norm_length=16)
 
 
 def make_policy(seed: int = 0, config: Qwen3MoeConfig = TINY) -> Policy:
     return Policy(config, RUNTIME, rngs=nnx.Rngs(seed))
 
 
-def trainer_config(**overrides) -> TrainerConfig:
+def trainer_config(*, loss: dict | None = None, **overrides) -> TrainerConfig:
+    """The tests' trainer config; ``loss`` holds `LossConfig` fields."""
     opt = overrides.pop("optimizer", OptimizerConfig(learning_rate=1e-3, weight_decay=0.01))
-    return TrainerConfig(optimizer=opt, logprob_chunk=5, **overrides)
+    return TrainerConfig(
+        optimizer=opt, logprob_chunk=5, loss=LossConfig(**(loss or {})), **overrides
+    )
 
 
 def naive_logprobs(policy: Policy, batch: Batch, *, replay: bool = True):

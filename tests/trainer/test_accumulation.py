@@ -6,13 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from osworld_jax.algorithms import LOSS_AGG_MODES, policy_loss
-from osworld_jax.batch import Batch, BatchMeta
-from osworld_jax.trainer import TrainerConfig, token_loss_weights
-from osworld_jax.trainer.trainer import _merge_micro, _split_micro, micro_batch_policy_loss
+from osworld_jax.algorithms import LOSS_AGG_MODES, LossConfig, policy_loss
+from osworld_jax.batch import Batch, BatchBounds
+from osworld_jax.trainer import token_loss_weights
+from osworld_jax.trainer.step import merge_micro, micro_batch_policy_loss, split_micro
 
 R, T = 12, 7
-META = BatchMeta(num_owners=7, num_groups=3, norm_length=9)
+BOUNDS = BatchBounds(num_owners=7, num_groups=3, norm_length=9)
 
 
 def _batch(seed=0):
@@ -22,9 +22,9 @@ def _batch(seed=0):
     mask[5] = 0.0  # a row with no loss tokens
     row_weight = np.ones(R, np.float32)
     row_weight[11] = 0.0  # padding row
-    owners = rng.integers(0, META.num_owners, R).astype(np.int32)  # owners span micro-batches
-    groups = (owners % META.num_groups).astype(np.int32)
-    adv = (rng.normal(size=META.num_owners)[owners][:, None] * mask).astype(np.float32)
+    owners = rng.integers(0, BOUNDS.num_owners, R).astype(np.int32)  # owners span micro-batches
+    groups = (owners % BOUNDS.num_groups).astype(np.int32)
+    adv = (rng.normal(size=BOUNDS.num_owners)[owners][:, None] * mask).astype(np.float32)
     behavior = np.where(mask > 0, -rng.random((R, T)) * 3, 0.0).astype(np.float32)
     behavior[3, np.argmax(mask[3])] = -40.0  # far off-policy: the binary-KL gate rejects row 3
     z = np.zeros((R, T), np.int32)
@@ -40,25 +40,21 @@ def _full(logprobs, batch, cfg, old):
         batch.behavior_logprobs,
         batch.advantages,
         mask,
+        config=cfg,
         old_logprobs=old,
-        gate=cfg.gate,
-        gate_threshold=cfg.gate_threshold,
-        gate_level=cfg.gate_level,
-        agg_mode=cfg.agg_mode,
-        ratio_clip=cfg.ratio_clip,
         group_ids=batch.group_ids,
-        num_groups=META.num_groups,
+        num_groups=BOUNDS.num_groups,
         owner_ids=batch.owner_ids,
-        num_owners=META.num_owners,
-        norm_length=META.norm_length,
+        num_owners=BOUNDS.num_owners,
+        norm_length=BOUNDS.norm_length,
     )
     return loss
 
 
 def _summed(logprobs, batch, cfg, old, m):
     mask = batch.loss_mask * batch.row_weight[:, None]
-    w = token_loss_weights(jnp.asarray(mask), batch, META, cfg.agg_mode)
-    split = lambda x: _split_micro(jnp.asarray(x), m)
+    w = token_loss_weights(jnp.asarray(mask), batch, BOUNDS, cfg.agg_mode)
+    split = lambda x: split_micro(jnp.asarray(x), m)
     mbs = jax.tree.map(split, batch)
     olds = None if old is None else split(old)
     total = 0.0
@@ -86,7 +82,7 @@ PARAMS = [(case, 3) for case in CASES] + [(CASES[0], 2), (CASES[0], 4)]  # promp
 )
 def test_micro_batch_shares_sum_to_full_loss_and_gradient(case, m):
     batch, logprobs = _batch()
-    cfg = TrainerConfig(**case)
+    cfg = LossConfig(**case)
     # With ratio clipping, take an off-policy pi_old so that some tokens are actually clipped.
     old = (
         None
@@ -107,14 +103,14 @@ def test_weights_are_the_aggregation_denominators():
     # prompt-mean-token-mean: W_rt = m_rt / (G_active * T_g) (hand formula).
     batch, _ = _batch()
     mask = batch.loss_mask * batch.row_weight[:, None]
-    w = np.asarray(token_loss_weights(jnp.asarray(mask), batch, META, "prompt-mean-token-mean"))
-    t_g = np.bincount(batch.group_ids, weights=mask.sum(1), minlength=META.num_groups)
+    w = np.asarray(token_loss_weights(jnp.asarray(mask), batch, BOUNDS, "prompt-mean-token-mean"))
+    t_g = np.bincount(batch.group_ids, weights=mask.sum(1), minlength=BOUNDS.num_groups)
     expect = mask / ((t_g > 0).sum() * t_g[batch.group_ids][:, None])
     np.testing.assert_allclose(w, expect, rtol=1e-6)
 
 
 def test_micro_split_is_strided_and_invertible():
     x = jnp.arange(12 * 2).reshape(12, 2)
-    s = _split_micro(x, 3)
+    s = split_micro(x, 3)
     np.testing.assert_array_equal(s[1, :, 0], [2, 8, 14, 20])  # rows 1, 4, 7, 10
-    np.testing.assert_array_equal(_merge_micro(s), x)
+    np.testing.assert_array_equal(merge_micro(s), x)

@@ -16,7 +16,7 @@ import pytest
 from osworld_jax.model import load_hf_checkpoint, make_mesh
 from osworld_jax.trainer import CheckpointConfig, Checkpointer, Trainer, TrainState
 from tests.trainer._save_worker import make_state
-from tests.trainer._tiny import META, RUNTIME, make_batch, make_policy, trainer_config
+from tests.trainer._tiny import BOUNDS, RUNTIME, make_batch, make_policy, trainer_config
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 
@@ -26,7 +26,6 @@ def _small_state(step):
         params={"w": jnp.full((4, 2), float(step))},
         opt_state=(jnp.zeros(3),),
         step=jnp.int32(step),
-        rng=jax.random.PRNGKey(step),
         weight_version=jnp.int32(step),
     )
 
@@ -69,15 +68,15 @@ def test_grain_iterator_state_round_trips(tmp_path):
 def test_resume_from_step_k_matches_uninterrupted_run(tmp_path):
     policy = make_policy()
     batches = [make_batch(policy, seed=s) for s in range(2)]
-    with Trainer(_ckpt(tmp_path), policy) as run:
-        state, _ = run.train_step(run.init_state(), batches[0], META)
+    with Trainer(_ckpt(tmp_path), policy, bounds=BOUNDS) as run:
+        state, _ = run.train_step(run.init_state(), batches[0])
         assert run.save(state, data_state={"next_index": 1})  # async; the step below donates
-        state, uninterrupted = run.train_step(state, batches[1], META)
+        state, uninterrupted = run.train_step(state, batches[1])
     # A new process would do exactly this: fresh trainer, restore latest, continue.
-    with Trainer(_ckpt(tmp_path), make_policy(seed=1)) as resumed:
+    with Trainer(_ckpt(tmp_path), make_policy(seed=1), bounds=BOUNDS) as resumed:
         restored, data = resumed.restore()
         assert data == {"next_index": 1} and int(restored.step) == 1
-        restored, metrics = resumed.train_step(restored, batches[1], META)
+        restored, metrics = resumed.train_step(restored, batches[1])
     assert metrics == uninterrupted  # same program, same inputs: bitwise equal on CPU
     chex.assert_trees_all_equal(jax.device_get(restored), jax.device_get(state))
 
@@ -86,18 +85,20 @@ def test_resume_from_step_k_matches_uninterrupted_run(tmp_path):
 def test_restore_eight_device_checkpoint_onto_one_device(tmp_path):
     policy = make_policy()
     batches = [make_batch(policy, seed=s) for s in range(2)]
-    eight = Trainer(_ckpt(tmp_path), policy, mesh=make_mesh(fsdp=2, expert=2, tensor=2))
-    state8, _ = eight.train_step(eight.init_state(), batches[0], META)
+    eight = Trainer(
+        _ckpt(tmp_path), policy, mesh=make_mesh(fsdp=2, expert=2, tensor=2), bounds=BOUNDS
+    )
+    state8, _ = eight.train_step(eight.init_state(), batches[0])
     saved = jax.device_get(state8)
     eight.save(state8)
-    state8, m8 = eight.train_step(state8, batches[1], META)
+    state8, m8 = eight.train_step(state8, batches[1])
     eight.close()
 
-    one = Trainer(_ckpt(tmp_path), policy)  # default 1-device mesh
+    one = Trainer(_ckpt(tmp_path), policy, bounds=BOUNDS)  # default 1-device mesh
     state1, _ = one.restore()
     chex.assert_trees_all_equal(jax.device_get(state1), saved)
     assert all(len(x.sharding.device_set) == 1 for x in jax.tree.leaves(state1))
-    state1, m1 = one.train_step(state1, batches[1], META)
+    state1, m1 = one.train_step(state1, batches[1])
     for k in m8:
         np.testing.assert_allclose(m1[k], m8[k], err_msg=k, **TOL)
     chex.assert_trees_all_close(jax.device_get(state1), jax.device_get(state8), **TOL)
@@ -141,7 +142,7 @@ def test_kill_9_mid_save_leaves_previous_checkpoint_usable(tmp_path):
 
 def test_export_hf_round_trips_through_the_model_loader(tmp_path, monkeypatch):
     policy = make_policy()
-    trainer = Trainer(trainer_config(), policy)
+    trainer = Trainer(trainer_config(), policy, bounds=BOUNDS)
     state = trainer.init_state()
     path = trainer.export_hf(state, tmp_path / "hf")
     assert (path / "config.json").exists() and not list(tmp_path.glob("hf.tmp-*"))

@@ -7,24 +7,29 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from osworld_jax.algorithms import LossConfig
 from osworld_jax.errors import ConfigError
 from osworld_jax.trainer import CheckpointConfig, OptimizerConfig, TrainerConfig, make_schedule
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "field"),
+    ("cls", "kwargs", "field"),
     [
-        (dict(gate="kl"), "TrainerConfig.gate: unknown policy-loss gate 'kl'"),
-        (dict(agg_mode="mean"), "TrainerConfig.agg_mode: unknown loss aggregation mode 'mean'"),
-        (dict(gate_level="row"), "TrainerConfig.gate_level"),
-        (dict(num_micro_batches=0), "TrainerConfig.num_micro_batches"),
-        (dict(logprob_chunk=0), "TrainerConfig.logprob_chunk"),
-        (dict(ratio_clip=(0.8,)), "TrainerConfig.ratio_clip"),
+        (LossConfig, dict(gate="kl"), "LossConfig.gate: unknown policy-loss gate 'kl'"),
+        (
+            LossConfig,
+            dict(agg_mode="mean"),
+            "LossConfig.agg_mode: unknown loss aggregation mode 'mean'",
+        ),
+        (LossConfig, dict(gate_level="row"), "LossConfig.gate_level"),
+        (TrainerConfig, dict(num_micro_batches=0), "TrainerConfig.num_micro_batches"),
+        (TrainerConfig, dict(logprob_chunk=0), "TrainerConfig.logprob_chunk"),
+        (LossConfig, dict(ratio_clip=(0.8,)), "LossConfig.ratio_clip"),
     ],
 )
-def test_trainer_config_errors_name_the_field(kwargs, field):
+def test_trainer_config_errors_name_the_field(cls, kwargs, field):
     with pytest.raises(ConfigError, match=field.replace("(", r"\(")):
-        TrainerConfig(**kwargs)
+        cls(**kwargs)
 
 
 def test_other_config_errors():

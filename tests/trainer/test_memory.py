@@ -72,10 +72,10 @@ def test_too_big_fails_with_what_would_fit():
 
 def test_trainer_checks_before_compiling(monkeypatch):
     policy = _tiny.make_policy()
-    trainer = Trainer(_tiny.trainer_config(), policy)
+    trainer = Trainer(_tiny.trainer_config(), policy, bounds=_tiny.BOUNDS)
     state = trainer.init_state()
     batch = _tiny.make_batch(policy)
     monkeypatch.setattr("osworld_jax.trainer.memory.device_capacity", lambda: 1024.0)
     with pytest.raises(TrainerError, match="would fit"):
-        trainer.train_step(state, batch, _tiny.META)
+        trainer.train_step(state, batch)
     assert not trainer._steps  # nothing was compiled

@@ -1,0 +1,413 @@
+"""The train step as a function: ``train_step(state, batch, old_logprobs) -> (state, metrics)``.
+
+`make_train_step` closes over the model's config, the loss and the optimizer and returns a pure
+function of the `TrainState` and a device `Batch` (big_vision's ``train.py`` shape); `Trainer`
+jits it once with explicit shardings and donation. One step:
+
+1. token logprobs of the batch under the current parameters: the model room's pure
+   ``forward(params, ...)`` (router replay from ``batch.routed_experts``) and the chunked
+   log-softmax head (`osworld_jax.trainer.logprobs.token_logprobs`);
+2. ``osworld_jax.algorithms.policy_loss`` under the configured `LossConfig`;
+3. gradients accumulated over ``num_micro_batches`` micro-batches, then the optax update;
+4. metrics; a non-finite loss or gradient norm skips the update in-graph (the caller raises).
+
+Fixed bounds. Owner ids lie in ``[0, bounds.num_owners)`` (B x N) and group ids in
+``[0, bounds.num_groups)`` (B): the aggregation counts only owners and groups that have loss
+tokens, so a step with dropped groups or fewer owners is the same computation with some ids
+unused, and the step compiles once per padded batch shape (length bucket), never per owner or
+group count.
+
+Global denominators under micro-batching. Every aggregation mode is linear in the per-token
+loss: ``loss = sum_rt W_rt l_rt`` with weights ``W = d aggregate / d l`` that depend only on the
+mask and the owner/group ids of the **whole** optimizer batch. ``W`` is computed once from the
+full batch; each micro-batch then calls ``policy_loss`` in ``token-mean`` mode (weights
+``w_rt = m_rt / sum m``) with advantages scaled by ``W / w`` (>= 0, so the gate, the importance
+coefficients and PPO clipping are unchanged), which makes each micro-batch loss exactly its share
+``sum_{rt in micro} W_rt l_rt`` and the accumulated gradient exactly the full-batch gradient.
+Micro-batch ``i`` takes rows ``i, i + M, i + 2M, ...`` so every data shard holds an equal share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from osworld_jax.algorithms import LossConfig, aggregate_loss, policy_loss
+from osworld_jax.batch import BatchBounds
+from osworld_jax.model import ModelRuntimeConfig, Qwen3MoeConfig, forward, unembed_matrix
+from osworld_jax.trainer.config import TrainerConfig
+from osworld_jax.trainer.logprobs import token_logprobs
+from osworld_jax.trainer.optimizer import TRAIN
+from osworld_jax.trainer.state import TrainState
+
+Params = Any  # nested dict {group: {name: array}}
+DeviceBatch = Any  # a `Batch` whose fields are jax arrays (inside jit); routes None without R3
+Metrics = dict[str, jax.Array]
+
+
+def split_micro(x: jax.Array, m: int) -> jax.Array:
+    """``[R, ...] -> [M, R / M, ...]``; micro-batch i holds rows ``i, i + M, ...``."""
+    return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+
+
+def merge_micro(x: jax.Array) -> jax.Array:
+    """Inverse of `split_micro`."""
+    x = jnp.swapaxes(x, 0, 1)
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _masked_mean(x: jax.Array, weight: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.where(weight > 0, x * weight, 0.0)) / jnp.maximum(jnp.sum(weight), 1e-12)
+
+
+def token_loss_weights(
+    mask: jax.Array, batch: DeviceBatch, bounds: BatchBounds, agg_mode: str
+) -> jax.Array:
+    """``W = d aggregate_loss / d token_loss``: the weight of every token in the batch loss.
+
+    Every aggregation mode is linear in the token losses, so ``aggregate(l) = sum W * l`` with
+    ``W`` a function of the mask and ids only (e.g. ``m_rt / (G * T_g)`` for
+    ``prompt-mean-token-mean``). Computed on the whole optimizer batch, these are the global
+    denominators that every micro-batch shares.
+
+    Args:
+      mask: f32[R, T] loss mask (already multiplied by the row weights).
+      batch: the batch (its ``owner_ids`` and ``group_ids`` are used).
+      bounds: the id bounds and the ``seq-mean-token-sum-norm`` constant.
+      agg_mode: a ``LOSS_AGG_MODES`` name.
+
+    Returns:
+      f32[R, T] non-negative token weights (0 off the mask).
+    """
+
+    def agg(token_loss: jax.Array) -> jax.Array:
+        return aggregate_loss(
+            token_loss,
+            mask,
+            mode=agg_mode,
+            group_ids=batch.group_ids,
+            num_groups=bounds.num_groups,
+            owner_ids=batch.owner_ids,
+            num_owners=bounds.num_owners,
+            norm_length=bounds.norm_length,
+        )
+
+    return jax.grad(agg)(jnp.zeros_like(mask))
+
+
+def micro_batch_policy_loss(
+    logprobs: jax.Array,
+    mb: DeviceBatch,
+    weights: jax.Array,
+    old_logprobs: jax.Array | None,
+    loss: LossConfig,
+) -> jax.Array:
+    """``sum_{rt in micro-batch} W_rt l_rt``: this micro-batch's exact share of the batch loss.
+
+    Calls ``policy_loss`` in ``token-mean`` mode, whose token weights are
+    ``w_rt = m_rt / sum_micro m``, with advantages scaled by ``W / w`` (``W`` from
+    `token_loss_weights` on the whole batch). The scale is >= 0 and per token, so the gate and
+    the importance coefficients (which do not look at advantages) and PPO clipping
+    (``min(r A s, clip(r) A s) = s min(r A, clip(r) A)`` for ``s >= 0``) are unchanged; summed
+    over micro-batches this equals ``policy_loss`` of the whole batch in ``loss.agg_mode``,
+    value and gradient.
+
+    Args:
+      logprobs: f32[r, T] trainer logprobs of the micro-batch rows.
+      mb: the micro-batch rows.
+      weights: f32[r, T] the rows' slice of the full-batch weights ``W``.
+      old_logprobs: f32[r, T] pi_old, or None (pi_old = stop_gradient(logprobs)).
+      loss: gate and clipping settings (its ``agg_mode`` is already in ``weights``).
+
+    Returns:
+      f32[] the micro-batch's loss share.
+    """
+    mask = mb.loss_mask * mb.row_weight[:, None]
+    local = jax.grad(lambda t: aggregate_loss(t, mask, mode="token-mean"))(jnp.zeros_like(mask))
+    scale = jnp.where(local > 0, weights / jnp.where(local > 0, local, 1.0), 0.0)
+    value, _ = policy_loss(
+        logprobs,
+        mb.behavior_logprobs,
+        jnp.where(local > 0, mb.advantages * scale, 0.0),
+        mask,
+        config=dataclasses.replace(loss, agg_mode="token-mean"),
+        old_logprobs=old_logprobs,
+    )
+    return value
+
+
+class Scores(NamedTuple):
+    """What the model says about some rows of a batch.
+
+    Attributes:
+      logprobs: f32[r, T] logprob of each token (aligned to ``tokens``; differentiable).
+      entropy: f32[r, T] entropy of each predictive distribution (a stop-gradient metric).
+      aux_loss: f32[] the coefficient-weighted router losses (``aux["total"]``).
+      agreeing_routes: f32[] replayed (token, MoE layer) routes equal to the model's own top-k.
+      replayed_routes: f32[] (token, MoE layer) pairs with a replayed route.
+    """
+
+    logprobs: jax.Array
+    entropy: jax.Array
+    aux_loss: jax.Array
+    agreeing_routes: jax.Array
+    replayed_routes: jax.Array
+
+
+def compute_params(params: Params, runtime: ModelRuntimeConfig) -> Params:
+    """The parameters in the model's compute dtype (master weights are cast differentiably)."""
+    dtype = jnp.dtype(runtime.dtype)
+
+    def cast(p: jax.Array) -> jax.Array:
+        return p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating) else p
+
+    return jax.tree.map(cast, params)
+
+
+def score_rows(
+    params: Params,
+    batch: DeviceBatch,
+    *,
+    model: Qwen3MoeConfig,
+    runtime: ModelRuntimeConfig,
+    config: TrainerConfig,
+) -> Scores:
+    """Token logprobs, entropy, router losses and R3 agreement of some rows.
+
+    The model room's pure ``forward`` on ``batch`` (routes replayed from
+    ``batch.routed_experts`` when ``config.router_replay``), then the chunked log-softmax head.
+    """
+    params = compute_params(params, runtime)
+    out = forward(
+        params,
+        model,
+        runtime,
+        batch.tokens,
+        positions=batch.positions,
+        segment_ids=batch.segment_ids,
+        replay_experts=batch.routed_experts if config.router_replay else None,
+        return_logits=False,
+    )
+    lp, ent = token_logprobs(
+        out.hidden, unembed_matrix(params, model), batch.tokens, chunk=config.logprob_chunk
+    )
+    aux = out.aux
+    return Scores(lp, ent, aux["total"], aux["agreeing_routes"], aux["replayed_routes"])
+
+
+ScoreFn = Callable[[Params, DeviceBatch], Scores]
+
+
+def _accumulate(
+    params: Params,
+    batch: DeviceBatch,
+    old_logprobs: jax.Array | None,
+    *,
+    score: ScoreFn,
+    runtime: ModelRuntimeConfig,
+    loss: LossConfig,
+    bounds: BatchBounds,
+    num_micro_batches: int,
+) -> tuple[Params, Scores, jax.Array]:
+    """Gradient of the full-batch loss, summed over micro-batches (global denominators).
+
+    Returns ``(grads, scores, policy_loss f32[])``: ``scores`` holds the merged ``[R, T]``
+    logprobs / entropy, the mean aux loss and the summed route counts.
+    """
+    m = num_micro_batches
+    mask = batch.loss_mask * batch.row_weight[:, None]  # [R, T]
+    weights = token_loss_weights(mask, batch, bounds, loss.agg_mode)  # [R, T]
+    split = functools.partial(split_micro, m=m)
+    old = None if old_logprobs is None else split(old_logprobs)
+    micro = (jax.tree.map(split, batch), split(weights), old)
+
+    def micro_loss(p: Params, mb: DeviceBatch, w: jax.Array, o: jax.Array | None) -> Any:
+        s = score(p, mb)
+        pl = micro_batch_policy_loss(s.logprobs, mb, w, o, loss)
+        return pl + s.aux_loss / m, (pl, s)
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    # Differentiate w.r.t. the compute-dtype copy the forward runs on (cast once, out of the
+    # micro-batch loop): the same values as through the master -> compute cast, but every
+    # per-micro-batch gradient tree is in the compute dtype (bf16), not the master's.
+    compute = compute_params(params, runtime)
+    if m == 1:  # no accumulator
+        (_, out), grads = grad_fn(compute, *jax.tree.map(lambda x: x[0], micro))
+        pls, scores = jax.tree.map(lambda x: x[None], out)
+    else:
+
+        def body(acc: Params, xs: Any) -> tuple[Params, Any]:
+            (_, out), g = grad_fn(compute, *xs)
+            return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g), out
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        grads, (pls, scores) = jax.lax.scan(body, zeros, micro)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    merged = Scores(
+        logprobs=merge_micro(scores.logprobs),
+        entropy=merge_micro(scores.entropy),
+        aux_loss=jnp.mean(scores.aux_loss),
+        agreeing_routes=jnp.sum(scores.agreeing_routes),
+        replayed_routes=jnp.sum(scores.replayed_routes),
+    )
+    return grads, merged, jnp.sum(pls)
+
+
+def _scorer(model: Qwen3MoeConfig, runtime: ModelRuntimeConfig, config: TrainerConfig) -> ScoreFn:
+    return functools.partial(score_rows, model=model, runtime=runtime, config=config)
+
+
+def make_logprobs(
+    model: Qwen3MoeConfig, runtime: ModelRuntimeConfig, config: TrainerConfig
+) -> Callable[[Params, DeviceBatch], jax.Array]:
+    """``logprobs(params, batch) -> f32[R, T]``: forward-only token logprobs (e.g. pi_old).
+
+    The same micro-batching, chunking and router replay as the train step.
+    """
+    score = _scorer(model, runtime, config)
+    m = config.num_micro_batches
+
+    def logprobs(params: Params, batch: DeviceBatch) -> jax.Array:
+        micro = jax.tree.map(functools.partial(split_micro, m=m), batch)
+        return merge_micro(jax.lax.map(lambda mb: score(params, mb).logprobs, micro))
+
+    return logprobs
+
+
+def make_gradients(
+    model: Qwen3MoeConfig,
+    runtime: ModelRuntimeConfig,
+    config: TrainerConfig,
+    bounds: BatchBounds,
+) -> Callable[[Params, DeviceBatch], tuple[jax.Array, Params]]:
+    """``gradients(params, batch) -> (loss, d loss / d params)`` exactly as the step has them."""
+    accumulate = functools.partial(
+        _accumulate,
+        score=_scorer(model, runtime, config),
+        runtime=runtime,
+        loss=config.loss,
+        bounds=bounds,
+        num_micro_batches=config.num_micro_batches,
+    )
+
+    def gradients(params: Params, batch: DeviceBatch) -> tuple[jax.Array, Params]:
+        grads, scores, pl = accumulate(params, batch, None)
+        return pl + scores.aux_loss, grads
+
+    return gradients
+
+
+def make_train_step(
+    *,
+    model: Qwen3MoeConfig,
+    runtime: ModelRuntimeConfig,
+    config: TrainerConfig,
+    bounds: BatchBounds,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    labels: Params,
+) -> Callable[[TrainState, DeviceBatch, jax.Array | None], tuple[TrainState, Metrics]]:
+    """The train step of one policy, loss and optimizer, as a pure function.
+
+    Args:
+      model: the model's architecture (static).
+      runtime: how the model computes (expert backend, dtype, remat).
+      config: the trainer config (loss, micro-batching, logprob chunk, R3).
+      bounds: owner / group id bounds and the ``seq-mean-token-sum-norm`` constant.
+      tx: the optax optimizer.
+      schedule: its learning-rate schedule (reported as the ``lr`` metric).
+      labels: ``"trainable"`` / ``"frozen"`` per parameter (frozen ones leave the grad norm).
+
+    Returns:
+      ``train_step(state, batch, old_logprobs) -> (state, metrics)``: ``old_logprobs`` f32[R, T]
+      (pi_old of an earlier `make_logprobs` pass) or None (pi_old = this step's own logprobs
+      under ``stop_gradient``: one optimizer step per rollout batch). Metrics are f32/i32
+      scalars: loss, policy_loss, aux_loss, grad_norm, lr, step, finite, the gate statistics
+      of `policy_loss`, logprob_abs_diff, entropy and, with R3, route_agreement.
+    """
+    accumulate = functools.partial(
+        _accumulate,
+        score=_scorer(model, runtime, config),
+        runtime=runtime,
+        loss=config.loss,
+        bounds=bounds,
+        num_micro_batches=config.num_micro_batches,
+    )
+
+    def train_step(
+        state: TrainState, batch: DeviceBatch, old_logprobs: jax.Array | None = None
+    ) -> tuple[TrainState, Metrics]:
+        grads, scores, pl = accumulate(state.params, batch, old_logprobs)
+        loss = pl + scores.aux_loss
+        trainable = jax.tree.map(lambda g, lab: g if lab == TRAIN else None, grads, labels)
+        grad_norm = optax.global_norm(trainable)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep_new = lambda new, old: jnp.where(finite, new, old)
+        new_state = TrainState(
+            params=jax.tree.map(keep_new, params, state.params),
+            opt_state=jax.tree.map(keep_new, opt_state, state.opt_state),
+            step=state.step + finite.astype(jnp.int32),
+            weight_version=state.weight_version + finite.astype(jnp.int32),
+        )
+        metrics = batch_metrics(batch, bounds, config.loss, old_logprobs, scores)
+        if config.router_replay:
+            metrics["route_agreement"] = scores.agreeing_routes / jnp.where(
+                scores.replayed_routes > 0, scores.replayed_routes, jnp.nan
+            )
+        metrics |= {
+            "loss": loss,
+            "policy_loss": pl,
+            "aux_loss": scores.aux_loss,
+            "grad_norm": grad_norm,
+            "lr": jnp.asarray(schedule(state.step), jnp.float32),
+            "step": state.step,
+            "finite": finite,
+        }
+        return new_state, metrics
+
+    return train_step
+
+
+def batch_metrics(
+    batch: DeviceBatch,
+    bounds: BatchBounds,
+    loss: LossConfig,
+    old_logprobs: jax.Array | None,
+    scores: Scores,
+) -> Metrics:
+    """Gate/KL statistics of ``policy_loss`` on the full batch, entropy, |train - behaviour|."""
+    mask = batch.loss_mask * batch.row_weight[:, None]
+    lp = jax.lax.stop_gradient(scores.logprobs)
+    _, pm = policy_loss(
+        lp,
+        batch.behavior_logprobs,
+        batch.advantages,
+        mask,
+        config=loss,
+        old_logprobs=old_logprobs,
+        group_ids=batch.group_ids,
+        num_groups=bounds.num_groups,
+        owner_ids=batch.owner_ids,
+        num_owners=bounds.num_owners,
+        norm_length=bounds.norm_length,
+    )
+    finite_mask = jnp.where(jnp.isfinite(batch.behavior_logprobs), mask, 0.0)
+    abs_diff = jnp.abs(lp - jnp.where(finite_mask > 0, batch.behavior_logprobs, lp))
+    return {
+        "gate_rejected_fraction": pm["gate_rejected_fraction"],
+        "binary_kl_mean": pm["binary_kl_mean"],
+        "is_weight_mean": pm["is_weight_mean"],
+        "clip_fraction": pm["clip_fraction"],
+        "loss_tokens": pm["loss_tokens"],
+        "logprob_abs_diff": _masked_mean(abs_diff, finite_mask),
+        "entropy": _masked_mean(scores.entropy, mask),
+    }
