@@ -94,6 +94,15 @@ def test_host_environment_and_paths_are_not_readable_in_the_jail(runner, make_ba
         seen = res["output"]
         assert "OSWORLD_JAIL_TEST_SECRET" not in seen and secret not in seen
         assert len(seen) > 1000  # it did read its processes' files
+        # The server (and its python) is not among the processes the agent can see or trace.
+        ps = agent(
+            runner,
+            sb,
+            "import glob\nfor p in glob.glob('/proc/[0-9]*/cmdline'):\n"
+            "    print(open(p, 'rb').read().replace(b'\\0', b' ').decode())",
+        )
+        assert "jailexec.py --agent-runner" in ps["output"]  # it does see its own namespace
+        assert "vmserver" not in ps["output"] and "Xvfb" not in ps["output"], ps
         for host_path in (root, str(REPO), "/work", "/root"):
             assert host_path not in seen, host_path
         # The evaluator's side: its commands and the files a getter fetches.
