@@ -165,15 +165,27 @@ def detect(mode: str = "auto") -> CgroupSupport:
     return CgroupSupport(None, None, None, "; ".join(r for r in reasons if r))
 
 
-def sweep_stale(support: CgroupSupport) -> None:
-    """Removes empty jail cgroups a crashed run left (rmdir fails on live ones: left alone)."""
+#: A jail cgroup younger than this may belong to a jail another run is starting right now.
+STALE_AFTER_S = 300.0
+
+
+def sweep_stale(support: CgroupSupport, *, older_than_s: float = STALE_AFTER_S) -> list[Path]:
+    """Removes empty jail cgroups a crashed run left; returns them.
+
+    Only those older than ``older_than_s``: another run may have just created one and not yet
+    moved its jail in (rmdir would succeed on it). Live ones are never removed (rmdir fails).
+    """
+    removed = []
+    now = time.time()
     for parent in {support.pids_parent, support.memory_parent} - {None}:
         assert parent is not None
         with contextlib.suppress(OSError):
             for child in parent.iterdir():
-                if child.is_dir():
-                    with contextlib.suppress(OSError):
+                with contextlib.suppress(OSError):
+                    if child.is_dir() and now - child.stat().st_mtime > older_than_s:
                         child.rmdir()
+                        removed.append(child)
+    return removed
 
 
 class JailCgroup:

@@ -312,3 +312,16 @@ def test_remove_tree_handles_depth_and_hostile_modes(tmp_path: Path):
     os.symlink("/etc", root / "link")  # never followed
     limits.remove_tree(root)
     assert not root.exists() and Path("/etc/passwd").exists()
+
+
+def test_stale_cgroups_are_swept_but_not_a_starting_jails(tmp_path: Path):
+    """A crashed run's empty cgroup goes; one another run just made (still empty) stays."""
+    sup = limits.CgroupSupport("v1", tmp_path / "pids", None)
+    (tmp_path / "pids").mkdir()
+    old, fresh = tmp_path / "pids" / "local-old", tmp_path / "pids" / "local-new"
+    old.mkdir()
+    fresh.mkdir()
+    past = time.time() - limits.STALE_AFTER_S - 10
+    os.utime(old, (past, past))
+    assert limits.sweep_stale(sup) == [old]
+    assert fresh.exists() and not old.exists()
