@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One device call of the H200 throughput work (issue 19): kernels, train-step variants, memory,
 # one profiled step with its optimized HLO. Steps are chosen by name (STEPS="gemm step ...");
-# each runs under its own time limit and logs to $OUT/<step>.log; a summary table prints last.
+# each runs under its own time limit and logs to $OUT/logs/<step>.log; at the end the logs are
+# packed into $OUT/logs.tgz (a call brings back at most 8 files) and a summary prints last.
 #
 #   OUT=/tmp/out STEPS="gemm step f32" bash benchmarks/h200_round.sh
 set -u
 OUT=${OUT:-/tmp/h200_out}
-mkdir -p "$OUT"
+LOGS=$OUT/logs
+mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.97}
 TS="${PY:-python3} benchmarks/train_step.py --config ${CONFIG:-bench-moe} --steps ${NSTEPS:-5} --warmup 2"
@@ -15,23 +17,28 @@ run() {  # run NAME LIMIT_S CMD...
   shift 2
   echo "=== $name: $*" | tee -a "$OUT/summary.txt"
   local t0=$SECONDS
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
   echo "rc=$? ${name} $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
-  grep -E "^\| osworld|^\| HF|^MEMORY|failed|Error|error" "$OUT/$name.log" | tail -4 >>"$OUT/summary.txt"
+  grep -E "^\| (osworld|HF|experts|check|softmax|ours.gmm|dense)|^MEMORY|failed|Error|error" \
+    "$LOGS/$name.log" | tail -12 >>"$OUT/summary.txt"
 }
 for step in ${STEPS:-gemm step}; do
   case $step in
   gemm)  # kernels: the shipped default, its parts, the Triton/Mosaic alternatives
-    run gemm 240 python3 benchmarks/moe_gemm.py --quick --skip-slow --json "$OUT/moe_gemm.json" \
+    run gemm 240 python3 benchmarks/moe_gemm.py --quick --skip-slow --json "$LOGS/moe_gemm.json" \
       --only "dense,copy,ragged,ours.triton a128 mm128x256x64w8s3,ours.mosaic 128x256x64s3M4,ours.gmm" ;;
-  peers)  # HF transformers eager + torch.compile (ours skipped)
-    run peers 300 $TS --hf-peers eager,compile --no-ours ;;
+  gemmq)  # the shipped default only (checked against lax.ragged_dot), with the two ceilings
+    run gemmq 120 python3 benchmarks/moe_gemm.py --quick --skip-slow --only "dense,copy,ragged,ours.gmm" ;;
+  parts)  # expert layers under a scan (composed / twin variants, checks) + logprob softmax passes
+    run parts 150 python3 benchmarks/train_parts.py --part all ;;
+  peers)  # HF transformers peers (PEERS: eager,compile by default; ours skipped)
+    run peers 300 $TS --hf-peers "${PEERS:-eager,compile}" --no-ours ;;
   prof)  # bf16 params + moments, profiled step + optimized HLO of the train step
     export XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*train_step.*"
     run prof 200 $TS --master-dtype bfloat16 --profile /tmp/prof
     unset XLA_FLAGS
     tar czf "$OUT/prof.tgz" -C /tmp/prof . 2>/dev/null
-    (cd /tmp/hlo 2>/dev/null && tar czf "$OUT/hlo.tgz" $(ls | grep -E "after_optimizations.txt|buffer-assignment|memory-usage")) ;;
+    (cd /tmp/hlo 2>/dev/null && tar czf "$OUT/hlo.tgz" $(ls | grep -E "after_optimizations(.txt|-memory)")) ;;
   step) run step 150 $TS --master-dtype bfloat16 ;;
   dsf)  # XLA's dynamic-slice fusion (slices of the stacked weights passed to the kernels in place)
     export XLA_FLAGS="--xla_gpu_enable_dynamic_slice_fusion=true"
@@ -49,5 +56,6 @@ for step in ${STEPS:-gemm step}; do
   *) echo "unknown step $step" ;;
   esac
 done
+tar czf "$OUT/logs.tgz" -C "$LOGS" . && rm -rf "$LOGS"
 echo
 cat "$OUT/summary.txt"

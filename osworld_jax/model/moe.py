@@ -244,7 +244,7 @@ def auto_expert_backend(dtype: jnp.dtype | str, platform: str | None = None) -> 
     """The backend ``"auto"`` resolves to for ``dtype`` on ``platform`` (default: JAX's).
 
     - GPU: the Pallas grouped matmuls: ``"pallas_gmm_mosaic"`` (TMA + wgmma forward, the
-      measured-best kernel per part, `grouped_matmul.HOPPER_CONFIG`) on Hopper (compute
+      measured-best kernel per part, `grouped_matmul.MOSAIC_CONFIG`) on Hopper (compute
       capability 9.x) with 16-bit weights, else ``"pallas_gmm"`` (Triton, any CUDA GPU/dtype);
     - TPU: ``"ragged"`` (``ragged_dot`` lowers to the TPU's grouped matmul);
     - CPU: ``"ragged"`` (XLA's masked fallback; fine at test sizes).

@@ -50,14 +50,39 @@ def _from_chunks(x: Array) -> Array:
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
 
+def softmax_stats(z: Float[Array, "*B V"]) -> tuple[Float[Array, "*B"], Float[Array, "*B"]]:
+    """``(lse, entropy)`` of ``softmax(z)`` over the last axis in one pass over ``z``.
+
+    One variadic reduction carries the online-softmax state ``(m, s, t)`` with
+    ``s = sum exp(z - m)`` and ``t = sum exp(z - m) z`` (each element enters as ``(z, 1, z)``,
+    ``-inf`` logits as ``(-inf, 1, 0)``;
+    two states merge as ``m = max(m1, m2)``, ``s = s1 e1 + s2 e2``, ``t = t1 e1 + t2 e2``,
+    ``e_i = exp(m_i - m)``). Then ``lse = m + log s`` and
+    ``H = lse - E_p[z] = lse - t / s``. The three separate passes this replaces (max, then
+    ``sum exp(z - m)``, then ``sum p z`` after ``lse``) each read the float32 ``[R, C, V]`` block.
+    """
+
+    def merge(a, b):
+        (m1, s1, t1), (m2, s2, t2) = a, b
+        m = jnp.maximum(m1, m2)
+        base = jnp.where(jnp.isfinite(m), m, 0.0)  # both -inf (the init): e = 0, not nan
+        e1, e2 = jnp.exp(m1 - base), jnp.exp(m2 - base)
+        return m, s1 * e1 + s2 * e2, t1 * e1 + t2 * e2
+
+    z = z.astype(jnp.float32)
+    init = (jnp.float32(-jnp.inf), jnp.float32(0), jnp.float32(0))
+    zt = jnp.where(jnp.isfinite(z), z, 0.0)  # a -inf logit adds e = 0 to t, not 0 * -inf
+    m, s, t = jax.lax.reduce((z, jnp.ones_like(z), zt), init, merge, (z.ndim - 1,))
+    lse = m + jnp.log(s)
+    return lse, lse - t / s
+
+
 def _forward(hidden, w, targets, chunk):
     def body(_, xs):
         h, y = xs  # [R, C, H], [R, C]
         z = _chunk_logits(h, w)  # [R, C, V] f32
-        lse = jax.nn.logsumexp(z, axis=-1)  # [R, C]
+        lse, entropy = softmax_stats(z)  # [R, C] x 2
         z_y = jnp.take_along_axis(z, y[..., None], axis=-1)[..., 0]  # [R, C]
-        p = jnp.exp(z - lse[..., None])
-        entropy = lse - jnp.sum(p * z, axis=-1)  # H(p) = lse - E_p[z]
         return None, (z_y - lse, entropy, lse)
 
     _, (lp, ent, lse) = jax.lax.scan(
@@ -84,12 +109,11 @@ def _forward_saving(hidden, w, targets, chunk):
     for i in range(hidden.shape[1] // chunk):
         h, y = hidden[:, i * chunk : (i + 1) * chunk], targets[:, i * chunk : (i + 1) * chunk]
         z = _chunk_logits(h, w)  # [R, C, V] f32
-        lse = jax.nn.logsumexp(z, axis=-1)
+        lse, entropy = softmax_stats(z)  # one pass over z
         z_y = jnp.take_along_axis(z, y[..., None], axis=-1)[..., 0]
-        p = jnp.exp(z - lse[..., None])
         lps.append(z_y - lse)
-        ents.append(lse - jnp.sum(p * z, axis=-1))
-        qs.append(_onehot_minus_p(z, lse, y, w.dtype))
+        ents.append(entropy)
+        qs.append(_onehot_minus_p(z, lse, y, w.dtype))  # the second (and last) pass
     return jnp.concatenate(lps, axis=1), jnp.concatenate(ents, axis=1), tuple(qs)
 
 

@@ -204,3 +204,34 @@ def test_rms_norm_custom_vjp_equals_autodiff_of_the_formula():
     ref, pull_ref = jax.vjp(plain, x, w)
     chex.assert_trees_all_close(got, ref, atol=1e-6, rtol=1e-6)
     chex.assert_trees_all_close(pull(dy), pull_ref(dy), atol=1e-5, rtol=1e-5)
+
+
+def test_twin_forward_kernel_returns_the_product_twice():
+    """The residual-only copy of `_expert_mlp` (Triton kernel, interpret mode)."""
+    from osworld_jax.model.kernels import grouped_matmul as G
+
+    x, experts, _, gate, _, _ = _inputs(seed=5)
+    plan = tile_plan(experts, E, CFG.align)
+    xs = jnp.concatenate([x, jnp.zeros((1, H))])[plan.row_slot // K]
+    one = G._mm(xs, gate, plan.tile_expert, CFG, trans_rhs=False)
+    a, b = G._mm(xs, gate, plan.tile_expert, CFG, trans_rhs=False, twin=True)
+    assert jnp.array_equal(a, one) and jnp.array_equal(b, one)
+
+
+@pytest.mark.slow  # the Mosaic GPU interpreter runs its warpgroups as threads: ~15-45 s on CPU
+def test_mosaic_twin_forward_kernel_in_the_gpu_interpreter():
+    from osworld_jax.model.kernels import grouped_matmul_mgpu as M
+
+    # bf16, tiles the interpreter can run (2 row tiles of 64, one 128-wide N tile).
+    mp, kd, n, e, align = 128, 64, 128, 3, 64
+    cfg = M.MosaicConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2)
+    ks = jax.random.split(jax.random.key(6), 2)
+    xb = jax.random.normal(ks[0], (mp, kd), jnp.bfloat16)
+    wb = jax.random.normal(ks[1], (e, kd, n), jnp.bfloat16)
+    te = jnp.array([2, -1], jnp.int32)  # second tile unused: computed with expert 0
+    y, y2 = M.mm_nn(xb, wb, te, align, cfg, twin=True, interpret=True)
+    rows_w = wb[jnp.maximum(te, 0)[jnp.arange(mp) // align]].astype(jnp.float32)
+    ref = jnp.einsum("rk,rkn->rn", xb.astype(jnp.float32), rows_w, precision="highest")
+    assert jnp.array_equal(y, y2)
+    err = jnp.linalg.norm(y.astype(jnp.float32) - ref) / jnp.linalg.norm(ref)
+    assert float(err) < 4e-3, float(err)  # bf16 output rounding

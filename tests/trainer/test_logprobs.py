@@ -112,3 +112,23 @@ def test_saved_residual_is_bf16_and_needs_no_f32_vocab_buffer_or_recompute():
     # forward body, three (logits again, dh, dW) in the backward body.
     assert lowered(None).as_text().count("stablehlo.dot_general") == 3 * (t // chunk)
     assert lowered(0).as_text().count("stablehlo.dot_general") == 4
+
+
+def test_softmax_stats_is_one_reduction_and_matches_logsumexp_and_entropy():
+    from osworld_jax.trainer.logprobs import softmax_stats
+
+    scale = jnp.asarray([1.0, 30.0, 1e3, 1e-3, 8.0])[:, None, None]
+    z = jax.random.normal(jax.random.key(3), (5, 7, 300)) * scale
+    z = z.at[2, :, :100].set(-jnp.inf)  # masked logits
+    z = z.at[3, 0].set(1e4)  # far from 0: the running max must shift the sums
+    lse, ent = jax.jit(softmax_stats)(z)
+    logp = jax.nn.log_softmax(z, axis=-1)
+    p = jnp.exp(logp)
+    ref_ent = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
+    chex.assert_trees_all_close(lse, jax.nn.logsumexp(z, axis=-1), rtol=1e-6, atol=1e-5)
+    chex.assert_trees_all_close(ent, ref_ent, rtol=1e-4, atol=1e-4)
+    chex.assert_tree_all_finite((lse, ent))
+    # One pass over z: a single (3-operand) reduction over the vocab axis in the jaxpr.
+    jaxpr = jax.make_jaxpr(softmax_stats)(z).jaxpr
+    reductions = [e for e in jaxpr.eqns if e.primitive.name.startswith("reduce")]
+    assert len(reductions) == 1 and len(reductions[0].invars) == 6, reductions

@@ -202,8 +202,11 @@ def _dot(a: jax.Array, b: jax.Array, ca: int, cb: int) -> jax.Array:
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _mm_kernel(te_ref, x_ref, w_ref, o_ref, *, bm, bn, bk, nk, nn, trans_rhs):
-    """Program (m, n): ``o[m, n] = x[m, :] @ w[te[m]][:, n]`` (``w[e]^T`` if trans_rhs)."""
+def _mm_kernel(te_ref, x_ref, w_ref, o_ref, *twin_ref, bm, bn, bk, nk, nn, trans_rhs):
+    """Program (m, n): ``o[m, n] = x[m, :] @ w[te[m]][:, n]`` (``w[e]^T`` if trans_rhs).
+
+    With a second output ref (``twin``) the tile is stored into both.
+    """
     pid = pl.program_id(0)
     mi, ni = pid // nn, pid % nn
     e = jnp.maximum(te_ref[mi], 0)  # unused tiles: zero rows times expert 0 = zeros
@@ -220,11 +223,15 @@ def _mm_kernel(te_ref, x_ref, w_ref, o_ref, *, bm, bn, bk, nk, nn, trans_rhs):
         return acc + _dot(a, b, 1, 0)
 
     acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), jnp.float32))
-    o_ref[pl.ds(r0, bm), pl.ds(c0, bn)] = acc.astype(o_ref.dtype)
+    for ref in (o_ref, *twin_ref):
+        ref[pl.ds(r0, bm), pl.ds(c0, bn)] = acc.astype(ref.dtype)
 
 
-def _mm(x, w, tile_expert, cfg: GmmConfig, *, trans_rhs: bool) -> jax.Array:
-    """``x [Mp, K]`` times ``w[e] [K, N]`` (or ``w[e]^T`` for ``w [E, N, K]``) per tile."""
+def _mm(x, w, tile_expert, cfg: GmmConfig, *, trans_rhs: bool, twin: bool = False):
+    """``x [Mp, K]`` times ``w[e] [K, N]`` (or ``w[e]^T`` for ``w [E, N, K]``) per tile.
+
+    ``twin``: return the product twice (two output buffers, see `_expert_mlp`).
+    """
     mp, kdim = x.shape
     n = w.shape[1] if trans_rhs else w.shape[2]
     bm, bn, bk = cfg.block_m, min(cfg.block_n, n), min(cfg.block_k, kdim)
@@ -235,9 +242,10 @@ def _mm(x, w, tile_expert, cfg: GmmConfig, *, trans_rhs: bool) -> jax.Array:
     kernel = functools.partial(
         _mm_kernel, bm=bm, bn=bn, bk=bk, nk=kdim // bk, nn=nn, trans_rhs=trans_rhs
     )
+    out = jax.ShapeDtypeStruct((mp, n), x.dtype)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((mp, n), x.dtype),
+        out_shape=(out, out) if twin else out,
         grid=((mp // bm) * nn,),
         compiler_params=_compiler_params(cfg.num_warps, cfg.num_stages),
         interpret=cfg.use_interpret(),
@@ -300,10 +308,11 @@ def gmm(
     return _gmm_forward(x, w, tile_expert, cfg)
 
 
-def _gmm_forward(x, w, tile_expert, cfg: GmmConfig) -> jax.Array:
+def _gmm_forward(x, w, tile_expert, cfg: GmmConfig, *, twin: bool = False):
+    """``out[r] = x[r] @ w[expert(r)]``; ``(out, out)`` from two output buffers with ``twin``."""
     if cfg.mosaic_for("fwd"):
-        return mgpu.mm_nn(x, w, tile_expert, cfg.align, cfg.mosaic)
-    return _mm(x, w, tile_expert, cfg, trans_rhs=False)
+        return mgpu.mm_nn(x, w, tile_expert, cfg.align, cfg.mosaic, twin=twin)
+    return _mm(x, w, tile_expert, cfg, trans_rhs=False, twin=twin)
 
 
 def _gmm_fwd(x, w, tile_expert, group_start, group_tiles, cfg):
@@ -340,11 +349,14 @@ gmm.defvjp(_gmm_fwd, _gmm_bwd)
 # The Triton kernels' defaults: the tiles that won the Triton backward on an H200
 # (mm128x256x64w8s3 dw128x256x64w8s3: dx 502, dw 555 useful TFLOP/s; issue 19).
 DEFAULT_CONFIG = GmmConfig()
-# The measured-best kernel per part on an H200 (benchmarks/NOTES.md, issue 19 call 1): the
-# Mosaic forward (606-626 TFLOP/s, M-minor bands of 4), the Mosaic transposed-B dx (563) and
-# the Triton dw (DEFAULT_CONFIG's tiles, 531): 602 fwd / 549 bwd useful TFLOP/s together.
+# The Hopper config (benchmarks/NOTES.md, issue 19): the Mosaic forward (606-626 TFLOP/s,
+# M-minor bands of 4), the Mosaic transposed-B dx (539-563) and the Mosaic dw (484-524; the
+# Triton dw measured 531 and 511 in the same calls). Mosaic for dw too because in the train
+# step a Mosaic call's output is written in place into the layer-stacked gradient (XLA's
+# dynamic-slice fusion takes FFI custom calls, not Triton ones): the Triton dw's output was
+# copied there, 3 x 403 MB read + written per layer.
 MOSAIC_CONFIG = GmmConfig(
-    mosaic_parts=("fwd", "dx"),
+    mosaic_parts=("fwd", "dx", "dw"),
     mosaic=MosaicConfig(
         max_concurrent_steps=3,
         grid_minor_n=False,
@@ -459,10 +471,60 @@ def gmm_experts(
 def _gmm_experts_local(x, experts, weights, gate, up, down, *, config: GmmConfig) -> jax.Array:
     top_k = experts.shape[1]
     plan = tile_plan(experts, gate.shape[0], config.align)
-    groups = (plan.tile_expert, plan.group_start, plan.group_tiles)
     xs = dispatch(x, plan.row_slot, plan.dest, top_k)  # [Mp, H]
-    g = gmm(xs, gate, *groups, config)  # [Mp, I]
-    u = gmm(xs, up, *groups, config)  # [Mp, I]
+    return _expert_mlp(
+        xs,
+        weights.astype(xs.dtype),
+        gate,
+        up,
+        down,
+        plan.row_slot,
+        plan.dest,
+        plan.tile_expert,
+        plan.group_start,
+        plan.group_tiles,
+        config,
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10,))
+def _expert_mlp(xs, weights, gate, up, down, row_slot, dest, te, gs, gt, cfg: GmmConfig):
+    """``y_t = sum_k w_tk down_e(silu(gate_e xs_r) * up_e xs_r)``, ``r = dest[t K + k]``: [T, H].
+
+    The expert MLP of `gmm_experts` on dispatched rows ``xs [Mp, H]``, as one ``custom_vjp``
+    whose residuals are chosen here rather than by autodiff: the gate, up and down kernels
+    write their outputs twice (``twin``), one copy for the next op and one that is only a
+    residual. Under ``jax.lax.scan`` over layers the residuals are stacked per layer; when a
+    residual *is* an output a later op also reads, XLA's dynamic-slice fusion (on by default
+    for the Mosaic custom calls) fuses the kernel with the residual's in-place update and keeps
+    a second copy of the kernel for the other reader: every forward expert GEMM ran twice
+    (issue 19, round 3). With a residual-only twin the kernel runs once.
+    """
+    g = _gmm_forward(xs, gate, te, cfg)
+    u = _gmm_forward(xs, up, te, cfg)
+    ys = _gmm_forward(swiglu(g, u), down, te, cfg)
+    return combine(ys, weights, row_slot, dest)
+
+
+def _expert_mlp_fwd(xs, weights, gate, up, down, row_slot, dest, te, gs, gt, cfg):
+    g, g_res = _gmm_forward(xs, gate, te, cfg, twin=True)  # [Mp, I] x 2
+    u, u_res = _gmm_forward(xs, up, te, cfg, twin=True)  # [Mp, I] x 2
     h = swiglu(g, u)  # [Mp, I]
-    ys = gmm(h, down, *groups, config)  # [Mp, H]
-    return combine(ys, weights.astype(ys.dtype), plan.row_slot, plan.dest)
+    ys, ys_res = _gmm_forward(h, down, te, cfg, twin=True)  # [Mp, H] x 2
+    y = combine(ys, weights, row_slot, dest)  # [T, H]
+    return y, (xs, g_res, u_res, h, ys_res, weights, gate, up, down, row_slot, dest, te, gs, gt)
+
+
+def _expert_mlp_bwd(cfg, res, dy):
+    xs, g, u, h, ys, weights, gate, up, down, row_slot, dest, te, gs, gt = res
+    dys, dweights, _, _ = _combine_bwd((ys, weights, row_slot, dest), dy)  # [Mp, H], [T, K]
+    dh = _gmm_dx(dys, down, te, cfg)  # [Mp, I]
+    ddown = _gmm_dw(h, dys, gs, gt, down, cfg)  # [E, I, H]
+    dg, du = _swiglu_bwd((g, u), dh)  # [Mp, I] x 2
+    dxs = _gmm_dx(dg, gate, te, cfg) + _gmm_dx(du, up, te, cfg)  # [Mp, H]
+    dgate = _gmm_dw(xs, dg, gs, gt, gate, cfg)  # [E, H, I]
+    dup = _gmm_dw(xs, du, gs, gt, up, cfg)  # [E, H, I]
+    return dxs, dweights, dgate, dup, ddown, None, None, None, None, None
+
+
+_expert_mlp.defvjp(_expert_mlp_fwd, _expert_mlp_bwd)

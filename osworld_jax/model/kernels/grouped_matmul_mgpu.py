@@ -57,8 +57,19 @@ class MosaicConfig:
     dw_max_concurrent_steps: int = 4
 
 
-def _num_sms() -> int:
+def _num_sms(interpret: bool = False) -> int:
+    if interpret:  # Mosaic GPU interpret mode on the CPU: a few persistent CTAs
+        return 4
     return int(jax.devices()[0].core_count)
+
+
+def _interpret_params(interpret: bool):
+    """``plgpu.kernel``'s ``interpret`` argument: the Mosaic GPU interpreter (CPU tests)."""
+    if not interpret:
+        return None
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
 
 
 def _transforms(plgpu, block_minor: int, dtype):
@@ -75,10 +86,16 @@ def mm_nn(
     cfg: MosaicConfig,
     *,
     trans_rhs: bool = False,
+    twin: bool = False,
+    interpret: bool = False,
 ):
     """``x [Mp, K] @ w[e] [K, N]`` per ``align``-row tile (``e = max(tile_expert, 0)``).
 
-    With ``trans_rhs``, ``w`` is ``[E, N, K]`` and the product is ``x @ w[e]^T``.
+    With ``trans_rhs``, ``w`` is ``[E, N, K]`` and the product is ``x @ w[e]^T``. With ``twin``
+    the kernel returns the product twice, ``(out, out)``: each epilogue tile is stored by two
+    TMA copies from the same shared-memory tile (one more write of ``Mp x N``, no more reads).
+    ``interpret`` runs the kernel in the Mosaic GPU interpreter (CPU; not with ``trans_rhs``,
+    whose transposed shared-memory view the interpreter of jax 0.10 does not support).
     """
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -96,7 +113,7 @@ def mm_nn(
     out_transforms = _transforms(plgpu, epi_n, dtype)
     minor = 1 if cfg.grid_minor_n else 0
 
-    def body(te_gmem, a_gmem, b_gmem, out_gmem):
+    def body(te_gmem, a_gmem, b_gmem, out_gmem, *twin_gmem):
         def get_pipeline(pipeline_body, compute_context):
             return plgpu.emit_pipeline_warp_specialized(
                 pipeline_body,
@@ -159,10 +176,13 @@ def mm_nn(
                                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                                 out_smem[wg, slot] = acc[ms, ns]
                                 plgpu.commit_smem()
-                                plgpu.copy_smem_to_gmem(
-                                    out_smem.at[wg, slot],
-                                    out_gmem.at[m_sl, n_sl].at[:, wg_n].at[ms, ns],
-                                )
+                                # One bulk group per slot: both copies of a twin kernel.
+                                for i, dst in enumerate((out_gmem, *twin_gmem)):
+                                    plgpu.copy_smem_to_gmem(
+                                        out_smem.at[wg, slot],
+                                        dst.at[m_sl, n_sl].at[:, wg_n].at[ms, ns],
+                                        commit_group=i == len(twin_gmem),
+                                    )
 
                 def mma_body(idxs, a_smem, b_smem, acc_ref):
                     if trans_rhs:
@@ -180,16 +200,18 @@ def mm_nn(
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+    out = jax.ShapeDtypeStruct((mp, n), dtype)
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((mp, n), dtype),
-        grid=(_num_sms(),),
+        out_type=(out, out) if twin else out,
+        grid=(_num_sms(interpret),),
         grid_names=("cluster_grid",),
         cluster=(1,),
         cluster_names=("cluster",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=_interpret_params(interpret),
     )
     return kernel(te, x, w)
 
