@@ -44,6 +44,10 @@ for step in ${STEPS:-gemm step}; do
     export XLA_FLAGS="--xla_gpu_enable_dynamic_slice_fusion=true"
     run dsf 150 $TS --master-dtype bfloat16
     unset XLA_FLAGS ;;
+  nodsf)  # XLA's dynamic-slice fusion off (on by default in jax 0.11.2's XLA)
+    export XLA_FLAGS="--xla_gpu_enable_dynamic_slice_fusion=false"
+    run nodsf 150 $TS --master-dtype bfloat16
+    unset XLA_FLAGS ;;
   recompute) run recompute 150 $TS --master-dtype bfloat16 --save-probs-bytes 0 ;;
   unroll) run unroll 200 $TS --master-dtype bfloat16 --unroll ;;
   f32) run f32 180 $TS ;;  # the default trainer config: float32 masters

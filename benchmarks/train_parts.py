@@ -13,7 +13,8 @@ the model runs them; forward + backward of ``sum(r * x_L)``. Variants:
   combine, Mosaic forward and dx, Triton dw;
 - ``twin, triton dw``: `gmm_experts` (one ``custom_vjp`` whose kernels write a residual-only
   copy), Triton dw;
-- ``twin`` (shipped on Hopper): the same with the Mosaic dw.
+- ``twin`` (shipped on Hopper): the same with the Mosaic dw;
+- ``composed`` and ``twin`` again with XLA's dynamic-slice fusion off.
 
 Checks: every variant against ``composed`` (the same kernels: ~0 expected) and, on one layer of
 2048 tokens, the shipped path against the ``ragged`` backend (``jax.lax.ragged_dot``).
@@ -80,8 +81,12 @@ def _expert_inputs(layers, tokens, e, k, h, i, seed=0):
     return x, experts, weights, gate, up, down, r
 
 
-def _stack_grad(fn):
-    """``(loss, grads)`` of ``sum(r * x_L)`` through a scan of ``fn`` layers."""
+def _stack_grad(fn, dsf: bool = True):
+    """``(loss, grads)`` of ``sum(r * x_L)`` through a scan of ``fn`` layers.
+
+    ``dsf=False`` compiles with XLA's dynamic-slice fusion off (weight slices and stacked
+    residuals then go through copies; see benchmarks/NOTES.md, round 3).
+    """
 
     def loss(x, gate, up, down, experts, weights, r):
         def body(x, xs):
@@ -91,25 +96,28 @@ def _stack_grad(fn):
         out, _ = jax.lax.scan(body, x, (gate, up, down, experts, weights))
         return jnp.sum(r * out.astype(jnp.float32))
 
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+    opts = None if dsf else {"xla_gpu_enable_dynamic_slice_fusion": False}
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), compiler_options=opts)
 
 
 def part_experts(args) -> list[tuple[str, str]]:
     rows = []
     old_cfg = dataclasses.replace(G.MOSAIC_CONFIG, mosaic_parts=("fwd", "dx"))
-    variants = {
-        "composed (round 2: Mosaic fwd/dx, Triton dw)": functools.partial(
-            composed_experts, config=old_cfg
-        ),
-        "twin, Triton dw": functools.partial(G.gmm_experts, config=old_cfg),
-        "twin, Mosaic dw (shipped)": functools.partial(G.gmm_experts, config=G.MOSAIC_CONFIG),
+    composed = functools.partial(composed_experts, config=old_cfg)
+    twin = functools.partial(G.gmm_experts, config=G.MOSAIC_CONFIG)
+    variants = {  # name: (fn, XLA dynamic-slice fusion on)
+        "composed (round 2: Mosaic fwd/dx, Triton dw)": (composed, True),
+        "twin, Triton dw": (functools.partial(G.gmm_experts, config=old_cfg), True),
+        "twin, Mosaic dw (shipped)": (twin, True),
+        "composed, dynamic-slice fusion off": (composed, False),
+        "twin, Mosaic dw, dynamic-slice fusion off": (twin, False),
     }
     dims = (args.experts, args.top_k, args.hidden, args.inter)
     inputs = _expert_inputs(args.layers, args.tokens, *dims)
     x, experts, weights, gate, up, down, r = inputs
     results = {}
-    for name, fn in variants.items():
-        step = _stack_grad(fn)
+    for name, (fn, dsf) in variants.items():
+        step = _stack_grad(fn, dsf)
         out = step(x, gate, up, down, experts, weights, r)
         results[name] = out
         t = bench(step, x, gate, up, down, experts, weights, r, reps=args.reps)
