@@ -1,26 +1,32 @@
 #!/usr/bin/env bash
 # One device call of the H200 throughput work (issue 19): kernels, train-step variants, memory,
 # one profiled step with its optimized HLO. Steps are chosen by name (STEPS="gemm step ...");
-# each runs under its own time limit and logs to $OUT/logs/<step>.log; at the end the logs are
-# packed into $OUT/logs.tgz (a call brings back at most 8 files) and a summary prints last.
+# each runs under its own time limit and logs to $LOGS/<step>.log, packed into $OUT/logs.tgz after
+# every step (a call brings back at most 8 files); a summary prints last.
 #
 #   OUT=/tmp/out STEPS="gemm step f32" bash benchmarks/h200_round.sh
 set -u
 OUT=${OUT:-/tmp/h200_out}
-LOGS=$OUT/logs
-mkdir -p "$LOGS"
+LOGS=${LOGS:-/tmp/h200_logs}  # packed into $OUT/logs.tgz after every step
+BUDGET=${BUDGET:-100000}  # seconds: a step starts only while the run is younger than this
+mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.97}
 TS="${PY:-python3} benchmarks/train_step.py --config ${CONFIG:-bench-moe} --steps ${NSTEPS:-5} --warmup 2"
 run() {  # run NAME LIMIT_S CMD...
   local name=$1 limit=$2
   shift 2
+  if ((SECONDS > BUDGET)); then
+    echo "=== $name: skipped (run older than BUDGET=$BUDGET s)" | tee -a "$OUT/summary.txt"
+    return
+  fi
   echo "=== $name: $*" | tee -a "$OUT/summary.txt"
   local t0=$SECONDS
   timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
   echo "rc=$? ${name} $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
   grep -E "^\| (osworld|HF|experts|check|softmax|ours.gmm|dense)|^MEMORY|failed|Error|error" \
     "$LOGS/$name.log" | tail -12 >>"$OUT/summary.txt"
+  tar czf "$OUT/logs.tgz" -C "$LOGS" .
 }
 for step in ${STEPS:-gemm step}; do
   case $step in
@@ -60,6 +66,5 @@ for step in ${STEPS:-gemm step}; do
   *) echo "unknown step $step" ;;
   esac
 done
-tar czf "$OUT/logs.tgz" -C "$LOGS" . && rm -rf "$LOGS"
 echo
 cat "$OUT/summary.txt"
