@@ -1,7 +1,8 @@
 """Mosaic GPU (Hopper: TMA + wgmma) versions of the tile-aligned grouped matmul kernels.
 
 Same layout contract as `grouped_matmul` (rows sorted by expert, each group padded to a multiple
-of ``align`` rows, padding rows zero), GPU only (no interpret mode). Two kernels:
+of ``align`` rows, padding rows zero), for Hopper GPUs (the non-transposed forward also runs in
+the Mosaic GPU interpreter, for CPU tests). Two kernels:
 
 - `mm_nn`: ``out[m-tile] = x[m-tile] @ w[tile_expert[m]]``; a persistent, warp-specialized
   kernel (one TMA producer warpgroup, two wgmma consumer warpgroups splitting the N tile), the
