@@ -30,6 +30,8 @@ class OptimizerConfig:
       max_grad_norm: global-norm gradient clipping threshold (``None`` disables clipping).
       freeze_router: keep the MoE router weights fixed (no update, no optimizer state, excluded
         from the clipping norm).
+      freeze_vision: keep a Qwen3-VL model's vision tower fixed (the ViT, its merger and the
+        DeepStack mergers; as ``freeze_router``). Default False: the tower is trained.
     """
 
     learning_rate: float = 5e-6
@@ -43,6 +45,7 @@ class OptimizerConfig:
     weight_decay: float = 0.01
     max_grad_norm: float | None = 1.0
     freeze_router: bool = False
+    freeze_vision: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:

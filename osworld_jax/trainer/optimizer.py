@@ -9,7 +9,7 @@ import optax
 
 from osworld_jax.trainer.config import OptimizerConfig
 
-TRAIN, FROZEN = "trainable", "frozen"  # the labels of osworld_jax.model.router_param_labels
+TRAIN, FROZEN = "trainable", "frozen"  # the labels of osworld_jax.model.param_labels
 
 
 def make_schedule(config: OptimizerConfig) -> optax.Schedule:

@@ -28,11 +28,12 @@ from osworld_jax.model import (
     Policy,
     ShardingRules,
     make_mesh,
+    param_labels,
     param_shardings,
-    router_param_labels,
     save_hf_checkpoint,
     validate_replay,
 )
+from osworld_jax.model.params import decay_mask
 from osworld_jax.trainer.checkpoint import Checkpointer
 from osworld_jax.trainer.config import TrainerConfig
 from osworld_jax.trainer.memory import check_step_fits
@@ -46,11 +47,6 @@ from osworld_jax.trainer.step import (
 )
 
 Params = Any  # nested dict {group: {name: array}}
-
-
-def _leaf_name(path: tuple[Any, ...]) -> str:
-    last = path[-1]
-    return str(getattr(last, "key", getattr(last, "name", last)))
 
 
 def _paths(tree: Any) -> list[Any]:
@@ -131,16 +127,16 @@ class Trainer:
             lambda x: jax.ShapeDtypeStruct(x.shape, _master_dtype(x.dtype, config.master_dtype)),
             self._policy_params,
         )
-        labels = router_param_labels(
-            self._abstract_params, freeze_router=config.optimizer.freeze_router
-        )
-        decay_mask = jax.tree_util.tree_map_with_path(
-            lambda p, x: not _leaf_name(p).endswith("norm") and x.ndim >= 2, self._abstract_params
+        opt = config.optimizer
+        labels = param_labels(
+            self._abstract_params,
+            freeze_router=opt.freeze_router,
+            freeze_vision=opt.freeze_vision,
         )
         self.tx = make_optimizer(
-            config.optimizer,
-            labels=labels if config.optimizer.freeze_router else None,
-            decay_mask=decay_mask,
+            opt,
+            labels=labels if opt.freeze_router or opt.freeze_vision else None,
+            decay_mask=decay_mask(self.model),  # matrices only; stacked norms/biases are vectors
         )
         self.schedule = make_schedule(config.optimizer)
 
