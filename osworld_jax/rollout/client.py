@@ -245,8 +245,17 @@ class SGLangClient:
         *,
         rid: str | None = None,
         routed_experts_start_len: int = 0,
+        image_data: Sequence[str] | None = None,
     ) -> Generation:
         """Generates one turn for ``input_ids``; returns the validated, stitched `Generation`.
+
+        ``image_data`` (a Qwen3-VL model) is sent as SGLang's ``image_data``: one string per
+        image (base64 PNG/JPEG, a ``data:`` URL, or a file path the server can read), filling
+        the prompt's image placeholders in order (each ``<|vision_start|><|image_pad|>
+        <|vision_end|>``, expanded by the server, or already expanded to the processor's count
+        with `osworld_jax.rollout.images.expand_image_tokens`). ``prompt_tokens`` and the
+        route rows then count the expanded prompt; send expanded prompts for token-exact
+        training (every position the trainer sees is then one the caller sent).
 
         An ``abort`` finish (a pause during a refit, or ``/abort_request``) is resubmitted with
         the partial output appended to the prompt and ``max_new_tokens`` (and
@@ -269,11 +278,17 @@ class SGLangClient:
         if not prompt:
             raise ValueError(f"request {rid!r}: empty prompt")
         want_routes = self.config.return_routed_experts
-        if want_routes and not 0 <= routed_experts_start_len <= len(prompt):
+        images = [str(x) for x in image_data] if image_data else None
+        # Placeholders expand on the server: the served prompt may be longer than ours.
+        upper = len(prompt) if images is None else None
+        if want_routes and (
+            routed_experts_start_len < 0 or (upper is not None and routed_experts_start_len > upper)
+        ):
             raise ValueError(
                 f"request {rid!r}: routed_experts_start_len={routed_experts_start_len} outside "
                 f"[0, {len(prompt)}]"
             )
+        served_prompt = None if images is not None else len(prompt)  # learnt from a reply
         parts: list[Reply] = []
         produced = 0
         aborts = 0
@@ -297,9 +312,20 @@ class SGLangClient:
                 "rid": wire_rid,
                 "stream": False,
             }
+            if images is not None:
+                payload["image_data"] = images
+            expect = None if served_prompt is None else served_prompt + produced
             reply = await self._post_generate(
-                payload, wire_rid, len(part_prompt), start if want_routes else None
+                payload, wire_rid, expect, start if want_routes else None
             )
+            if served_prompt is None:
+                if reply.prompt_tokens < len(part_prompt):
+                    raise ReplyValidationError(
+                        wire_rid,
+                        f"prompt_tokens={reply.prompt_tokens} but the prompt had "
+                        f"{len(part_prompt)} tokens before its images were expanded",
+                    )
+                served_prompt = reply.prompt_tokens - produced
             aborted = reply.finish_reason["type"] == "abort"
             if not (aborted and reply.completion_tokens == 0):  # an empty abort adds nothing
                 parts.append(reply)
@@ -320,11 +346,12 @@ class SGLangClient:
             log.info("request %s aborted after %d tokens; resubmitting", rid, produced)
             if reply.completion_tokens:
                 part_prompt = part_prompt + reply.output_ids
-                start = max(routed_experts_start_len, len(part_prompt) - 1)
+                start = max(routed_experts_start_len, served_prompt + produced - 1)
+        assert served_prompt is not None
         gen = stitch(
             parts,
             rid=rid,
-            prompt_tokens=len(prompt),
+            prompt_tokens=served_prompt,
             routed_experts_start_len=routed_experts_start_len,
             num_resubmits=aborts,
         )
@@ -342,7 +369,7 @@ class SGLangClient:
         return self.detokenize(ids, skip_special_tokens=sampling.skip_special_tokens)
 
     async def _post_generate(
-        self, payload: dict[str, Any], rid: str, prompt_len: int, start: int | None
+        self, payload: dict[str, Any], rid: str, prompt_len: int | None, start: int | None
     ) -> Reply:
         cfg = self.config
         timeout = aiohttp.ClientTimeout(

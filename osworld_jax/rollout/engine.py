@@ -16,15 +16,14 @@ import json
 import logging
 import queue
 import threading
-import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from osworld_jax.rollout import replies
 from osworld_jax.rollout.config import GREEDY_EPS, logprob_temperature
 from osworld_jax.rollout.errors import EngineError
 from osworld_jax.rollout.refit_check import (
@@ -32,114 +31,22 @@ from osworld_jax.rollout.refit_check import (
     checkpoint_signature,
     first_difference,
 )
-from osworld_jax.rollout.runner import MAX_BANNED, ModelRunner, SlotSampling, next_pow2
-from osworld_jax.rollout.wire import encode_routed_experts
+from osworld_jax.rollout.requests import EngineConfig, GenRequest
+from osworld_jax.rollout.runner import (
+    MAX_BANNED,
+    MAX_TOP_LOGPROBS,
+    ModelRunner,
+    SlotSampling,
+    next_pow2,
+)
+
+__all__ = ["Engine", "EngineConfig", "GenRequest"]
 
 log = logging.getLogger(__name__)
 
 TOP_K_ALL = 1 << 30
 #: Batched prefills hold at most this many (padded) tokens.
 PREFILL_BATCH_TOKENS = 8192
-
-
-@dataclass(frozen=True, kw_only=True)
-class EngineConfig:
-    """Settings of the embedded engine (the ``serve`` flags).
-
-    Attributes:
-      model_path: HF checkpoint directory (config.json, safetensors, and tokenizer.json unless
-        ``skip_tokenizer_init``).
-      max_running_requests: KV-cache slots, i.e. requests decoded together (rounded up to a
-        power of two); more requests wait in a queue.
-      context_length: most tokens (prompt + output) per request; default
-        ``min(max_position_embeddings, 4096)``. Rounded up to a power of two for the cache.
-      max_total_tokens: KV-cache token budget; when set, the slot count is capped at
-        ``max_total_tokens // slot_len``.
-      dtype: "float32" or "bfloat16" (parameters, activations, KV cache).
-      expert_backend: `osworld_jax.model` expert backend ("auto", "dense", "ragged", ...).
-      weight_version: the initial weight version reported in every reply.
-      enable_return_routed_experts: allow ``return_routed_experts`` (as SGLang's flag).
-      seed: seeds the server's randomness for requests without ``sampling_seed``.
-      min_bucket: smallest prefill / attention-length bucket (fewer compiles when larger).
-      min_decode_batch: smallest decode batch bucket (a decode step runs the first ``b``
-        slots, ``b`` a power of two >= this and covering every live slot).
-      max_prefill_batch: most admitted requests of one length bucket prefilled in one call
-        (padded to this many rows; a lone request runs alone; long buckets run one by one).
-      return_original_logprob: report output logprobs at temperature 1 (the model's own
-        distribution) instead of at the request's temperature, as SGLang does under
-        ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (see `osworld_jax.rollout.logprob_temperature`).
-      skip_tokenizer_init: serve token ids only, without loading a tokenizer (SGLang's
-        ``--skip-tokenizer-init``): ``text`` prompts, ``stop`` strings and ``min_new_tokens``
-        are refused, replies carry no ``text`` and logprob entries no token text.
-    """
-
-    model_path: str
-    max_running_requests: int = 16
-    context_length: int | None = None
-    max_total_tokens: int | None = None
-    dtype: str = "float32"
-    expert_backend: str = "auto"
-    weight_version: str = "default"
-    enable_return_routed_experts: bool = False
-    seed: int = 0
-    min_bucket: int = 16
-    min_decode_batch: int = 1
-    max_prefill_batch: int = 8
-    return_original_logprob: bool = False
-    skip_tokenizer_init: bool = False
-
-
-@dataclass(kw_only=True, eq=False)
-class GenRequest:
-    """One validated generation request and its progress (mutated only on the engine thread).
-
-    Attributes:
-      rid: request id.
-      input_ids: prompt token ids.
-      temperature, top_p, top_k, min_p: normalised sampling (greedy -> T=1, top_k=1).
-      logprob_temperature: temperature of the reported output logprobs.
-      max_new_tokens, min_new_tokens: output length bounds.
-      stop: stop strings; stop_token_ids: stop ids; ignore_eos: do not stop at EOS.
-      skip_special_tokens, no_stop_trim: text decoding options.
-      key: u32[2] the request's PRNG key.
-      return_logprob, logprob_start_len: logprob options (start -1 = output only).
-      return_text_in_logprobs: put each token's text in its logprob entries.
-      return_routed_experts, routed_experts_start_len: route options.
-      notify: ``notify(request, done)`` called on the engine thread after progress.
-      output_ids, output_logprobs, routes, input_logprobs, finish: progress.
-    """
-
-    rid: str
-    input_ids: list[int]
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    logprob_temperature: float
-    max_new_tokens: int
-    min_new_tokens: int
-    stop: list[str]
-    stop_token_ids: set[int]
-    ignore_eos: bool
-    skip_special_tokens: bool
-    no_stop_trim: bool
-    key: np.ndarray
-    return_logprob: bool
-    logprob_start_len: int
-    return_text_in_logprobs: bool
-    return_routed_experts: bool
-    routed_experts_start_len: int
-    notify: Callable[[GenRequest, bool], None] = lambda r, d: None
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    routes: list[np.ndarray] = field(default_factory=list)
-    num_route_rows: int = 0
-    input_logprobs: np.ndarray | None = None
-    token_texts: dict[str, list[str]] = field(default_factory=dict)
-    finish: dict[str, Any] | None = None
-    slot: int | None = None
-    created: float = field(default_factory=time.monotonic)
-    stop_window: int = 0
 
 
 class Engine:
@@ -152,6 +59,8 @@ class Engine:
 
     Attributes:
       tokenizer: the tokenizer, or None (``skip_tokenizer_init``).
+      processor: the `ImageProcessor` of a Qwen3-VL checkpoint (its
+        ``preprocessor_config.json``), None for a text model.
       max_token_chars: characters of the longest vocabulary entry (a text longer than
         ``context_length * max_token_chars`` cannot fit the context).
     """
@@ -190,6 +99,7 @@ class Engine:
             else 1
         )
         self.eos_ids = _eos_ids(path, self.model_config)
+        self.processor = _load_processor(path, self.model_config)
         self.vocab_size = self.model_config.vocab_size
         self._rng = np.random.default_rng(config.seed)
         n = self.runner.num_slots
@@ -351,9 +261,11 @@ class Engine:
             key=key,
             return_logprob=bool(opts.get("return_logprob", False)),
             logprob_start_len=int(opts.get("logprob_start_len", -1)),
+            top_logprobs_num=int(opts.get("top_logprobs_num", 0)),
             return_text_in_logprobs=bool(opts.get("return_text_in_logprobs", False)),
             return_routed_experts=bool(opts.get("return_routed_experts", False)),
             routed_experts_start_len=int(opts.get("routed_experts_start_len", 0)),
+            images=opts.get("images"),
         )
         if stop and self.tokenizer is not None:
             req.stop_window = 2 + max(len(self.tokenizer.encode(s).ids) for s in stop)
@@ -514,11 +426,13 @@ class Engine:
             self._lp_temp[slot] = req.logprob_temperature
             self._keys[slot] = req.key
             admitted.append(req)
-        # Same prefill bucket -> one batched call (at most max_prefill_batch rows).
-        groups: dict[int, list[GenRequest]] = collections.defaultdict(list)
+        # Same prefill bucket (and images or not) -> one batched call (at most max_prefill_batch
+        # rows).
+        groups: dict[tuple[int, bool], list[GenRequest]] = collections.defaultdict(list)
         for req in admitted:
-            groups[self.runner.prefill_bucket(len(req.input_ids) + len(req.output_ids))].append(req)
-        for bucket, group in groups.items():
+            bucket = self.runner.prefill_bucket(len(req.input_ids) + len(req.output_ids))
+            groups[bucket, req.images is not None].append(req)
+        for (bucket, _), group in groups.items():
             # Batch short prompts only: padding rows of long ones would waste whole prefills.
             step = max(1, min(self.config.max_prefill_batch, PREFILL_BATCH_TOKENS // bucket))
             for i in range(0, len(group), step):
@@ -530,17 +444,29 @@ class Engine:
         slots = [r.slot for r in reqs]
         assert all(s is not None for s in slots)
         samp = self._sampling(slots, list(reqs))  # type: ignore[arg-type]
-        results = self.runner.prefill(slots, prompts, samp, max_rows)  # type: ignore[arg-type]
-        for req, prompt, (tok, lp, routes, hidden) in zip(reqs, prompts, results, strict=True):
+        images = [r.images for r in reqs] if any(r.images is not None for r in reqs) else None
+        num_top = _num_top(reqs)
+        results = self.runner.prefill(
+            slots,  # type: ignore[arg-type]
+            prompts,
+            samp,
+            max_rows,
+            images,
+            num_top,
+        )
+        for req, prompt, res in zip(reqs, prompts, results, strict=True):
             wants_input = 0 <= req.logprob_start_len < len(req.input_ids)
             if req.return_logprob and wants_input and req.input_logprobs is None:
-                req.input_logprobs = self.runner.prompt_logprobs(hidden, req.input_ids)
-            req.routes.append(routes[req.num_route_rows :])
+                req.input_logprobs, req.input_top = self.runner.prompt_logprobs(
+                    res.hidden, req.input_ids, MAX_TOP_LOGPROBS if req.top_logprobs_num else 0
+                )
+            req.routes.append(res.routes[req.num_route_rows :])
             req.num_route_rows = len(prompt)
+            req.rope_delta = res.rope_delta
             if req.max_new_tokens <= 0:  # prompt-only request (routes / prompt logprobs)
                 self._finish(req, {"type": "length", "length": 0})
             else:
-                self._append(req, tok, lp)
+                self._append(req, res.token, res.logprob, res.top)
 
     def _decode_step(self) -> None:
         live = [i for i, r in enumerate(self.slots) if r is not None]
@@ -548,15 +474,17 @@ class Engine:
         reqs = self.slots[:b]
         tokens = np.zeros(b, np.int32)
         positions = np.zeros(b, np.int32)
+        rope = np.zeros(b, np.int32)
         active = np.zeros(b, np.int32)
         for i in live:
             r = reqs[i]
             assert r is not None
             tokens[i] = r.output_ids[-1]
             positions[i] = len(r.input_ids) + len(r.output_ids) - 1
+            rope[i] = positions[i] + r.rope_delta
             active[i] = 1
-        toks, lps, routes = self.runner.decode(
-            tokens, positions, active, self._sampling(slice(0, b), reqs)
+        toks, lps, routes, (top_ids, top_lps) = self.runner.decode(
+            tokens, positions, active, self._sampling(slice(0, b), reqs), rope, _num_top(reqs)
         )
         self.num_decode_steps += 1
         for i in live:
@@ -564,11 +492,16 @@ class Engine:
             assert r is not None
             r.routes.append(routes[i : i + 1])
             r.num_route_rows += 1
-            self._append(r, int(toks[i]), float(lps[i]))
+            self._append(r, int(toks[i]), float(lps[i]), (top_ids[i], top_lps[i]))
 
-    def _append(self, req: GenRequest, tok: int, lp: float) -> None:
+    def _append(
+        self, req: GenRequest, tok: int, lp: float, top: tuple[np.ndarray, np.ndarray]
+    ) -> None:
         req.output_ids.append(tok)
         req.output_logprobs.append(lp)
+        if req.top_logprobs_num:
+            k = req.top_logprobs_num
+            req.output_top.append((np.asarray(top[0][:k]), np.asarray(top[1][:k])))
         self.num_generated_tokens += 1
         n = len(req.output_ids)
         reason: dict[str, Any] | None = None
@@ -592,73 +525,18 @@ class Engine:
     # ----------------------------------------------------------------- replies
 
     def text_of(self, req: GenRequest) -> str:
-        """Decoded output text with SGLang's stop trimming (unless ``no_stop_trim``)."""
-        assert self.tokenizer is not None, "text_of needs a tokenizer"
-        ids = req.output_ids
-        matched = (req.finish or {}).get("matched")
-        if isinstance(matched, int) and not req.no_stop_trim and ids and ids[-1] == matched:
-            ids = ids[:-1]
-        text = self.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
-        if isinstance(matched, str) and not req.no_stop_trim:
-            pos = text.find(matched)
-            if pos >= 0:
-                text = text[:pos]
-        return text
+        """Decoded output text with SGLang's stop trimming (see `replies.output_text`)."""
+        return replies.output_text(self, req)
 
     def response(self, req: GenRequest, final: bool = True) -> dict[str, Any]:
-        """The SGLang ``/generate`` reply object of ``req`` (cumulative so far).
+        """The SGLang ``/generate`` reply object of ``req`` (see `replies.generate_reply`)."""
+        return replies.generate_reply(self, req, final)
 
-        ``final=False`` (intermediate stream events) leaves out ``routed_experts``, which only
-        the last event carries (re-encoding every route row per token would be quadratic).
-        """
-        meta: dict[str, Any] = {
-            "id": req.rid,
-            "finish_reason": req.finish,
-            "prompt_tokens": len(req.input_ids),
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": 0,
-            "weight_version": self.weight_version,
-            "e2e_latency": time.monotonic() - req.created,
-        }
-        if req.return_logprob:
-            texts = req.return_text_in_logprobs and self.tokenizer is not None
-            out_texts = self._token_texts(req, "output") if texts else None
-            meta["output_token_logprobs"] = [
-                [lp, t, out_texts[i] if out_texts else None]
-                for i, (lp, t) in enumerate(zip(req.output_logprobs, req.output_ids, strict=True))
-            ]
-            meta["input_token_logprobs"] = []
-            if req.logprob_start_len >= 0 and req.input_logprobs is not None:
-                start = req.logprob_start_len
-                in_texts = self._token_texts(req, "input")[start:] if texts else None
-                meta["input_token_logprobs"] = [
-                    [None if np.isnan(lp) else float(lp), t, in_texts[i] if in_texts else None]
-                    for i, (lp, t) in enumerate(
-                        zip(req.input_logprobs[start:], req.input_ids[start:], strict=True)
-                    )
-                ]
-        if req.return_routed_experts and final and req.num_route_rows:  # never prefilled: none
-            rows = len(req.input_ids) + len(req.output_ids) - 1
-            c = self.model_config
-            empty = np.zeros((0, c.num_hidden_layers, c.num_experts_per_tok), np.int32)
-            routes = np.concatenate([empty, *req.routes], axis=0)[: max(rows, 0)]
-            meta["routed_experts"] = encode_routed_experts(routes[req.routed_experts_start_len :])
-        if self.tokenizer is None:  # SGLang's token-only reply (--skip-tokenizer-init)
-            return {"output_ids": list(req.output_ids), "meta_info": meta}
-        return {"text": self.text_of(req), "output_ids": list(req.output_ids), "meta_info": meta}
 
-    def _token_texts(self, req: GenRequest, which: str) -> list[str]:
-        """Each token's own text (special tokens kept), as SGLang's ``return_text_in_logprobs``.
-
-        Decoded once per token and cached on the request (stream events are cumulative).
-        """
-        ids = req.input_ids if which == "input" else req.output_ids
-        cache = req.token_texts.setdefault(which, [])
-        if len(cache) < len(ids):
-            assert self.tokenizer is not None
-            new = [[t] for t in ids[len(cache) :]]
-            cache.extend(self.tokenizer.decode_batch(new, skip_special_tokens=False))
-        return cache
+def _num_top(reqs: Sequence[GenRequest | None]) -> int:
+    """Top logprobs a step computes: all of `MAX_TOP_LOGPROBS` if any request asks, else 0."""
+    wants = any(r is not None and r.return_logprob and r.top_logprobs_num for r in reqs)
+    return MAX_TOP_LOGPROBS if wants else 0
 
 
 def _load_tokenizer(path: Path) -> Any:
@@ -671,6 +549,20 @@ def _load_tokenizer(path: Path) -> Any:
             "only with --skip-tokenizer-init)"
         )
     return Tokenizer.from_file(str(file))
+
+
+def _load_processor(path: Path, config: Any) -> Any:
+    from osworld_jax.model import ImageProcessor, Qwen3VLMoeConfig
+    from osworld_jax.model.errors import ModelConfigError
+
+    if not isinstance(config, Qwen3VLMoeConfig):
+        return None
+    try:
+        return ImageProcessor.from_pretrained(path)
+    except ModelConfigError as e:
+        raise EngineError(
+            f"{path}: a qwen3_vl_moe checkpoint needs its image processor: {e}"
+        ) from None
 
 
 def _eos_ids(path: Path, config: Any) -> list[int]:

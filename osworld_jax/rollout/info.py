@@ -171,6 +171,7 @@ def _accelerator() -> str | None:
 async def model_info(request: web.Request) -> web.Response:
     """``GET /model_info`` (and the deprecated ``/get_model_info``)."""
     engine = ready_engine(request)
+    vision = engine.processor is not None
     return web.json_response(
         {
             "model_path": engine.model_path,
@@ -178,10 +179,12 @@ async def model_info(request: web.Request) -> web.Response:
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": engine.weight_version,
-            "has_image_understanding": False,
+            "has_image_understanding": vision,
             "has_audio_understanding": False,
-            "model_type": "qwen3_moe",
-            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_vl_moe" if vision else "qwen3_moe",
+            "architectures": [
+                "Qwen3VLMoeForConditionalGeneration" if vision else "Qwen3MoeForCausalLM"
+            ],
         }
     )
 

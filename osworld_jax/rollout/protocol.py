@@ -16,7 +16,14 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from osworld_jax.rollout.runner import MAX_BANNED
+from osworld_jax.rollout.images import (
+    ImageLimits,
+    ImageRequestError,
+    RequestImages,
+    expand_image_tokens,
+    normalize_image_data,
+)
+from osworld_jax.rollout.runner import MAX_BANNED, MAX_TOP_LOGPROBS
 
 if TYPE_CHECKING:
     from osworld_jax.rollout.engine import Engine, GenRequest
@@ -37,17 +44,38 @@ class ServerLimits:
       max_stop_strings: most ``stop`` strings per request (SGLang's own limit is 32).
       max_stop_length: longest ``stop`` string, in characters (each is tokenized and searched
         for after every generated token).
+      max_image_pixels: most pixels of one image (from its header, before decoding: a
+        decompression bomb is refused without being decoded).
+      max_images_per_request: most images of one request.
     """
 
     max_request_bytes: int = 32 << 20
     max_json_depth: int = 32
     max_stop_strings: int = SGLANG_MAX_STOP_COUNT
     max_stop_length: int = 1024
+    max_image_pixels: int = 1 << 25
+    max_images_per_request: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("max_request_bytes", "max_json_depth", "max_stop_strings", "max_stop_length"):
+        for name in (
+            "max_request_bytes",
+            "max_json_depth",
+            "max_stop_strings",
+            "max_stop_length",
+            "max_image_pixels",
+            "max_images_per_request",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerLimits.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def images(self) -> ImageLimits:
+        """The `ImageLimits` of one request (an image file may be as large as a body)."""
+        return ImageLimits(
+            max_image_pixels=self.max_image_pixels,
+            max_image_bytes=self.max_request_bytes,
+            max_images=self.max_images_per_request,
+        )
 
 
 class BadRequest(ValueError):
@@ -69,8 +97,8 @@ NEUTRAL: dict[str, Any] = {
     "stop_regex": None, "beam_width": None, "watermark": None,
 }  # fmt: skip
 REQUEST_NEUTRAL: dict[str, Any] = {
-    "image_data": None, "audio_data": None, "video_data": None, "input_embeds": None,
-    "top_logprobs_num": 0, "token_ids_logprob": None, "lora_path": None,
+    "audio_data": None, "video_data": None, "input_embeds": None,
+    "token_ids_logprob": None, "lora_path": None,
     "custom_logit_processor": None, "return_hidden_states": False,
 }  # fmt: skip
 
@@ -272,6 +300,35 @@ def prompt_texts(body: Any, engine: Engine) -> list[str] | None:
     return texts
 
 
+def prompt_count(body: dict[str, Any]) -> tuple[int, bool]:
+    """(number of prompts, is a batch) of a body that passed `prompt_texts`."""
+    if body.get("text") is not None:
+        text = body["text"]
+        return (len(text), True) if isinstance(text, list) else (1, False)
+    ids = body["input_ids"]
+    if not isinstance(ids, list) or not ids:
+        raise BadRequest("input_ids must be a non-empty list of ints or of lists")
+    return (len(ids), True) if isinstance(ids[0], list) else (1, False)
+
+
+def image_items(body: dict[str, Any], engine: Engine) -> list[list[str]]:
+    """The ``image_data`` strings of each request of a body (SGLang's normalisation).
+
+    Raises:
+      BadRequest: a malformed ``image_data``, or images for a model that takes none.
+    """
+    n, batch = prompt_count(body)
+    try:
+        items = normalize_image_data(body.get("image_data"), n, batch)
+    except ImageRequestError as e:
+        raise BadRequest(str(e)) from None
+    if any(items) and engine.processor is None:
+        raise BadRequest(
+            "image_data: the served model is a text model (qwen3_moe); it takes no images"
+        )
+    return items
+
+
 def _check_prompt(p: Any, where: str, engine: Engine) -> None:
     if not isinstance(p, list) or not p:
         raise BadRequest(f"{where} must be a non-empty list of ints")
@@ -292,15 +349,20 @@ def parse_generate(
     engine: Engine,
     limits: ServerLimits,
     tokenized: list[list[int]] | None = None,
+    images: list[RequestImages | None] | None = None,
 ) -> tuple[list[GenRequest], bool, bool]:
     """Validates a ``/generate`` body; returns (requests, is_batch, stream).
 
-    ``tokenized`` holds the token ids of the body's ``text`` prompts (see `prompt_texts`).
+    ``tokenized`` holds the token ids of the body's ``text`` prompts (see `prompt_texts`);
+    ``images`` each request's processed images (`image_items` read in a thread with
+    `osworld_jax.rollout.images.load_request_images`; None: the body must hold none). Each
+    image placeholder of a prompt is expanded to its image's token count
+    (`expand_image_tokens`).
     """
     texts = prompt_texts(body, engine)
     for key, neutral in REQUEST_NEUTRAL.items():
         if key in body and not _is_neutral(body[key], neutral):
-            raise BadRequest(f"{key} is not supported by this server (text-only Qwen3-MoE)")
+            raise BadRequest(f"{key} is not supported by this server")
     if texts is None:
         ids = body["input_ids"]
         if not isinstance(ids, list) or not ids:
@@ -312,6 +374,11 @@ def parse_generate(
             raise ValueError("parse_generate: text prompts need their token ids")
         batch, prompts = isinstance(body["text"], list), tokenized
     n = len(prompts)
+    if images is None:
+        if any(image_items(body, engine)):
+            raise ValueError("parse_generate: image_data needs its processed images")
+        images = [None] * n
+    prompts = [_expand(p, images[i], engine, i if batch else None) for i, p in enumerate(prompts)]
     for i, p in enumerate(prompts):
         _check_prompt(p, f"input_ids[{i}]" if batch else "input_ids", engine)
     stream = body.get("stream", False)
@@ -326,6 +393,7 @@ def parse_generate(
     lp_starts = _per_item(body, "logprob_start_len", n, batch, -1)
     routed = _per_item(body, "return_routed_experts", n, batch, False)
     r_starts = _per_item(body, "routed_experts_start_len", n, batch, 0)
+    tops = _per_item(body, "top_logprobs_num", n, batch, 0)
     reqs = []
     for i, prompt in enumerate(prompts):
         sampling = check_sampling(sps[i], engine, limits)
@@ -348,6 +416,11 @@ def parse_generate(
             )
         if routed[i] and not engine.config.enable_return_routed_experts:
             raise BadRequest("return_routed_experts needs --enable-return-routed-experts")
+        top = tops[i] if lps[i] else 0
+        if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise BadRequest(
+                f"top_logprobs_num must be an int in [0, {MAX_TOP_LOGPROBS}], got {top!r}"
+            )
         reqs.append(
             engine.make_request(
                 rid=rid,
@@ -355,9 +428,29 @@ def parse_generate(
                 sampling=sampling,
                 return_logprob=lps[i],
                 logprob_start_len=lp_start,
+                top_logprobs_num=top,
                 return_text_in_logprobs=text_lp,
                 return_routed_experts=routed[i],
                 routed_experts_start_len=r_start,
+                images=images[i],
             )
         )
     return reqs, batch, stream
+
+
+def _expand(prompt: Any, images: RequestImages | None, engine: Engine, index: int | None) -> Any:
+    """``prompt`` with its image placeholders expanded (a VL model), else unchanged."""
+    from osworld_jax.model import Qwen3VLMoeConfig
+
+    config = engine.model_config
+    if not isinstance(config, Qwen3VLMoeConfig) or not isinstance(prompt, list):
+        return prompt
+    if not all(type(t) is int for t in prompt):
+        return prompt  # _check_prompt names the problem
+    where = "request" if index is None else f"request {index}"
+    try:
+        return expand_image_tokens(
+            prompt, () if images is None else images.num_tokens, config, where
+        )
+    except ImageRequestError as e:
+        raise BadRequest(str(e)) from None

@@ -23,24 +23,47 @@ from osworld_jax.model import (
     KVCache,
     ModelRuntimeConfig,
     Qwen3MoeConfig,
+    Qwen3VLMoeConfig,
     forward,
     init_kv_cache,
     load_hf_checkpoint,
     unembed_matrix,
 )
+from osworld_jax.model.mrope import mrope_positions
 from osworld_jax.rollout.errors import EngineError
-from osworld_jax.rollout.sampling import sample, step_keys, token_logprobs
+from osworld_jax.rollout.images import RequestImages
+from osworld_jax.rollout.sampling import sample, step_keys, token_logprobs, top_logprobs
 
 log = logging.getLogger(__name__)
 
 #: Banned-token columns per slot (EOS + stop ids suppressed before ``min_new_tokens``).
 MAX_BANNED = 16
+#: Most top logprobs per position (``top_logprobs_num``; OpenAI's ``top_logprobs`` limit). A step
+#: in which any request asks for some computes this many (one more compiled variant per bucket).
+MAX_TOP_LOGPROBS = 20
 
 
 def next_pow2(n: int, minimum: int = 1) -> int:
     """Smallest power of two ``>= max(n, minimum)``."""
     n = max(n, minimum, 1)
     return 1 << (n - 1).bit_length()
+
+
+def patch_bucket(n: int, unit: int) -> int:
+    """Smallest ``b >= n`` of the series ``unit * {1, 2, 3, 4, 6, 8, 12, ...}``.
+
+    At most a third is padding and few shapes compile; ``unit`` is merge^2, so merged rows stay
+    whole.
+
+    >>> [patch_bucket(n, 4) for n in (1, 5, 9, 13, 576)]
+    [4, 8, 12, 16, 768]
+    """
+    b = unit
+    while b < n:
+        if b * 3 // 2 >= n and (b * 3 // 2) % unit == 0:
+            return b * 3 // 2
+        b *= 2
+    return b
 
 
 def _logits(params: Any, hidden: jax.Array, config: Qwen3MoeConfig) -> jax.Array:
@@ -53,7 +76,13 @@ def _logits(params: Any, hidden: jax.Array, config: Qwen3MoeConfig) -> jax.Array
     )
 
 
-def _sample(params: Any, hidden: jax.Array, samp: dict[str, jax.Array], config: Qwen3MoeConfig):
+def _sample(
+    params: Any,
+    hidden: jax.Array,
+    samp: dict[str, jax.Array],
+    config: Qwen3MoeConfig,
+    num_top: int = 0,
+):
     return sample(
         _logits(params, hidden, config),
         samp["temperature"],
@@ -63,13 +92,16 @@ def _sample(params: Any, hidden: jax.Array, samp: dict[str, jax.Array], config: 
         samp["banned"],
         step_keys(samp["keys"], samp["step"]),
         samp["logprob_temperature"],
+        num_top,
     )
 
 
 # Module-level jits with the (hashable, frozen) configs static: every runner of the same
 # architecture in a process shares the compiled buckets.
-@functools.partial(jax.jit, static_argnames=("config", "runtime"), donate_argnames=("cache",))
-def _prefill(params, cache, slots, tokens, lengths, samp, *, config, runtime):
+@functools.partial(
+    jax.jit, static_argnames=("config", "runtime", "num_top"), donate_argnames=("cache",)
+)
+def _prefill(params, cache, slots, tokens, lengths, samp, vision, *, config, runtime, num_top):
     p, s = tokens.shape
     # A prefill writes every position in [0, S) of its rows (padding sits past `length`) and
     # attends only to j <= position < S, so it starts from a zero cache and never reads the
@@ -78,54 +110,99 @@ def _prefill(params, cache, slots, tokens, lengths, samp, *, config, runtime):
     sub = KVCache(jnp.zeros(shape, cache.k.dtype), jnp.zeros(shape, cache.v.dtype))
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (p, s))  # [P, S]
     segment_ids = (positions < lengths[:, None]).astype(jnp.int32)
+    kw = {}
+    if vision is not None:  # M-RoPE [3, P, S]; the images of row r fill its image tokens
+        kw = dict(
+            pixel_values=vision["pixel_values"],  # [P, Np, D]
+            image_grid_thw=vision["grid_thw"],  # [P, m, 3]
+            cache_positions=positions,
+        )
     out = forward(
         params,
         config,
         runtime,
         tokens,
-        positions=positions,
+        positions=positions if vision is None else vision["rope"],
         segment_ids=segment_ids,
         kv_cache=sub,
         return_logits=False,
+        **kw,
     )
     last = jnp.take_along_axis(out.hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [P, H]
-    tok, lp = _sample(params, last, samp, config)
+    tok, lp, top_ids, top_lps = _sample(params, last, samp, config, num_top)
     # Padding rows carry slot index num_slots: their writes drop.
     new_k = cache.k.at[:, slots, :s].set(out.kv_cache.k, mode="drop")
     new_v = cache.v.at[:, slots, :s].set(out.kv_cache.v, mode="drop")
-    return tok, lp, out.routed_experts, out.hidden, KVCache(new_k, new_v)
+    top = (top_ids, top_lps)
+    return tok, lp, top, out.routed_experts, out.hidden, KVCache(new_k, new_v)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("config", "runtime", "attn_len"), donate_argnames=("cache",)
+    jax.jit,
+    static_argnames=("config", "runtime", "attn_len", "num_top"),
+    donate_argnames=("cache",),
 )
-def _decode(params, cache, tokens, positions, active, samp, *, config, runtime, attn_len):
+def _decode(
+    params, cache, tokens, positions, rope, active, samp, *, config, runtime, attn_len, num_top
+):
     b = tokens.shape[0]
     sub = KVCache(cache.k[:, :b, :attn_len], cache.v[:, :b, :attn_len])  # [L, b, Lb, KV, D]
+    # The rope position of a generated token is its cache slot plus the request's M-RoPE
+    # delta (max prompt position + 1 - prompt length; 0 for text): HF's `rope_deltas` rule.
+    rope_positions = rope[:, None]  # [b, 1]
+    if isinstance(config, Qwen3VLMoeConfig):  # three equal rows: the M-RoPE of a text token
+        rope_positions = jnp.broadcast_to(rope_positions[None], (3, b, 1))
     out = forward(
         params,
         config,
         runtime,
         tokens[:, None],
-        positions=positions[:, None],
+        positions=rope_positions,
         segment_ids=active[:, None],
         kv_cache=sub,
         return_logits=False,
+        cache_positions=positions[:, None],
     )
-    tok, lp = _sample(params, out.hidden[:, 0], samp, config)
+    tok, lp, top_ids, top_lps = _sample(params, out.hidden[:, 0], samp, config, num_top)
     new_k = jax.lax.dynamic_update_slice(cache.k, out.kv_cache.k, (0, 0, 0, 0, 0))
     new_v = jax.lax.dynamic_update_slice(cache.v, out.kv_cache.v, (0, 0, 0, 0, 0))
-    return tok, lp, out.routed_experts[:, 0], KVCache(new_k, new_v)
+    return tok, lp, (top_ids, top_lps), out.routed_experts[:, 0], KVCache(new_k, new_v)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def _prompt_logprobs(params, hidden, targets, *, config):
+@functools.partial(jax.jit, static_argnames=("config", "num_top"))
+def _prompt_logprobs(params, hidden, targets, *, config, num_top):
     s = hidden.shape[0]
     chunk = min(s, 256)
     hs = hidden.reshape(s // chunk, chunk, -1)
     ts = targets.reshape(s // chunk, chunk)
-    lps = jax.lax.map(lambda a: token_logprobs(_logits(params, a[0], config), a[1]), (hs, ts))
-    return lps.reshape(s)
+
+    def one(a):
+        logits = _logits(params, a[0], config)
+        return token_logprobs(logits, a[1]), top_logprobs(logits, num_top)
+
+    lps, (top_ids, top_lps) = jax.lax.map(one, (hs, ts))
+    return lps.reshape(s), top_ids.reshape(s, num_top), top_lps.reshape(s, num_top)
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """One prompt's prefill.
+
+    Attributes:
+      token: the first output token; logprob: its logprob.
+      routes: i32[len(prompt), L, K] routes of the prompt tokens.
+      hidden: device [S, H] final hidden states (for optional prompt logprobs).
+      rope_delta: M-RoPE delta of the prompt (max position + 1 - length; 0 for text): the
+        rope position of cache slot j >= len(prompt) is ``j + rope_delta``.
+      top: (ids i32[k], logprobs f32[k]) of the first token's distribution, k = ``num_top``.
+    """
+
+    token: int
+    logprob: float
+    routes: np.ndarray
+    hidden: Any
+    rope_delta: int
+    top: tuple[np.ndarray, np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -237,16 +314,24 @@ class ModelRunner:
         return next_pow2(length, self.min_bucket)
 
     def prefill(
-        self, slots: list[int], prompts: list[list[int]], samp: SlotSampling, max_rows: int = 1
-    ) -> list[tuple[int, float, np.ndarray, jax.Array]]:
+        self,
+        slots: list[int],
+        prompts: list[list[int]],
+        samp: SlotSampling,
+        max_rows: int = 1,
+        images: list[RequestImages | None] | None = None,
+        num_top: int = 0,
+    ) -> list[PrefillResult]:
         """Writes each prompt into its slot's cache and samples its first output token.
 
         Several prompts are padded to ``max_rows`` rows (padding rows write nowhere; one prompt
-        runs alone) and to the longest prompt's bucket. ``samp`` has one row per prompt.
+        runs alone) and to the longest prompt's bucket. ``samp`` has one row per prompt. With
+        ``images`` (a Qwen3-VL model), prompt r's images fill its ``<|image_pad|>`` tokens and
+        the prompt runs at its M-RoPE positions (`mrope_positions`); the patches of a row are
+        padded to a patch bucket and the images to a power of two.
 
         Returns:
-          per prompt: (token, its logprob, routes i32[len(prompt), L, K] of the prompt tokens,
-          the device hidden states [S, H] for optional prompt logprobs).
+          per prompt a `PrefillResult` (``num_top`` top logprobs of the first token).
         """
         n = len(prompts)
         rows = 1 if n == 1 else max(n, max_rows)  # two row buckets per length: 1 and max_rows
@@ -263,21 +348,62 @@ class ModelRunner:
         padded = {
             k: np.concatenate([v, np.repeat(v[:1], rows - n, axis=0)]) for k, v in arrays.items()
         }
-        tok, lp, routes, hidden, self.cache = _prefill(
+        vision, deltas = None, [0] * n
+        if images is not None and any(im is not None for im in images):
+            vision, deltas = self._vision_inputs(tokens, lengths, images)
+        tok, lp, top, routes, hidden, self.cache = _prefill(
             self.params,
             self.cache,
             slot_ids,
             tokens,
             lengths,
             padded,
+            vision,
             config=self.config,
             runtime=self.runtime,
+            num_top=num_top,
         )
-        tok, lp, routes = jax.device_get((tok, lp, routes))
+        tok, lp, top, routes = jax.device_get((tok, lp, top, routes))
         return [
-            (int(tok[i]), float(lp[i]), np.asarray(routes[i, : len(q)]), hidden[i])
+            PrefillResult(
+                token=int(tok[i]),
+                logprob=float(lp[i]),
+                routes=np.asarray(routes[i, : len(q)]),
+                hidden=hidden[i],
+                rope_delta=deltas[i],
+                top=(np.asarray(top[0][i]), np.asarray(top[1][i])),
+            )
             for i, q in enumerate(prompts)
         ]
+
+    def _vision_inputs(
+        self, tokens: np.ndarray, lengths: np.ndarray, images: list[RequestImages | None]
+    ) -> tuple[dict[str, np.ndarray], list[int]]:
+        """Per-row patches, grids and M-RoPE positions of a prefill; each row's rope delta."""
+        config = self.config
+        if not isinstance(config, Qwen3VLMoeConfig):
+            raise EngineError("images need a qwen3_vl_moe checkpoint")
+        rows, s = tokens.shape
+        unit = config.vision.spatial_merge_size**2
+        most = max(im.pixel_values.shape[0] for im in images if im is not None)
+        m = next_pow2(max(im.count for im in images if im is not None))
+        pixels = np.zeros((rows, patch_bucket(most, unit), config.vision.patch_dim), np.float32)
+        grid = np.zeros((rows, m, 3), np.int32)
+        rope = np.broadcast_to(np.arange(s, dtype=np.int32), (3, rows, s)).copy()
+        deltas = []
+        for r, im in enumerate(images):
+            length = int(lengths[r])
+            if im is None:
+                deltas.append(0)
+                continue
+            pixels[r, : im.pixel_values.shape[0]] = im.pixel_values
+            grid[r, : im.count] = im.grid_thw
+            pos = mrope_positions(tokens[r : r + 1, :length], im.grid_thw, config)[:, 0]
+            top = int(pos.max()) + 1
+            rope[:, r, :length] = pos
+            rope[:, r, length:] = np.arange(top, top + s - length, dtype=np.int32)
+            deltas.append(top - length)
+        return {"pixel_values": pixels, "grid_thw": grid, "rope": rope}, deltas
 
     def precompile(
         self, *, prompt_len: int, total_len: int, min_batch: int = 1, max_rows: int = 1
@@ -295,10 +421,10 @@ class ModelRunner:
             tokens = np.zeros((rows, s), np.int32)
             ones = np.ones((rows,), np.int32)
             slot_ids = np.full((rows,), self.num_slots, np.int32)  # every write drops
-            _, _, _, _, self.cache = _prefill(
+            *_, self.cache = _prefill(
                 self.params, self.cache, slot_ids, tokens, ones,
-                self._samp(_dummy_sampling(rows, self.vocab_size)),
-                config=self.config, runtime=self.runtime,
+                self._samp(_dummy_sampling(rows, self.vocab_size)), None,
+                config=self.config, runtime=self.runtime, num_top=0,
             )  # fmt: skip
             n += 1
         b = next_pow2(min_batch)
@@ -316,47 +442,67 @@ class ModelRunner:
         jax.block_until_ready(self.cache)
         return n
 
-    def prompt_logprobs(self, hidden: jax.Array, prompt: list[int]) -> np.ndarray:
+    def prompt_logprobs(
+        self, hidden: jax.Array, prompt: list[int], num_top: int = 0
+    ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
         """Prompt logprobs at temperature 1 (SGLang's ``input_token_logprobs``).
 
-        Returns f32[len(prompt)]: entry t is ``log p(prompt[t] | prompt[:t])``; entry 0 has no
-        context and is NaN.
+        Returns:
+          (f32[len(prompt)]: entry t is ``log p(prompt[t] | prompt[:t])``, entry 0 has no
+          context and is NaN; with ``num_top``, (ids i32[len, k], logprobs f32[len, k]) of the
+          k most likely tokens at each position t >= 1 (row 0 unused), else None).
         """
         s = hidden.shape[0]
         targets = np.zeros((s,), np.int32)
         targets[: len(prompt) - 1] = prompt[1:]
-        lps = np.asarray(
-            jax.device_get(_prompt_logprobs(self.params, hidden, targets, config=self.config))
+        lps, top_ids, top_lps = jax.device_get(
+            _prompt_logprobs(self.params, hidden, targets, config=self.config, num_top=num_top)
         )
         out = np.full((len(prompt),), np.nan, np.float32)
-        out[1:] = lps[: len(prompt) - 1]
-        return out
+        out[1:] = np.asarray(lps)[: len(prompt) - 1]
+        if not num_top:
+            return out, None
+        ids = np.zeros((len(prompt), num_top), np.int32)
+        values = np.zeros((len(prompt), num_top), np.float32)
+        ids[1:], values[1:] = top_ids[: len(prompt) - 1], top_lps[: len(prompt) - 1]
+        return out, (ids, values)
 
     def decode(
-        self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray, samp: SlotSampling
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        active: np.ndarray,
+        samp: SlotSampling,
+        rope: np.ndarray | None = None,
+        num_top: int = 0,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
         """One decode step of the first ``len(tokens)`` slots (a power of two).
 
         Args:
           tokens: i32[b] the input token of each slot (its last sampled token).
-          positions: i32[b] that token's position (0 for free slots).
+          positions: i32[b] that token's cache slot (0 for free slots).
           active: i32[b] 1 for live slots.
           samp: per-slot sampling arrays.
+          rope: i32[b] its rope position (``positions + rope_delta``; default ``positions``).
+          num_top: how many top logprobs of each next-token distribution to return.
 
         Returns:
-          (next tokens i32[b], their logprobs f32[b], routes i32[b, L, K] of the input tokens).
+          (next tokens i32[b], their logprobs f32[b], routes i32[b, L, K] of the input tokens,
+          (top ids i32[b, k], top logprobs f32[b, k])).
         """
         attn_len = min(self.slot_len, next_pow2(int(positions.max()) + 1, self.min_bucket))
-        tok, lp, routes, self.cache = _decode(
+        tok, lp, top, routes, self.cache = _decode(
             self.params,
             self.cache,
             tokens.astype(np.int32),
             positions.astype(np.int32),
+            (positions if rope is None else rope).astype(np.int32),
             active.astype(np.int32),
             self._samp(samp),
             config=self.config,
             runtime=self.runtime,
             attn_len=attn_len,
+            num_top=num_top,
         )
-        tok, lp, routes = jax.device_get((tok, lp, routes))
-        return np.asarray(tok), np.asarray(lp), np.asarray(routes)
+        tok, lp, top, routes = jax.device_get((tok, lp, top, routes))
+        return np.asarray(tok), np.asarray(lp), np.asarray(routes), top

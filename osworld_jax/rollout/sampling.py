@@ -52,8 +52,12 @@ def sample(
     banned: Int[Array, "B M"],
     keys: UInt32[Array, "B 2"],
     logprob_temperature: Float[Array, " B"],
-) -> tuple[Int[Array, " B"], Float[Array, " B"]]:
-    """Samples one token per row; returns (token ids i32[B], their logprobs f32[B]).
+    num_top: int = 0,
+) -> tuple[Int[Array, " B"], Float[Array, " B"], Int[Array, "B k"], Float[Array, "B k"]]:
+    """Samples one token per row, with its logprob and the top logprobs of its distribution.
+
+    Returns (token ids i32[B], their logprobs f32[B], top ids i32[B, num_top], top logprobs
+    f32[B, num_top]).
 
     ``token ~ softmax(logits / T)`` restricted to the filter's survivors, and the reported
     logprob is ``log_softmax(logits / T_lp)[token]`` over the whole vocabulary (``T_lp`` =
@@ -71,6 +75,8 @@ def sample(
       keys: u32[B, 2] per-row PRNG keys (already folded with the step).
       logprob_temperature: f32[B] temperature of the reported logprobs (``T`` by default, 1
         for original logprobs).
+      num_top: (static) how many of the most likely tokens of the reported distribution to
+        return with their logprobs (SGLang's ``top_logprobs_num``), best first; 0 for none.
     """
     b, v = logits.shape
     rows = jnp.arange(b)[:, None]
@@ -89,7 +95,9 @@ def sample(
         lambda: logprobs,
         lambda: jax.nn.log_softmax(logits / logprob_temperature[:, None], axis=-1),
     )  # [B, V] float32
-    return tokens, jnp.take_along_axis(reported, tokens[:, None], axis=-1)[:, 0]
+    top_lps, top_ids = jax.lax.top_k(reported, num_top)  # [B, k] each, best first
+    chosen = jnp.take_along_axis(reported, tokens[:, None], axis=-1)[:, 0]
+    return tokens, chosen, top_ids.astype(jnp.int32), top_lps
 
 
 def step_keys(base: UInt32[Array, "B 2"], step: Int[Array, " B"]) -> UInt32[Array, "B 2"]:
@@ -101,3 +109,12 @@ def token_logprobs(logits: Float[Array, "S V"], targets: Int[Array, " S"]) -> Fl
     """``log_softmax(logits)[s, targets[s]]`` at temperature 1 (SGLang's prompt logprobs)."""
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return jnp.take_along_axis(lp, targets[:, None], axis=-1)[:, 0]
+
+
+def top_logprobs(
+    logits: Float[Array, "S V"], k: int
+) -> tuple[Int[Array, "S k"], Float[Array, "S k"]]:
+    """The ``k`` most likely tokens of ``log_softmax(logits)`` per row (best first)."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    values, ids = jax.lax.top_k(lp, k)
+    return ids.astype(jnp.int32), values

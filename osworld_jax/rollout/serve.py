@@ -85,6 +85,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=limits.max_stop_length,
         help="longest stop string in characters",
     )
+    p.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=limits.max_image_pixels,
+        help="largest image (width x height, read from its header before decoding)",
+    )
+    p.add_argument("--max-images-per-request", type=int, default=limits.max_images_per_request)
     p.add_argument("--skip-server-warmup", action="store_true", help="accepted for parity")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
@@ -131,6 +138,8 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
         max_json_depth=args.max_json_depth,
         max_stop_strings=args.max_stop_strings,
         max_stop_length=args.max_stop_length,
+        max_image_pixels=args.max_image_pixels,
+        max_images_per_request=args.max_images_per_request,
     )
 
 

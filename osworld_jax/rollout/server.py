@@ -6,7 +6,8 @@ Handlers read the body within `ServerLimits` (413 when too large), validate it w
 ``data: <json>`` events ending in ``data: [DONE]``. A client that goes away mid-generation has
 its requests aborted (its slots freed) within ``DISCONNECT_POLL_S``. Work that could hold the
 event loop (tokenizing text prompts) runs in a thread that releases the GIL, so ``/health``
-keeps answering. The read-only endpoints live in `osworld_jax.rollout.info`.
+keeps answering; so do image decoding and processing (`osworld_jax.rollout.images`). The
+read-only endpoints live in `osworld_jax.rollout.info`.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ from typing import Any
 from aiohttp import web
 
 from osworld_jax.rollout.engine import Engine, GenRequest
+from osworld_jax.rollout.images import ImageRequestError, load_request_images
 from osworld_jax.rollout.protocol import (
     BadRequest,
     ServerLimits,
+    image_items,
     parse_body,
     parse_generate,
+    prompt_count,
     prompt_texts,
 )
 
@@ -104,18 +108,108 @@ def _too_large(request: web.Request, size: int | None) -> web.Response:
 
 async def _parse(request: web.Request, engine: Engine) -> tuple[list[GenRequest], bool, bool]:
     body = await read_json(request)
+    return await parse_body_requests(body, engine, request.app[LIMITS_KEY])
+
+
+async def parse_body_requests(
+    body: Any, engine: Engine, limits: ServerLimits
+) -> tuple[list[GenRequest], bool, bool]:
+    """A ``/generate`` body's requests: text tokenized and images read and processed in threads.
+
+    Raises:
+      BadRequest: naming the field, the request and the image.
+    """
     texts = prompt_texts(body, engine)
     tokenized = None
     if texts is not None and engine.tokenizer is not None:
         # encode_batch releases the GIL: /health keeps answering meanwhile
         encs = await asyncio.to_thread(engine.tokenizer.encode_batch, texts)
         tokenized = [e.ids for e in encs]
-    return parse_generate(body, engine, request.app[LIMITS_KEY], tokenized)
+    items = image_items(body, engine)
+    images = None
+    if any(items):
+        _, batch = prompt_count(body)
+        try:  # decoding and patchifying release the GIL for most of their time
+            images = await asyncio.gather(
+                *(
+                    asyncio.to_thread(
+                        load_request_images,
+                        its,
+                        f"request {i}" if batch else "request",
+                        engine.processor,
+                        limits.images,
+                        engine.context_length,
+                    )
+                    for i, its in enumerate(items)
+                )
+            )
+        except ImageRequestError as e:
+            raise BadRequest(str(e)) from None
+    return parse_generate(body, engine, limits, tokenized, images)
 
 
 def _disconnected(request: web.Request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
+
+
+class Submission:
+    """Requests handed to the engine; their progress arrives on an asyncio queue.
+
+    Args:
+      engine: the engine.
+      reqs: validated requests (their ``notify`` is replaced).
+      stream: deliver every step's reply (else only the final one of each request).
+
+    Attributes:
+      pending: indices of requests not finished yet.
+    """
+
+    def __init__(self, engine: Engine, reqs: list[GenRequest], stream: bool) -> None:
+        self.engine, self.reqs, self.stream = engine, reqs, stream
+        self._loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue[tuple[int, dict[str, Any], bool]] = asyncio.Queue()
+        self.pending = set(range(len(reqs)))
+        for i, r in enumerate(reqs):
+            r.notify = self._notifier(i)
+            engine.submit(r)
+
+    def _notifier(self, i: int) -> Any:
+        def notify(r: GenRequest, done: bool) -> None:  # called on the engine thread
+            if done or self.stream:
+                reply = self.engine.response(r, done)
+                self._loop.call_soon_threadsafe(self._events.put_nowait, (i, reply, done))
+
+        return notify
+
+    async def next(self) -> tuple[int, dict[str, Any], bool]:
+        """The next (request index, reply so far, finished) event."""
+        i, out, done = await self._events.get()
+        if done:
+            self.pending.discard(i)
+        return i, out, done
+
+    def cancel(self, message: str) -> None:
+        """Aborts the unfinished requests (only these, not others sharing an rid prefix)."""
+        if self.pending:
+            log.info("%d request(s) aborted: %s", len(self.pending), message)
+            self.engine.cancel([self.reqs[i] for i in self.pending], message)
+
+    async def collect(self, request: web.Request) -> list[dict[str, Any]] | None:
+        """Every request's final reply in order; None (requests aborted) if the client left."""
+        results: dict[int, dict[str, Any]] = {}
+        while self.pending:
+            try:
+                async with asyncio.timeout(DISCONNECT_POLL_S):
+                    i, out, done = await self.next()
+            except TimeoutError:
+                if _disconnected(request):  # nobody reads the answer: free the slots
+                    self.cancel("the client disconnected")
+                    return None
+                continue
+            if done:
+                results[i] = out
+        return [results[i] for i in range(len(self.reqs))]
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -127,56 +221,27 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return _too_large(request, e.args[0])
     except BadRequest as e:
         return error_response(400, str(e))
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue[tuple[int, dict[str, Any], bool]] = asyncio.Queue()
-
-    def notifier(i: int):  # called on the engine thread
-        def notify(r: GenRequest, done: bool) -> None:
-            if done or stream:
-                loop.call_soon_threadsafe(events.put_nowait, (i, engine.response(r, done), done))
-
-        return notify
-
-    for i, r in enumerate(reqs):
-        r.notify = notifier(i)
-        engine.submit(r)
-    pending = set(range(len(reqs)))
+    sub = Submission(engine, reqs, stream)
     try:
         if not stream:
-            results: dict[int, dict[str, Any]] = {}
-            while pending:
-                try:
-                    async with asyncio.timeout(DISCONNECT_POLL_S):
-                        i, out, done = await events.get()
-                except TimeoutError:
-                    if _disconnected(request):  # nobody reads the answer: free the slots
-                        engine.cancel([reqs[i] for i in pending], "the client disconnected")
-                        log.info("client of %d request(s) went away: aborted", len(pending))
-                        return web.Response(status=499, text="client closed request")
-                    continue
-                if done:
-                    results[i] = out
-                    pending.discard(i)
-            ordered = [results[i] for i in range(len(reqs))]
-            return web.json_response(ordered if batch else ordered[0])
+            results = await sub.collect(request)
+            if results is None:
+                return web.Response(status=499, text="client closed request")
+            return web.json_response(results if batch else results[0])
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await resp.prepare(request)
-        while pending:
-            i, out, done = await events.get()
+        while sub.pending:
+            i, out, done = await sub.next()
             if batch:
                 out["index"] = i
             await resp.write(f"data: {json.dumps(out)}\n\n".encode())
-            if done:
-                pending.discard(i)
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
     except (asyncio.CancelledError, ConnectionResetError):
-        if pending:  # the client went away: free its slots (only its own requests)
-            log.info("client of %d request(s) went away: aborting them", len(pending))
-            engine.cancel([reqs[i] for i in pending], "the client disconnected")
+        sub.cancel("the client disconnected")  # free its slots
         raise
 
 

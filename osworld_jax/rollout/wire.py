@@ -33,7 +33,7 @@ class Generation:
         token is never an input, so it has no row); -1 on dense layers; None when not requested.
       finish_reason: SGLang's finish reason of the final part (``stop`` or ``length``; a final
         ``abort`` never reaches the caller: it raises `AbortBudgetExceeded`).
-      prompt_tokens: length of the caller's prompt.
+      prompt_tokens: length of the prompt as served (image placeholders expanded).
       completion_tokens: ``len(output_ids)``.
       weight_version: the server's weight version of the final part.
       weight_versions: the weight version of every part (more than one after an abort).
@@ -134,7 +134,7 @@ def parse_reply(
     body: Any,
     *,
     rid: str,
-    prompt_len: int,
+    prompt_len: int | None,
     return_logprob: bool,
     routed_experts_start_len: int | None,
     num_layers: int | None = None,
@@ -142,7 +142,8 @@ def parse_reply(
 ) -> Reply:
     """Validates one ``/generate`` reply against the request that produced it.
 
-    Checks: ``completion_tokens == len(output_ids)``, ``prompt_tokens == prompt_len``; with
+    Checks: ``completion_tokens == len(output_ids)``, ``prompt_tokens == prompt_len`` (unless
+    None: a prompt whose image placeholders the server expands); with
     logprobs, one ``[logprob, token_id, ...]`` entry per output token whose ids equal
     ``output_ids`` and whose logprobs are finite; with routes (``routed_experts_start_len`` not
     None), the row count ``prompt + completion - 1 - start_len`` (not checked on an ``abort``
@@ -172,7 +173,7 @@ def parse_reply(
         raise ReplyValidationError(
             rid, f"completion_tokens={completion} but {len(output_ids)} output_ids"
         )
-    if prompt != prompt_len:
+    if prompt_len is not None and prompt != prompt_len:
         raise ReplyValidationError(rid, f"prompt_tokens={prompt} but the prompt had {prompt_len}")
     version = meta.get("weight_version")
     if not isinstance(version, str):

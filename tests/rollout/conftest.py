@@ -104,3 +104,66 @@ def log_softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     x = x.astype(np.float64)
     m = x.max(axis=axis, keepdims=True)
     return x - m - np.log(np.exp(x - m).sum(axis=axis, keepdims=True))
+
+
+# The Qwen3-VL engine of the image tests: 256-token context (one 1920x1080 screenshot is 144
+# image tokens with the tiny processor), 4 slots.
+VL_ENGINE_KW = dict(ENGINE_KW, max_running_requests=4, context_length=256, min_decode_batch=4)
+
+
+@pytest.fixture(scope="session")
+def vl_ckpt(tmp_path_factory):
+    from osworld_jax.model.tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny_vl"), kind="qwen3_vl_moe", seed=0, initializer_range=0.1
+    )
+
+
+def start_vl_engine(path, weight_version: str = "v0"):
+    from osworld_jax.rollout.engine import Engine, EngineConfig
+
+    cfg = EngineConfig(model_path=str(path), weight_version=weight_version, **VL_ENGINE_KW)
+    return Engine(cfg).start()
+
+
+@pytest.fixture(scope="module")
+def vl_engine(vl_ckpt):
+    eng = start_vl_engine(vl_ckpt)
+    yield eng
+    eng.shutdown()
+
+
+def hf_vl_model(path):
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    return Qwen3VLMoeForConditionalGeneration.from_pretrained(path, dtype="float32").eval()
+
+
+def hf_vl_logits_and_routes(model, ids: list[int], pixel_values=None, grid=None):
+    """(logits f32[S, V], {layer: router logits f32[S, E]}) of the transformers reference."""
+    import torch
+
+    cfg = model.config
+    arr = np.asarray([ids])
+    kw = {}
+    if pixel_values is not None:
+        kw = dict(
+            pixel_values=torch.as_tensor(pixel_values),
+            image_grid_thw=torch.as_tensor(grid),
+            mm_token_type_ids=torch.as_tensor((arr == cfg.image_token_id).astype(np.int64)),
+        )
+    with torch.no_grad():
+        out = model(input_ids=torch.as_tensor(arr), output_router_logits=True, **kw)
+    text = cfg.text_config
+    moe_layers = [
+        i
+        for i in range(text.num_hidden_layers)
+        if i not in (text.mlp_only_layers or []) and (i + 1) % text.decoder_sparse_step == 0
+    ]
+    assert len(out.router_logits) == len(moe_layers)
+    routers = {
+        layer: r.float().numpy().reshape(len(ids), -1)
+        for layer, r in zip(moe_layers, out.router_logits, strict=True)
+    }
+    return out.logits[0].float().numpy(), routers

@@ -1,0 +1,125 @@
+"""The embedded engine's data: its settings (`EngineConfig`) and one request (`GenRequest`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from osworld_jax.rollout.images import RequestImages
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Settings of the embedded engine (the ``serve`` flags).
+
+    Attributes:
+      model_path: HF checkpoint directory (config.json, safetensors, and tokenizer.json unless
+        ``skip_tokenizer_init``).
+      max_running_requests: KV-cache slots, i.e. requests decoded together (rounded up to a
+        power of two); more requests wait in a queue.
+      context_length: most tokens (prompt + output) per request; default
+        ``min(max_position_embeddings, 4096)``. Rounded up to a power of two for the cache.
+      max_total_tokens: KV-cache token budget; when set, the slot count is capped at
+        ``max_total_tokens // slot_len``.
+      dtype: "float32" or "bfloat16" (parameters, activations, KV cache).
+      expert_backend: `osworld_jax.model` expert backend ("auto", "dense", "ragged", ...).
+      weight_version: the initial weight version reported in every reply.
+      enable_return_routed_experts: allow ``return_routed_experts`` (as SGLang's flag).
+      seed: seeds the server's randomness for requests without ``sampling_seed``.
+      min_bucket: smallest prefill / attention-length bucket (fewer compiles when larger).
+      min_decode_batch: smallest decode batch bucket (a decode step runs the first ``b``
+        slots, ``b`` a power of two >= this and covering every live slot).
+      max_prefill_batch: most admitted requests of one length bucket prefilled in one call
+        (padded to this many rows; a lone request runs alone; long buckets run one by one).
+      return_original_logprob: report output logprobs at temperature 1 (the model's own
+        distribution) instead of at the request's temperature, as SGLang does under
+        ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (see `osworld_jax.rollout.logprob_temperature`).
+      skip_tokenizer_init: serve token ids only, without loading a tokenizer (SGLang's
+        ``--skip-tokenizer-init``): ``text`` prompts, ``stop`` strings and ``min_new_tokens``
+        are refused, replies carry no ``text`` and logprob entries no token text.
+    """
+
+    model_path: str
+    max_running_requests: int = 16
+    context_length: int | None = None
+    max_total_tokens: int | None = None
+    dtype: str = "float32"
+    expert_backend: str = "auto"
+    weight_version: str = "default"
+    enable_return_routed_experts: bool = False
+    seed: int = 0
+    min_bucket: int = 16
+    min_decode_batch: int = 1
+    max_prefill_batch: int = 8
+    return_original_logprob: bool = False
+    skip_tokenizer_init: bool = False
+
+
+@dataclass(kw_only=True, eq=False)
+class GenRequest:
+    """One validated generation request and its progress (mutated only on the engine thread).
+
+    Attributes:
+      rid: request id.
+      input_ids: prompt token ids.
+      temperature, top_p, top_k, min_p: normalised sampling (greedy -> T=1, top_k=1).
+      logprob_temperature: temperature of the reported output logprobs.
+      max_new_tokens, min_new_tokens: output length bounds.
+      stop: stop strings; stop_token_ids: stop ids; ignore_eos: do not stop at EOS.
+      skip_special_tokens, no_stop_trim: text decoding options.
+      key: u32[2] the request's PRNG key.
+      return_logprob, logprob_start_len: logprob options (start -1 = output only).
+      top_logprobs_num: how many top logprobs each position reports (with return_logprob).
+      return_text_in_logprobs: put each token's text in its logprob entries.
+      return_routed_experts, routed_experts_start_len: route options.
+      images: the request's processed images (`RequestImages`), None for text.
+      rope_delta: M-RoPE delta of the prompt (set at prefill): cache slot j >= len(prompt)
+        is at rope position ``j + rope_delta`` (HF's ``rope_deltas``).
+      notify: ``notify(request, done)`` called on the engine thread after progress.
+      output_ids, output_logprobs, routes, input_logprobs, finish: progress.
+      output_top, input_top: top logprobs (ids, logprobs) of each output position / of the
+        prompt positions ([len, k] arrays), with ``top_logprobs_num``.
+      cached_tokens: prompt tokens whose KV came from the prefix cache.
+    """
+
+    rid: str
+    input_ids: list[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    logprob_temperature: float
+    max_new_tokens: int
+    min_new_tokens: int
+    stop: list[str]
+    stop_token_ids: set[int]
+    ignore_eos: bool
+    skip_special_tokens: bool
+    no_stop_trim: bool
+    key: np.ndarray
+    return_logprob: bool
+    logprob_start_len: int
+    top_logprobs_num: int
+    return_text_in_logprobs: bool
+    return_routed_experts: bool
+    routed_experts_start_len: int
+    images: RequestImages | None = None
+    rope_delta: int = 0
+    notify: Callable[[GenRequest, bool], None] = lambda r, d: None
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    routes: list[np.ndarray] = field(default_factory=list)
+    num_route_rows: int = 0
+    input_logprobs: np.ndarray | None = None
+    output_top: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    input_top: tuple[np.ndarray, np.ndarray] | None = None
+    cached_tokens: int = 0
+    token_texts: dict[str, list[str]] = field(default_factory=dict)
+    finish: dict[str, Any] | None = None
+    slot: int | None = None
+    created: float = field(default_factory=time.monotonic)
+    stop_window: int = 0
