@@ -7,7 +7,8 @@ Handlers read the body within `ServerLimits` (413 when too large), validate it w
 its requests aborted (its slots freed) within ``DISCONNECT_POLL_S``. Work that could hold the
 event loop (tokenizing text prompts) runs in a thread that releases the GIL, so ``/health``
 keeps answering; so do image decoding and processing (`osworld_jax.rollout.images`). The
-read-only endpoints live in `osworld_jax.rollout.info`.
+read-only endpoints live in `osworld_jax.rollout.info`, the OpenAI-compatible ones in
+`osworld_jax.rollout.openai_api`.
 """
 
 from __future__ import annotations
@@ -385,7 +386,7 @@ def build_app(
         the model in ``/v1/models``; default the engine's model path).
       limits: request limits (default `ServerLimits()`).
     """
-    from osworld_jax.rollout import info
+    from osworld_jax.rollout import info, openai_api
 
     limits = limits or ServerLimits()
     app = web.Application(client_max_size=limits.max_request_bytes)
@@ -402,4 +403,5 @@ def build_app(
     r.add_get("/health", health)
     r.add_get("/health_generate", health_generate)
     info.add_routes(app)
+    openai_api.add_routes(app)
     return app
