@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import json
 import logging
 import queue
 import threading
@@ -26,6 +25,8 @@ import numpy as np
 from osworld_jax.rollout import replies
 from osworld_jax.rollout.config import GREEDY_EPS, logprob_temperature
 from osworld_jax.rollout.errors import EngineError
+from osworld_jax.rollout.model_files import eos_ids, load_processor, load_tokenizer
+from osworld_jax.rollout.prefix_cache import PrefixCache, prefix_key
 from osworld_jax.rollout.refit_check import (
     CheckpointMismatch,
     checkpoint_signature,
@@ -92,17 +93,18 @@ class Engine:
         if config.skip_tokenizer_init:
             self.tokenizer = None
         else:
-            self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(path)
+            self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
         self.max_token_chars = (
             max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
             if self.tokenizer is not None
             else 1
         )
-        self.eos_ids = _eos_ids(path, self.model_config)
-        self.processor = _load_processor(path, self.model_config)
+        self.eos_ids = eos_ids(path, self.model_config)
+        self.processor = load_processor(path, self.model_config)
         self.vocab_size = self.model_config.vocab_size
         self._rng = np.random.default_rng(config.seed)
         n = self.runner.num_slots
+        self.prefix = PrefixCache(n, enabled=config.enable_prefix_cache)
         self.slots: list[GenRequest | None] = [None] * n
         self.waiting: collections.deque[GenRequest] = collections.deque()
         self.paused = False
@@ -218,6 +220,7 @@ class Engine:
             except Exception as e:  # a failing step must not kill the server silently
                 log.exception("engine step failed")
                 self._abort_matching(lambda r: True, f"engine error: {type(e).__name__}: {e}")
+                self.prefix.clear()  # the slots' rows may be half written
 
     # ----------------------------------------------------------------- requests
 
@@ -320,6 +323,17 @@ class Engine:
         """True when nothing runs or waits (``/flush_cache`` may proceed)."""
         return self._call(lambda: not self.waiting and not any(self.slots))
 
+    def flush_cache(self) -> concurrent.futures.Future[bool]:
+        """Forgets every kept prefix if nothing runs or waits; returns whether it did."""
+
+        def run() -> bool:
+            if self.waiting or any(self.slots):
+                return False
+            self.prefix.clear()
+            return True
+
+        return self._call(run)
+
     def update_weights(
         self, model_path: str, weight_version: str | None, abort_all: bool
     ) -> concurrent.futures.Future[tuple[bool, str, int]]:
@@ -345,6 +359,7 @@ class Engine:
                 self.runner.load_weights(model_path)
             except Exception as e:
                 return False, f"failed to load {model_path}: {type(e).__name__}: {e}", running
+            self.prefix.clear()  # kept KV belongs to the old weights
             self.model_path, self.signature = str(model_path), signature
             if weight_version is not None:
                 self.weight_version = weight_version
@@ -373,6 +388,11 @@ class Engine:
 
     def _release(self, req: GenRequest) -> None:
         if req.slot is not None:
+            if req.num_route_rows:  # prefilled: rows [0, fed tokens) hold its KV; keep them
+                c = self.model_config
+                empty = np.zeros((0, c.num_hidden_layers, c.num_experts_per_tok), np.int32)
+                routes = np.concatenate([empty, *req.routes], axis=0)
+                self.prefix.store(req.slot, self._key(req)[: req.num_route_rows], routes)
             self.slots[req.slot] = None
             req.slot = None
 
@@ -418,25 +438,63 @@ class Engine:
         admitted: list[GenRequest] = []
         while self.waiting and None in self.slots:
             req = self.waiting.popleft()
-            slot = self.slots.index(None)
-            self.slots[slot] = req
-            req.slot = slot
-            self._temp[slot], self._top_p[slot] = req.temperature, req.top_p
-            self._top_k[slot], self._min_p[slot] = req.top_k, req.min_p
-            self._lp_temp[slot] = req.logprob_temperature
-            self._keys[slot] = req.key
+            self._place(req)
             admitted.append(req)
-        # Same prefill bucket (and images or not) -> one batched call (at most max_prefill_batch
-        # rows).
-        groups: dict[tuple[int, bool], list[GenRequest]] = collections.defaultdict(list)
+        # Same prefill shape (suffix bucket, attention window, images or not) -> one batched
+        # call (at most max_prefill_batch rows).
+        groups: dict[tuple[int, int, bool], list[GenRequest]] = collections.defaultdict(list)
         for req in admitted:
-            bucket = self.runner.prefill_bucket(len(req.input_ids) + len(req.output_ids))
-            groups[bucket, req.images is not None].append(req)
-        for (bucket, _), group in groups.items():
+            seq = [req.input_ids + req.output_ids]
+            bucket = self.runner.prefill_bucket(len(seq[0]) - req.match)
+            window = self.runner.attention_bucket(seq, [req.match])
+            groups[bucket, window, req.images is not None].append(req)
+        for (bucket, _, _), group in groups.items():
             # Batch short prompts only: padding rows of long ones would waste whole prefills.
             step = max(1, min(self.config.max_prefill_batch, PREFILL_BATCH_TOKENS // bucket))
             for i in range(0, len(group), step):
                 self._prefill(group[i : i + step], step)
+
+    def _place(self, req: GenRequest) -> None:
+        """Puts ``req`` into a free slot.
+
+        A slot keeping a prefix of its tokens wins when reusing it saves a prefill bucket or
+        images (`PrefixCache.choose`); else an empty slot, else the oldest kept prefix's.
+        """
+        n = len(req.input_ids) + len(req.output_ids)
+        key = self._key(req)
+        limit = n - 1  # at least one token is computed: it gives the next token's logits
+        if req.return_logprob and req.logprob_start_len >= 0 and req.input_logprobs is None:
+            limit = min(limit, max(req.logprob_start_len - 1, 0))  # prompt logprobs computed
+        full = self.runner.prefill_bucket(n)
+
+        def worth(m: int) -> bool:
+            saves_images = req.images is not None and bool((key[:m] < 0).any())
+            return self.runner.prefill_bucket(n - m) < full or saves_images
+
+        free = [i for i, r in enumerate(self.slots) if r is None]
+        slot, m, routes = self.prefix.choose(free, key, limit, worth)
+        self.prefix.drop(slot)
+        if req.num_route_rows == 0:
+            req.cached_tokens = min(m, len(req.input_ids))
+        if routes is not None and req.num_route_rows < m:  # route rows of the kept tokens
+            req.routes.append(routes[req.num_route_rows :])
+            req.num_route_rows = m
+        req.match = m
+        self.slots[slot] = req
+        req.slot = slot
+        self._temp[slot], self._top_p[slot] = req.temperature, req.top_p
+        self._top_k[slot], self._min_p[slot] = req.top_k, req.min_p
+        self._lp_temp[slot] = req.logprob_temperature
+        self._keys[slot] = req.key
+
+    def _key(self, req: GenRequest) -> np.ndarray:
+        """Prefix-cache keys of ``req``'s tokens (prompt, then output ids)."""
+        if req.prefix_key is None:
+            image_token = getattr(self.model_config, "image_token_id", None)
+            req.prefix_key = prefix_key(req.input_ids, req.images, image_token)
+        if not req.output_ids:
+            return req.prefix_key
+        return np.concatenate([req.prefix_key, np.asarray(req.output_ids, np.int64)])
 
     def _prefill(self, reqs: list[GenRequest], max_rows: int) -> None:
         # A retracted request resumes from prompt + output (its last token not yet fed).
@@ -445,22 +503,25 @@ class Engine:
         assert all(s is not None for s in slots)
         samp = self._sampling(slots, list(reqs))  # type: ignore[arg-type]
         images = [r.images for r in reqs] if any(r.images is not None for r in reqs) else None
-        num_top = _num_top(reqs)
         results = self.runner.prefill(
             slots,  # type: ignore[arg-type]
             prompts,
             samp,
             max_rows,
             images,
-            num_top,
+            _num_top(reqs),
+            [r.match for r in reqs],
         )
         for req, prompt, res in zip(reqs, prompts, results, strict=True):
             wants_input = 0 <= req.logprob_start_len < len(req.input_ids)
             if req.return_logprob and wants_input and req.input_logprobs is None:
                 req.input_logprobs, req.input_top = self.runner.prompt_logprobs(
-                    res.hidden, req.input_ids, MAX_TOP_LOGPROBS if req.top_logprobs_num else 0
+                    res.hidden,
+                    req.input_ids,
+                    MAX_TOP_LOGPROBS if req.top_logprobs_num else 0,
+                    req.match,
                 )
-            req.routes.append(res.routes[req.num_route_rows :])
+            req.routes.append(res.routes[max(0, req.num_route_rows - req.match) :])
             req.num_route_rows = len(prompt)
             req.rope_delta = res.rope_delta
             if req.max_new_tokens <= 0:  # prompt-only request (routes / prompt logprobs)
@@ -537,42 +598,3 @@ def _num_top(reqs: Sequence[GenRequest | None]) -> int:
     """Top logprobs a step computes: all of `MAX_TOP_LOGPROBS` if any request asks, else 0."""
     wants = any(r is not None and r.return_logprob and r.top_logprobs_num for r in reqs)
     return MAX_TOP_LOGPROBS if wants else 0
-
-
-def _load_tokenizer(path: Path) -> Any:
-    from tokenizers import Tokenizer
-
-    file = path / "tokenizer.json"
-    if not file.exists():
-        raise EngineError(
-            f"{path}: no tokenizer.json (the embedded server decodes with it; serve token ids "
-            "only with --skip-tokenizer-init)"
-        )
-    return Tokenizer.from_file(str(file))
-
-
-def _load_processor(path: Path, config: Any) -> Any:
-    from osworld_jax.model import ImageProcessor, Qwen3VLMoeConfig
-    from osworld_jax.model.errors import ModelConfigError
-
-    if not isinstance(config, Qwen3VLMoeConfig):
-        return None
-    try:
-        return ImageProcessor.from_pretrained(path)
-    except ModelConfigError as e:
-        raise EngineError(
-            f"{path}: a qwen3_vl_moe checkpoint needs its image processor: {e}"
-        ) from None
-
-
-def _eos_ids(path: Path, config: Any) -> list[int]:
-    ids: set[int] = set()
-    for value in (config.eos_token_id,):
-        if value is not None:
-            ids.update([value] if isinstance(value, int) else value)
-    gen = path / "generation_config.json"
-    if gen.exists():
-        value = json.loads(gen.read_text()).get("eos_token_id")
-        if value is not None:
-            ids.update([value] if isinstance(value, int) else value)
-    return sorted(int(i) for i in ids)

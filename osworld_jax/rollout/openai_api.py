@@ -28,7 +28,8 @@ Not served (400 naming the field): ``n`` > 1, penalties, ``logit_bias``, grammar
 ``response_format`` other than text, ``tool_choice`` required / named, ``suffix``,
 ``best_of`` > 1. Errors are SGLang's ``{"object": "error", "message", "type", "param", "code"}``.
 Differences: a streamed chat step whose text is held back keeps its logprobs for the next chunk
-(SGLang drops them).
+(SGLang drops them). The request / reply conversions are pure functions in
+`osworld_jax.rollout.openai_protocol`; this module holds the handlers and the SSE plumbing.
 """
 
 from __future__ import annotations
@@ -36,16 +37,24 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
-from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.nodes
 from aiohttp import web
 
+from osworld_jax.rollout.openai_protocol import (
+    bool_field,
+    chat_body,
+    chat_logprobs,
+    completion_body,
+    completion_logprobs,
+    echo_texts,
+    finish_of,
+    generation_defaults,
+    sglext,
+    stream_usage,
+    usage,
+)
 from osworld_jax.rollout.protocol import BadRequest
-from osworld_jax.rollout.runner import MAX_TOP_LOGPROBS
 from osworld_jax.rollout.server import (
     LIMITS_KEY,
     Submission,
@@ -55,23 +64,6 @@ from osworld_jax.rollout.server import (
     ready_engine,
 )
 
-#: Sampling keys of a chat request that default to the checkpoint's generation_config.json.
-MODEL_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
-#: Request keys passed to ``sampling_params`` as they are (SGLang's extras).
-PASSTHROUGH = (
-    "stop_token_ids",
-    "ignore_eos",
-    "skip_special_tokens",
-    "no_stop_trim",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "logit_bias",
-    "regex",
-    "ebnf",
-    "json_schema",
-    "n",
-)
 _TEMPLATE_KEY: web.AppKey[dict[str, Any]] = web.AppKey("openai_templates", dict)
 
 
@@ -83,180 +75,16 @@ def openai_error(status: int, message: str, kind: str = "BadRequest") -> web.Res
     )
 
 
-def _int(body: dict[str, Any], key: str, default: Any, lo: int, hi: int | None = None) -> Any:
-    v = body.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
-        bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise BadRequest(f"{key} must be an int {bound}, got {v!r}")
-    return v
-
-
-def _bool(body: dict[str, Any], key: str) -> bool:
-    v = body.get(key)
-    if v is not None and not isinstance(v, bool):
-        raise BadRequest(f"{key} must be a bool, got {v!r}")
-    return bool(v)
-
-
-def _common(body: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
-    """``sampling_params`` of the keys completions and chat share."""
-    if body.get("response_format") not in (None, {"type": "text"}):
-        raise BadRequest("response_format is not supported by this server (only text)")
-    sp: dict[str, Any] = {}
-    for key, fallback in MODEL_DEFAULTS.items():
-        value = body.get(key)
-        sp[key] = defaults.get(key, fallback) if value is None else value
-    if sp["top_k"] == 0:  # generation_config's "no top-k" (HF); SGLang spells it -1
-        sp["top_k"] = -1
-    sp["min_new_tokens"] = _int(body, "min_tokens", 0, 0)
-    sp["stop"] = body.get("stop")
-    sp["sampling_seed"] = body.get("seed")
-    for key in PASSTHROUGH:
-        if body.get(key) is not None:
-            sp[key] = body[key]
-    return sp
-
-
-def _stream_usage(body: dict[str, Any]) -> bool:
-    opts = body.get("stream_options")
-    if opts is None:
-        return False
-    if not isinstance(opts, dict):
-        raise BadRequest("stream_options must be an object")
-    return bool(opts.get("include_usage"))
-
-
-def usage(replies: list[dict[str, Any]]) -> dict[str, Any]:
-    """SGLang's ``UsageInfo`` (no cache report; image tokens in ``prompt_tokens_details``)."""
-    prompt = sum(r["meta_info"]["prompt_tokens"] for r in replies)
-    completion = sum(r["meta_info"]["completion_tokens"] for r in replies)
-    images = sum(r["meta_info"].get("image_tokens", 0) for r in replies)
-    return {
-        "prompt_tokens": prompt,
-        "total_tokens": prompt + completion,
-        "completion_tokens": completion,
-        "prompt_tokens_details": {"cached_tokens": 0, "image_tokens": images} if images else None,
-        "reasoning_tokens": 0,
-    }
-
-
-def _top_dict(entries: list[Any] | None) -> dict[str, float] | None:
-    """``{token text: logprob}`` of SGLang's top entries, the best first kept per text."""
-    if entries is None:
-        return None
-    out: dict[str, float] = {}
-    for lp, _, text in entries:
-        out.setdefault(text, lp)
-    return out
-
-
-def completion_logprobs(meta: dict[str, Any], lo: int, hi: int, echo: bool) -> dict[str, Any]:
-    """SGLang's completion ``LogProbs`` of output tokens ``[lo, hi)`` (prompt first if echo)."""
-    entries = list(meta.get("input_token_logprobs", [])) if echo else []
-    entries += meta["output_token_logprobs"][lo:hi]
-    tops = list(meta.get("input_top_logprobs", [])) if echo else []
-    tops += meta.get("output_top_logprobs", [])[lo:hi]
-    return {
-        "text_offset": [-1] * len(entries),
-        "token_logprobs": [e[0] for e in entries],
-        "tokens": [e[2] for e in entries],
-        "top_logprobs": [_top_dict(t) for t in tops],
-    }
-
-
-def chat_logprobs(meta: dict[str, Any], lo: int, hi: int) -> dict[str, Any]:
-    """SGLang's chat ``ChoiceLogprobs`` of output tokens ``[lo, hi)``."""
-    tops = meta.get("output_top_logprobs", [])[lo:hi]
-    content = []
-    for k, (lp, _, text) in enumerate(meta["output_token_logprobs"][lo:hi]):
-        top = _top_dict(tops[k]) if k < len(tops) else None
-        content.append(
-            {
-                "token": text,
-                "bytes": list(text.encode("utf-8")),
-                "logprob": lp,
-                "top_logprobs": [
-                    {"token": t, "bytes": list(t.encode("utf-8")), "logprob": v}
-                    for t, v in (top or {}).items()
-                ],
-            }
-        )
-    return {"content": content}
-
-
-def _finish(reply: dict[str, Any]) -> tuple[str | None, Any]:
-    finish = reply["meta_info"]["finish_reason"]
-    return (finish["type"], finish.get("matched")) if finish else (None, None)
-
-
-# ------------------------------------------------------------------------- completions
-
-
-def completion_body(body: dict[str, Any]) -> tuple[dict[str, Any], bool, bool]:
-    """The ``/generate`` body of a completion request; (body, echo, wants logprobs)."""
-    prompt = body.get("prompt")
-    if (
-        not prompt
-        or not isinstance(prompt, str | list)
-        or (isinstance(prompt, list) and all(not p for p in prompt))
-    ):
-        raise BadRequest("Prompt cannot be empty")
-    if body.get("suffix") is not None:
-        raise BadRequest("suffix is not supported by this server")
-    if _int(body, "best_of", 1, 1) != 1:
-        raise BadRequest("best_of > 1 is not supported by this server")
-    logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
-    echo = _bool(body, "echo")
-    sp = _common(body, {})
-    sp["max_new_tokens"] = _int(body, "max_tokens", 16, 1)
-    text = isinstance(prompt, str) or isinstance(prompt[0], str)
-    gen: dict[str, Any] = {
-        "text" if text else "input_ids": prompt,
-        "sampling_params": sp,
-        "return_logprob": logprobs is not None,
-        "top_logprobs_num": logprobs or 0,
-        "logprob_start_len": 0 if echo and logprobs is not None else -1,
-        "return_text_in_logprobs": True,
-        "rid": body.get("rid") or f"cmpl-{uuid.uuid4().hex}",
-    }
-    if isinstance(gen["rid"], str) and isinstance(prompt, list) and not isinstance(prompt[0], int):
-        gen["rid"] = [f"{gen['rid']}_{i}" for i in range(len(prompt))]
-    _routes(body, gen)
-    return gen, echo, logprobs is not None
-
-
-def _routes(body: dict[str, Any], gen: dict[str, Any]) -> None:
-    if _bool(body, "return_routed_experts"):
-        gen["return_routed_experts"] = True
-        gen["routed_experts_start_len"] = _int(body, "routed_experts_start_len", 0, 0)
-
-
-def _sglext(reply: dict[str, Any]) -> dict[str, Any] | None:
-    routes = reply["meta_info"].get("routed_experts")
-    return None if routes is None else {"routed_experts": routes}
-
-
-def _echo_texts(engine: Any, prompt: Any) -> list[str]:
-    if isinstance(prompt, str):
-        return [prompt]
-    if isinstance(prompt[0], str):
-        return list(prompt)
-    lists = [prompt] if isinstance(prompt[0], int) else prompt
-    return [engine.tokenizer.decode(p, skip_special_tokens=True) for p in lists]
-
-
 async def completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/completions``."""
     engine = ready_engine(request)
     try:
         body = await _object_body(request)
         gen, echo, logprobs = completion_body(body)
-        stream, include_usage = _bool(body, "stream"), _stream_usage(body)
+        stream, include_usage = bool_field(body, "stream"), stream_usage(body)
         gen["stream"] = stream
         reqs, _, _ = await parse_body_requests(gen, engine, request.app[LIMITS_KEY])
-        echoes = _echo_texts(engine, body["prompt"]) if echo else None
+        echoes = echo_texts(engine, body["prompt"]) if echo else None
     except _Refused as e:
         return e.response
     except BadRequest as e:
@@ -271,7 +99,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 return web.Response(status=499, text="client closed request")
             choices = []
             for i, r in enumerate(replies):
-                reason, matched = _finish(r)
+                reason, matched = finish_of(r)
                 n_out = r["meta_info"]["completion_tokens"]
                 choices.append(
                     {
@@ -293,7 +121,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 "usage": usage(replies),
                 "metadata": {"weight_version": replies[0]["meta_info"]["weight_version"]},
             }
-            if (ext := _sglext(replies[0])) is not None:
+            if (ext := sglext(replies[0])) is not None:
                 out["sglext"] = ext
             return web.json_response(out)
         return await _stream_completions(
@@ -333,7 +161,7 @@ async def _stream_completions(
         if logprobs and (n_out > tokens.get(i, 0) or (first and echoes)):
             lp = completion_logprobs(meta, tokens.get(i, 0), n_out, bool(first and echoes))
             tokens[i] = n_out
-        reason, matched = _finish(r) if done else (None, None)
+        reason, matched = finish_of(r) if done else (None, None)
         chunk = {
             "id": meta["id"],
             "object": "text_completion",
@@ -363,109 +191,8 @@ async def _stream_completions(
 # ------------------------------------------------------------------------- chat
 
 
-def content_format(source: str) -> str:
-    """SGLang's template content format: "openai" or "string".
-
-    "openai" when the template loops over a message's ``content`` (content parts then reach
-    it as a list), else "string" (text parts joined by spaces, images dropped).
-    """
-    try:
-        tree = jinja2.Environment().parse(source)
-    except jinja2.TemplateSyntaxError:
-        return "string"
-    for loop in tree.find_all(jinja2.nodes.For):
-        node = loop.iter
-        while isinstance(node, jinja2.nodes.Filter) and node.node is not None:
-            node = node.node
-        key: Any = None
-        if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const):
-            key = node.arg.value
-        elif isinstance(node, jinja2.nodes.Getattr):
-            key = node.attr
-        base = getattr(node, "node", None)
-        if key == "content" and isinstance(base, jinja2.nodes.Name):
-            if base.name in ("message", "msg", "m"):
-                return "openai"
-    return "string"
-
-
-ROLES = ("system", "user", "assistant", "tool", "function", "developer")
-
-
-def chat_messages(body: dict[str, Any], fmt: str) -> tuple[list[dict[str, Any]], list[str], str]:
-    """(template messages, image strings in order, assistant prefix) of a chat request."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("Messages cannot be empty.")
-    out: list[dict[str, Any]] = []
-    images: list[str] = []
-    for k, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise BadRequest(f"messages[{k}] must be an object with a string 'role'")
-        role = m["role"].lower()
-        if role not in ROLES:
-            raise BadRequest(f"messages[{k}].role must be one of {ROLES}, got {m['role']!r}")
-        msg = {key: v for key, v in m.items() if v is not None}
-        msg["role"] = role
-        content = m.get("content")
-        if content is None:
-            msg["content"] = ""
-        elif isinstance(content, list):
-            msg["content"] = _parts(content, k, fmt, images)
-            if role == "tool" and isinstance(msg["content"], list):
-                if all(p.get("type") == "text" for p in msg["content"]):
-                    msg["content"] = " ".join(p["text"] for p in msg["content"])
-        elif not isinstance(content, str):
-            raise BadRequest(f"messages[{k}].content must be a string or a list of parts")
-        out.append(msg)
-    prefix = ""
-    last = out[-1]
-    if last["role"] == "assistant" and isinstance(last["content"], str):
-        if _bool(body, "continue_final_message"):
-            prefix = last["content"]
-            out = out[:-1]
-        else:  # SGLang: the last message is always the user's
-            out[-1] = {"role": "user", "content": last["content"]}
-    return out, images, prefix
-
-
-def _parts(parts: list[Any], k: int, fmt: str, images: list[str]) -> Any:
-    kept: list[dict[str, Any]] = []
-    for j, part in enumerate(parts):
-        where = f"messages[{k}].content[{j}]"
-        if not isinstance(part, dict):
-            raise BadRequest(f"{where} must be an object")
-        kind = part.get("type")
-        if kind == "text":
-            if not isinstance(part.get("text"), str):
-                raise BadRequest(f"{where}.text must be a string")
-            kept.append({"type": "text", "text": part["text"]})
-        elif kind == "image_url":
-            url = part.get("image_url")
-            url = url.get("url") if isinstance(url, dict) else None
-            if not isinstance(url, str):
-                raise BadRequest(f"{where}.image_url.url must be a string")
-            if fmt == "openai":
-                images.append(url)
-                kept.append({"type": "image"})
-        else:
-            raise BadRequest(f"{where}: content parts of type {kind!r} are not supported")
-    if fmt == "openai":
-        return kept
-    return " ".join(p["text"] for p in kept if p["type"] == "text")
-
-
-def _generation_defaults(path: str) -> dict[str, Any]:
-    file = Path(path) / "generation_config.json"
-    try:
-        config = json.loads(file.read_text())
-    except (OSError, ValueError):
-        return {}
-    return {k: config[k] for k in MODEL_DEFAULTS if config.get(k) is not None}
-
-
-def _template(app: web.Application, engine: Any) -> tuple[Any, str, dict[str, Any]]:
-    """(chat template, content format, generation defaults) of the served model, cached."""
+def _template(app: web.Application, engine: Any) -> tuple[Any, dict[str, Any]]:
+    """(chat template, generation defaults) of the served model, cached per model path."""
     from osworld_jax.agent.template import ChatTemplate
 
     cache = app[_TEMPLATE_KEY]
@@ -474,48 +201,9 @@ def _template(app: web.Application, engine: Any) -> tuple[Any, str, dict[str, An
         cache.update(
             path=engine.config.model_path,
             template=template,
-            format=content_format(template.source),
-            defaults=_generation_defaults(engine.config.model_path),
+            defaults=generation_defaults(engine.config.model_path),
         )
-    return cache["template"], cache["format"], cache["defaults"]
-
-
-def chat_body(body: dict[str, Any], app: web.Application, engine: Any) -> dict[str, Any]:
-    """The ``/generate`` body of a chat request (prompt rendered with the chat template)."""
-    from osworld_jax.agent.errors import ChatTemplateError
-
-    if engine.tokenizer is None:
-        raise BadRequest("chat completions need the tokenizer (not --skip-tokenizer-init)")
-    template, fmt, defaults = _template(app, engine)
-    messages, images, prefix = chat_messages(body, fmt)
-    choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise BadRequest(f"tool_choice {choice!r} is not supported by this server (auto | none)")
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise BadRequest("chat_template_kwargs must be an object")
-    tools = body.get("tools") if choice != "none" else None
-    try:
-        prompt = template.render(messages, add_generation_prompt=True, tools=tools, **kwargs)
-    except ChatTemplateError as e:
-        raise BadRequest(str(e)) from None
-    top = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
-    sp = _common(body, defaults)
-    max_new = body.get("max_completion_tokens") or body.get("max_tokens")
-    sp["max_new_tokens"] = _int({"max_tokens": max_new}, "max_tokens", engine.context_length, 1)
-    gen: dict[str, Any] = {
-        "text": prompt + prefix,
-        "sampling_params": sp,
-        "return_logprob": _bool(body, "logprobs"),
-        "top_logprobs_num": top,
-        "logprob_start_len": -1,
-        "return_text_in_logprobs": True,
-        "rid": body.get("rid") or f"chatcmpl-{uuid.uuid4().hex}",
-    }
-    if images:
-        gen["image_data"] = images
-    _routes(body, gen)
-    return gen
+    return cache["template"], cache["defaults"]
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -523,8 +211,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = ready_engine(request)
     try:
         body = await _object_body(request)
-        gen = chat_body(body, request.app, engine)
-        stream, include_usage = _bool(body, "stream"), _stream_usage(body)
+        if engine.tokenizer is None:
+            raise BadRequest("chat completions need the tokenizer (not --skip-tokenizer-init)")
+        template, defaults = _template(request.app, engine)
+        gen = chat_body(body, template, defaults, engine.context_length)
+        stream, include_usage = bool_field(body, "stream"), stream_usage(body)
         gen["stream"] = stream
         reqs, _, _ = await parse_body_requests(gen, engine, request.app[LIMITS_KEY])
     except _Refused as e:
@@ -541,7 +232,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             if replies is None:
                 return web.Response(status=499, text="client closed request")
             r = replies[0]
-            reason, matched = _finish(r)
+            reason, matched = finish_of(r)
             n_out = r["meta_info"]["completion_tokens"]
             out = {
                 "id": r["meta_info"]["id"],
@@ -565,7 +256,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 "usage": usage(replies),
                 "metadata": {"weight_version": r["meta_info"]["weight_version"]},
             }
-            if (ext := _sglext(r)) is not None:
+            if (ext := sglext(r)) is not None:
                 out["sglext"] = ext
             return web.json_response(out)
         return await _stream_chat(request, sub, model, created, logprobs, include_usage)
@@ -606,11 +297,11 @@ async def _stream_chat(
         if done:
             final = r
     assert final is not None
-    reason, matched = _finish(final)
+    reason, matched = finish_of(final)
     n_out = final["meta_info"]["completion_tokens"]
     lp = chat_logprobs(final["meta_info"], tokens, n_out) if logprobs and n_out > tokens else None
     await _send(resp, chunk(delta={}, logprobs=lp, finish_reason=reason, matched_stop=matched))
-    ext = _sglext(final)
+    ext = sglext(final)
     if ext is not None:
         await _send(resp, {**head, "choices": [], "usage": None, "sglext": ext})
     if include_usage:
@@ -672,15 +363,3 @@ def add_routes(app: web.Application) -> None:
     app[_TEMPLATE_KEY] = {}
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
-
-
-__all__ = [
-    "add_routes",
-    "chat_body",
-    "chat_logprobs",
-    "completion_body",
-    "completion_logprobs",
-    "content_format",
-    "openai_error",
-    "usage",
-]

@@ -38,6 +38,9 @@ class EngineConfig:
       return_original_logprob: report output logprobs at temperature 1 (the model's own
         distribution) instead of at the request's temperature, as SGLang does under
         ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (see `osworld_jax.rollout.logprob_temperature`).
+      enable_prefix_cache: a free slot keeps the KV of the sequence it held and a request
+        extending it reuses it (`osworld_jax.rollout.prefix_cache`; False is SGLang's
+        ``--disable-radix-cache``).
       skip_tokenizer_init: serve token ids only, without loading a tokenizer (SGLang's
         ``--skip-tokenizer-init``): ``text`` prompts, ``stop`` strings and ``min_new_tokens``
         are refused, replies carry no ``text`` and logprob entries no token text.
@@ -56,6 +59,7 @@ class EngineConfig:
     min_decode_batch: int = 1
     max_prefill_batch: int = 8
     return_original_logprob: bool = False
+    enable_prefix_cache: bool = True
     skip_tokenizer_init: bool = False
 
 
@@ -84,6 +88,8 @@ class GenRequest:
       output_top, input_top: top logprobs (ids, logprobs) of each output position / of the
         prompt positions ([len, k] arrays), with ``top_logprobs_num``.
       cached_tokens: prompt tokens whose KV came from the prefix cache.
+      prefix_key: i64 prefix-cache keys of the prompt (images keyed by their bytes).
+      match: tokens of its current prefill reused from its slot's kept prefix.
     """
 
     rid: str
@@ -118,6 +124,8 @@ class GenRequest:
     output_top: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     input_top: tuple[np.ndarray, np.ndarray] | None = None
     cached_tokens: int = 0
+    prefix_key: np.ndarray | None = None
+    match: int = 0
     token_texts: dict[str, list[str]] = field(default_factory=dict)
     finish: dict[str, Any] | None = None
     slot: int | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,23 +100,36 @@ def _sample(
 # Module-level jits with the (hashable, frozen) configs static: every runner of the same
 # architecture in a process shares the compiled buckets.
 @functools.partial(
-    jax.jit, static_argnames=("config", "runtime", "num_top"), donate_argnames=("cache",)
+    jax.jit,
+    static_argnames=("config", "runtime", "num_top", "attn_len"),
+    donate_argnames=("cache",),
 )
-def _prefill(params, cache, slots, tokens, lengths, samp, vision, *, config, runtime, num_top):
+def _prefill(
+    params, cache, slots, tokens, starts, lengths, samp, vision, *, config, runtime, num_top,
+    attn_len,
+):  # fmt: skip
     p, s = tokens.shape
-    # A prefill writes every position in [0, S) of its rows (padding sits past `length`) and
-    # attends only to j <= position < S, so it starts from a zero cache and never reads the
-    # slots' stale contents.
-    shape = (cache.k.shape[0], p, s, *cache.k.shape[3:])
-    sub = KVCache(jnp.zeros(shape, cache.k.dtype), jnp.zeros(shape, cache.v.dtype))
-    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (p, s))  # [P, S]
-    segment_ids = (positions < lengths[:, None]).astype(jnp.int32)
+    if starts is None:
+        # A fresh prefill writes every position in [0, S) of its rows (padding sits past
+        # `length`) and attends only to j <= position < S: it starts from a zero cache and
+        # never reads the slots' stale contents.
+        shape = (cache.k.shape[0], p, attn_len, *cache.k.shape[3:])
+        sub = KVCache(jnp.zeros(shape, cache.k.dtype), jnp.zeros(shape, cache.v.dtype))
+        starts = jnp.zeros((p,), jnp.int32)
+    else:
+        # Row r reuses its slot's rows [0, starts[r]) (a kept prefix, `prefix_cache`); the rest
+        # of the attention window is zeroed, so stale rows are never read.
+        read = jnp.minimum(slots, cache.k.shape[1] - 1)  # padding rows read a real slot
+        keep = (jnp.arange(attn_len)[None, :] < starts[:, None])[None, :, :, None, None]
+        k_rows, v_rows = cache.k[:, read, :attn_len], cache.v[:, read, :attn_len]
+        sub = KVCache(jnp.where(keep, k_rows, 0), jnp.where(keep, v_rows, 0))
+    positions = starts[:, None] + jnp.arange(s, dtype=jnp.int32)[None, :]  # [P, S] cache rows
+    segment_ids = (jnp.arange(s)[None, :] < lengths[:, None]).astype(jnp.int32)
     kw = {}
-    if vision is not None:  # M-RoPE [3, P, S]; the images of row r fill its image tokens
+    if vision is not None:  # M-RoPE [3, P, S]; the (new) images of row r fill its image tokens
         kw = dict(
             pixel_values=vision["pixel_values"],  # [P, Np, D]
             image_grid_thw=vision["grid_thw"],  # [P, m, 3]
-            cache_positions=positions,
         )
     out = forward(
         params,
@@ -126,13 +140,14 @@ def _prefill(params, cache, slots, tokens, lengths, samp, vision, *, config, run
         segment_ids=segment_ids,
         kv_cache=sub,
         return_logits=False,
+        cache_positions=positions,
         **kw,
     )
     last = jnp.take_along_axis(out.hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [P, H]
     tok, lp, top_ids, top_lps = _sample(params, last, samp, config, num_top)
     # Padding rows carry slot index num_slots: their writes drop.
-    new_k = cache.k.at[:, slots, :s].set(out.kv_cache.k, mode="drop")
-    new_v = cache.v.at[:, slots, :s].set(out.kv_cache.v, mode="drop")
+    new_k = cache.k.at[:, slots, :attn_len].set(out.kv_cache.k, mode="drop")
+    new_v = cache.v.at[:, slots, :attn_len].set(out.kv_cache.v, mode="drop")
     top = (top_ids, top_lps)
     return tok, lp, top, out.routed_experts, out.hidden, KVCache(new_k, new_v)
 
@@ -224,6 +239,23 @@ class SlotSampling:
     keys: np.ndarray
     step: np.ndarray
     logprob_temperature: np.ndarray
+
+
+def _new_images(
+    prompt: list[int], start: int, images: RequestImages | None, image_token_id: int
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(patches, grids) of the images whose tokens come after ``start`` (all, at 0)."""
+    if images is None:
+        return None, None
+    kept = int(np.count_nonzero(np.asarray(prompt[:start]) == image_token_id))
+    done = np.cumsum([0, *images.num_tokens])
+    first = int(np.searchsorted(done, kept))  # images [0, first) are in the kept prefix
+    if done[first] != kept:
+        raise EngineError(f"a kept prefix of {start} tokens ends inside an image")
+    if first == images.count:
+        return None, None
+    patch_ends = np.cumsum([0, *np.prod(images.grid_thw, axis=-1)])
+    return images.pixel_values[patch_ends[first] :], images.grid_thw[first:]
 
 
 def _dummy_sampling(rows: int, vocab: int) -> SlotSampling:
@@ -321,6 +353,7 @@ class ModelRunner:
         max_rows: int = 1,
         images: list[RequestImages | None] | None = None,
         num_top: int = 0,
+        starts: list[int] | None = None,
     ) -> list[PrefillResult]:
         """Writes each prompt into its slot's cache and samples its first output token.
 
@@ -328,47 +361,54 @@ class ModelRunner:
         runs alone) and to the longest prompt's bucket. ``samp`` has one row per prompt. With
         ``images`` (a Qwen3-VL model), prompt r's images fill its ``<|image_pad|>`` tokens and
         the prompt runs at its M-RoPE positions (`mrope_positions`); the patches of a row are
-        padded to a patch bucket and the images to a power of two.
+        padded to a patch bucket and the images to a power of two. With ``starts``, prompt r's
+        slot already holds the KV of its first ``starts[r]`` tokens (a kept prefix, whole
+        images only): only the rest is computed, attending to the kept rows.
 
         Returns:
           per prompt a `PrefillResult` (``num_top`` top logprobs of the first token).
         """
         n = len(prompts)
+        starts = starts or [0] * n
         rows = 1 if n == 1 else max(n, max_rows)  # two row buckets per length: 1 and max_rows
-        s = self.prefill_bucket(max(len(q) for q in prompts))
-        if s > self.slot_len:
-            raise EngineError(f"prompt of {s} tokens exceeds the slot length {self.slot_len}")
+        s = self.prefill_bucket(max(len(q) - a for q, a in zip(prompts, starts, strict=True)))
+        attn = self.attention_bucket(prompts, starts)
+        if attn > self.slot_len:
+            raise EngineError(f"prompt of {attn} tokens exceeds the slot length {self.slot_len}")
         tokens = np.zeros((rows, s), np.int32)
         lengths = np.ones((rows,), np.int32)
+        first = np.zeros((rows,), np.int32)
         slot_ids = np.full((rows,), self.num_slots, np.int32)
-        for i, (slot, q) in enumerate(zip(slots, prompts, strict=True)):
-            tokens[i, : len(q)] = q
-            lengths[i], slot_ids[i] = len(q), slot
+        for i, (slot, q, a) in enumerate(zip(slots, prompts, starts, strict=True)):
+            tokens[i, : len(q) - a] = q[a:]
+            lengths[i], slot_ids[i], first[i] = len(q) - a, slot, a
         arrays = self._samp(samp)
         padded = {
             k: np.concatenate([v, np.repeat(v[:1], rows - n, axis=0)]) for k, v in arrays.items()
         }
         vision, deltas = None, [0] * n
         if images is not None and any(im is not None for im in images):
-            vision, deltas = self._vision_inputs(tokens, lengths, images)
+            vision, deltas = self._vision_inputs(prompts, starts, s, rows, images)
         tok, lp, top, routes, hidden, self.cache = _prefill(
             self.params,
             self.cache,
             slot_ids,
             tokens,
+            first if any(starts) else None,
             lengths,
             padded,
             vision,
             config=self.config,
             runtime=self.runtime,
             num_top=num_top,
+            attn_len=attn,
         )
         tok, lp, top, routes = jax.device_get((tok, lp, top, routes))
         return [
             PrefillResult(
                 token=int(tok[i]),
                 logprob=float(lp[i]),
-                routes=np.asarray(routes[i, : len(q)]),
+                routes=np.asarray(routes[i, : len(q) - starts[i]]),
                 hidden=hidden[i],
                 rope_delta=deltas[i],
                 top=(np.asarray(top[0][i]), np.asarray(top[1][i])),
@@ -376,32 +416,56 @@ class ModelRunner:
             for i, q in enumerate(prompts)
         ]
 
+    def attention_bucket(self, prompts: Sequence[Sequence[int]], starts: Sequence[int]) -> int:
+        """The attention window (cache rows) of a prefill.
+
+        Its suffix bucket when nothing is reused, else a power of two covering every row's
+        whole sequence.
+        """
+        s = self.prefill_bucket(max(len(q) - a for q, a in zip(prompts, starts, strict=True)))
+        if not any(starts):
+            return s
+        return max(s, next_pow2(max(len(q) for q in prompts), self.min_bucket))
+
     def _vision_inputs(
-        self, tokens: np.ndarray, lengths: np.ndarray, images: list[RequestImages | None]
+        self,
+        prompts: list[list[int]],
+        starts: list[int],
+        s: int,
+        rows: int,
+        images: list[RequestImages | None],
     ) -> tuple[dict[str, np.ndarray], list[int]]:
-        """Per-row patches, grids and M-RoPE positions of a prefill; each row's rope delta."""
+        """Per-row vision inputs of a prefill, and each row's rope delta.
+
+        The patches and grids of the images after ``starts`` (a kept prefix holds whole
+        images) and the M-RoPE positions of the computed tokens.
+        """
         config = self.config
         if not isinstance(config, Qwen3VLMoeConfig):
             raise EngineError("images need a qwen3_vl_moe checkpoint")
-        rows, s = tokens.shape
         unit = config.vision.spatial_merge_size**2
-        most = max(im.pixel_values.shape[0] for im in images if im is not None)
-        m = next_pow2(max(im.count for im in images if im is not None))
+        new = [_new_images(q, a, im, config.image_token_id) for q, a, im in
+               zip(prompts, starts, images, strict=True)]  # fmt: skip
+        most = max([p.shape[0] for p, _ in new if p is not None] or [unit])
+        m = next_pow2(max([g.shape[0] for _, g in new if g is not None] or [1]))
         pixels = np.zeros((rows, patch_bucket(most, unit), config.vision.patch_dim), np.float32)
         grid = np.zeros((rows, m, 3), np.int32)
         rope = np.broadcast_to(np.arange(s, dtype=np.int32), (3, rows, s)).copy()
         deltas = []
-        for r, im in enumerate(images):
-            length = int(lengths[r])
+        for r, (q, a, im) in enumerate(zip(prompts, starts, images, strict=True)):
+            length = len(q)
             if im is None:
+                rope[:, r] += a
                 deltas.append(0)
                 continue
-            pixels[r, : im.pixel_values.shape[0]] = im.pixel_values
-            grid[r, : im.count] = im.grid_thw
-            pos = mrope_positions(tokens[r : r + 1, :length], im.grid_thw, config)[:, 0]
+            patches, grids = new[r]
+            if patches is not None and grids is not None:
+                pixels[r, : patches.shape[0]] = patches
+                grid[r, : grids.shape[0]] = grids
+            pos = mrope_positions(np.asarray([q], np.int32), im.grid_thw, config)[:, 0]
             top = int(pos.max()) + 1
-            rope[:, r, :length] = pos
-            rope[:, r, length:] = np.arange(top, top + s - length, dtype=np.int32)
+            rope[:, r, : length - a] = pos[:, a:]
+            rope[:, r, length - a :] = np.arange(top, top + s - (length - a), dtype=np.int32)
             deltas.append(top - length)
         return {"pixel_values": pixels, "grid_thw": grid, "rope": rope}, deltas
 
@@ -422,9 +486,9 @@ class ModelRunner:
             ones = np.ones((rows,), np.int32)
             slot_ids = np.full((rows,), self.num_slots, np.int32)  # every write drops
             *_, self.cache = _prefill(
-                self.params, self.cache, slot_ids, tokens, ones,
+                self.params, self.cache, slot_ids, tokens, None, ones,
                 self._samp(_dummy_sampling(rows, self.vocab_size)), None,
-                config=self.config, runtime=self.runtime, num_top=0,
+                config=self.config, runtime=self.runtime, num_top=0, attn_len=s,
             )  # fmt: skip
             n += 1
         b = next_pow2(min_batch)
@@ -433,8 +497,7 @@ class ModelRunner:
             while attn <= min(self.slot_len, next_pow2(total_len, self.min_bucket)):
                 zeros = np.zeros((b,), np.int32)
                 self.decode(
-                    zeros, np.full((b,), attn - 1, np.int32), zeros,
-                    _dummy_sampling(b, self.vocab_size),
+                    zeros, zeros, zeros, _dummy_sampling(b, self.vocab_size), attn_len=attn,
                 )  # fmt: skip
                 n += 1
                 attn *= 2
@@ -443,28 +506,33 @@ class ModelRunner:
         return n
 
     def prompt_logprobs(
-        self, hidden: jax.Array, prompt: list[int], num_top: int = 0
+        self, hidden: jax.Array, prompt: list[int], num_top: int = 0, start: int = 0
     ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
         """Prompt logprobs at temperature 1 (SGLang's ``input_token_logprobs``).
 
+        ``hidden`` [S, H] holds positions ``[start, start + S)`` (a prefill after a kept prefix
+        of ``start`` tokens).
+
         Returns:
-          (f32[len(prompt)]: entry t is ``log p(prompt[t] | prompt[:t])``, entry 0 has no
-          context and is NaN; with ``num_top``, (ids i32[len, k], logprobs f32[len, k]) of the
-          k most likely tokens at each position t >= 1 (row 0 unused), else None).
+          (f32[len(prompt)]: entry t is ``log p(prompt[t] | prompt[:t])``; entry 0, and entries
+          t <= start, are NaN (no context / not computed); with ``num_top``, (ids i32[len, k],
+          logprobs f32[len, k]) of the k most likely tokens at each computed position (other
+          rows 0), else None).
         """
         s = hidden.shape[0]
+        n = len(prompt) - 1 - start  # predictions of tokens start + 1 .. len - 1
         targets = np.zeros((s,), np.int32)
-        targets[: len(prompt) - 1] = prompt[1:]
+        targets[:n] = prompt[start + 1 :]
         lps, top_ids, top_lps = jax.device_get(
             _prompt_logprobs(self.params, hidden, targets, config=self.config, num_top=num_top)
         )
         out = np.full((len(prompt),), np.nan, np.float32)
-        out[1:] = np.asarray(lps)[: len(prompt) - 1]
+        out[start + 1 :] = np.asarray(lps)[:n]
         if not num_top:
             return out, None
         ids = np.zeros((len(prompt), num_top), np.int32)
         values = np.zeros((len(prompt), num_top), np.float32)
-        ids[1:], values[1:] = top_ids[: len(prompt) - 1], top_lps[: len(prompt) - 1]
+        ids[start + 1 :], values[start + 1 :] = top_ids[:n], top_lps[:n]
         return out, (ids, values)
 
     def decode(
@@ -475,6 +543,7 @@ class ModelRunner:
         samp: SlotSampling,
         rope: np.ndarray | None = None,
         num_top: int = 0,
+        attn_len: int | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
         """One decode step of the first ``len(tokens)`` slots (a power of two).
 
@@ -485,18 +554,26 @@ class ModelRunner:
           samp: per-slot sampling arrays.
           rope: i32[b] its rope position (``positions + rope_delta``; default ``positions``).
           num_top: how many top logprobs of each next-token distribution to return.
+          attn_len: the attention window (default: a bucket covering the live positions).
 
         Returns:
           (next tokens i32[b], their logprobs f32[b], routes i32[b, L, K] of the input tokens,
           (top ids i32[b, k], top logprobs f32[b, k])).
         """
-        attn_len = min(self.slot_len, next_pow2(int(positions.max()) + 1, self.min_bucket))
+        if attn_len is None:
+            live = positions[active > 0]
+            top_row = int(live.max()) + 1 if live.size else 1
+            attn_len = min(self.slot_len, next_pow2(top_row, self.min_bucket))
+        rope = positions if rope is None else rope
+        # A free slot's row gets a cache position past the window: its write is dropped, so the
+        # prefix a free slot keeps (`prefix_cache`) is never overwritten by a decode step.
+        positions = np.where(active > 0, positions, attn_len)
         tok, lp, top, routes, self.cache = _decode(
             self.params,
             self.cache,
             tokens.astype(np.int32),
             positions.astype(np.int32),
-            (positions if rope is None else rope).astype(np.int32),
+            rope.astype(np.int32),
             active.astype(np.int32),
             self._samp(samp),
             config=self.config,

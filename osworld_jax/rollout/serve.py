@@ -65,6 +65,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="token ids in, token ids out; no tokenizer files needed (as SGLang's flag)",
     )
     p.add_argument("--served-model-name", default=None, help="the id in /v1/models")
+    p.add_argument(
+        "--disable-radix-cache",
+        action="store_true",
+        help="never reuse a kept prefix's KV (every prefill computes the whole sequence)",
+    )
     limits = ServerLimits()
     p.add_argument(
         "--max-request-bytes",
@@ -128,6 +133,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_prefill_batch=args.max_prefill_batch,
         return_original_logprob=args.return_original_logprob,
         skip_tokenizer_init=args.skip_tokenizer_init,
+        enable_prefix_cache=not args.disable_radix_cache,
     )
 
 

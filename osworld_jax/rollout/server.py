@@ -297,8 +297,8 @@ async def continue_generation(request: web.Request) -> web.Response:
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    """``GET|POST /flush_cache``: 200 when idle, 400 while requests run or wait."""
-    if await asyncio.wrap_future(ready_engine(request).is_idle()):
+    """``GET|POST /flush_cache``: 200 when idle (kept prefixes forgotten), else 400."""
+    if await asyncio.wrap_future(ready_engine(request).flush_cache()):
         return web.Response(text="Cache flushed.\n")
     return web.Response(status=400, text="Cache not flushed: requests are running or waiting.\n")
 

@@ -292,23 +292,32 @@ def test_batched_image_data_as_sglang_normalises_it(vl_engine):
 
 def test_requests_sharing_text_but_not_the_image_do_not_share_kv(vl_engine):
     """The same text prefix with another image gives that image's answer, never the first's,
-    in any order and concurrently: replies equal each image's reply on an idle server."""
+    in any order and concurrently: replies equal each image's reply on an idle server. The
+    same image again reuses the kept rows (its image is not recomputed); another image reuses
+    nothing from its first token on."""
     eng = vl_engine
     a, b = b64(png(8, 64, 64)), b64(png(9, 64, 64))  # same size: same token count
     ids = chat(eng, "Click the button in ", PAD, " now")
+    first_image = ids.index(eng.model_config.image_token_id)
+
+    def greedy(image):
+        return {**body(ids, [image], temperature=0.0), "logprob_start_len": -1}
 
     async def main():
         async with serving(eng) as url:
-            solo_a = await post(url, "/generate", body(ids, [a], temperature=0.0))
-            solo_b = await post(url, "/generate", body(ids, [b], temperature=0.0))
-            again_a = await post(url, "/generate", body(ids, [a], temperature=0.0))
-            both = await asyncio.gather(
-                *(post(url, "/generate", body(ids, [x], temperature=0.0)) for x in (b, a))
-            )
+            await post(url, "/flush_cache", {})
+            solo_a = await post(url, "/generate", greedy(a))
+            solo_b = await post(url, "/generate", greedy(b))
+            again_a = await post(url, "/generate", greedy(a))
+            both = await asyncio.gather(*(post(url, "/generate", greedy(x)) for x in (b, a)))
             return solo_a[1], solo_b[1], again_a[1], both[0][1], both[1][1]
 
     solo_a, solo_b, again_a, con_b, con_a = run(main())
     assert solo_a["output_ids"] != solo_b["output_ids"]
+    assert solo_b["meta_info"]["cached_tokens"] <= first_image  # never a's image rows
+    assert con_b["meta_info"]["cached_tokens"] in (0, solo_b["meta_info"]["prompt_tokens"] - 1)
+    n = solo_a["meta_info"]["prompt_tokens"]
+    assert again_a["meta_info"]["cached_tokens"] == n - 1  # a's kept rows, image a included
     for x, ref in ((again_a, solo_a), (con_a, solo_a), (con_b, solo_b)):
         assert x["output_ids"] == ref["output_ids"]
         np.testing.assert_allclose(
@@ -317,6 +326,48 @@ def test_requests_sharing_text_but_not_the_image_do_not_share_kv(vl_engine):
             atol=1e-5,
         )
         assert x["meta_info"]["routed_experts"] == ref["meta_info"]["routed_experts"]
+
+
+def test_a_turn_with_a_new_screenshot_reuses_the_previous_turn_and_matches_hf(vl_engine, vl_ckpt):
+    """Turn 2 = turn 1 (image a) + reply + a user message with image b: the kept rows serve
+    turn 1 (image a is not recomputed; only b goes through the ViT), and the logprobs and all
+    route rows of turn 2 equal transformers' forward of the whole sequence."""
+    eng = vl_engine
+    cfg = eng.model_config
+    raw_a, raw_b = png(30, 64, 96), png(31, 96, 64)
+    turn1 = chat(eng, "First screen ", PAD)
+
+    def req(ids, images):
+        b = body(ids, images, temperature=0.0, max_new_tokens=6)
+        return {**b, "logprob_start_len": -1}
+
+    async def main():
+        async with serving(eng) as url:
+            await post(url, "/flush_cache", {})
+            _, r1 = await post(url, "/generate", req(turn1, [b64(raw_a)]))
+            turn2 = turn1 + r1["output_ids"] + chat(eng, "Then ", PAD)  # placeholders
+            _, r2 = await post(url, "/generate", req(turn2, [b64(raw_a), b64(raw_b)]))
+            return turn2, r1, r2
+
+    turn2, r1, r2 = run(main())
+    m1, m2 = r1["meta_info"], r2["meta_info"]
+    assert m1["cached_tokens"] == 0
+    assert m2["cached_tokens"] == m1["prompt_tokens"] + m1["completion_tokens"] - 1
+    pixel_values, grid = ImageProcessor.from_pretrained(vl_ckpt)([raw_a, raw_b])
+    out = r2["output_ids"]
+    seq = expanded(eng, turn2, grid) + out
+    assert m2["prompt_tokens"] == len(seq) - len(out)
+    logits, routers = hf_vl_logits_and_routes(hf_vl_model(vl_ckpt), seq, pixel_values, grid)
+    pos = np.arange(m2["prompt_tokens"] - 1, len(seq) - 1)
+    want = log_softmax(logits[pos])[np.arange(len(out)), out]
+    got = np.array([e[0] for e in m2["output_token_logprobs"]])
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert out == list(logits[pos].argmax(-1))
+    routes = routes_of(r2, cfg)  # the kept rows' routes are served again: every row is there
+    assert routes.shape[0] == len(seq) - 1
+    for layer, router in routers.items():
+        top = np.sort(np.argsort(-router, axis=-1)[: len(seq) - 1, :2], axis=-1)
+        np.testing.assert_array_equal(np.sort(routes[:, layer], axis=-1), top)
 
 
 def test_a_1920x1080_screenshot_by_path_data_url_and_base64(vl_engine):

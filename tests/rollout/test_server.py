@@ -528,3 +528,42 @@ def test_refit_mid_generation_resubmits_and_stitches_exactly(tiny_ckpt):
         if len(g.weight_versions) > 1:
             assert g.weight_versions[0] == "v0" and g.weight_versions[-1] == "v1"
             assert g.num_resubmits >= 1
+
+
+def test_a_turn_extending_the_last_reuses_its_kv_and_matches_hf(engine, tiny_ckpt):
+    """Turn 2 = turn 1's prompt + reply + new tokens: the slot's kept rows serve the shared
+    prefix (cached_tokens), and logprobs and every route row still equal transformers'. With
+    prompt logprobs from 0, or after /flush_cache, nothing is reused."""
+    cfg = engine.model_config
+    turn1 = [(7 * i + 3) % 500 + 10 for i in range(60)]
+
+    async def main():
+        async with serving(engine) as url:
+            _, r1 = await post(url, "/generate", gen_body(turn1, temperature=0.0, max_new_tokens=8))
+            turn2 = turn1 + r1["output_ids"] + [11, 12, 13, 14, 15]
+            b2 = {**gen_body(turn2, temperature=0.7, sampling_seed=1, max_new_tokens=8)}
+            b2["logprob_start_len"] = -1
+            _, r2 = await post(url, "/generate", b2)
+            _, full = await post(url, "/generate", {**b2, "logprob_start_len": 0})
+            await post(url, "/flush_cache", {})
+            _, flushed = await post(url, "/generate", b2)
+            return turn2, r1, r2, full, flushed
+
+    turn2, r1, r2, full, flushed = run(main())
+    assert r1["meta_info"]["cached_tokens"] == 0
+    assert r2["meta_info"]["cached_tokens"] == len(turn1) + 8 - 1  # prompt + reply - last
+    assert full["meta_info"]["cached_tokens"] == 0  # prompt logprobs need every position
+    assert flushed["meta_info"]["cached_tokens"] == 0
+    for r in (full, flushed):
+        assert r["output_ids"] == r2["output_ids"]
+        assert r["meta_info"]["routed_experts"] == r2["meta_info"]["routed_experts"]
+    out = r2["output_ids"]
+    logits, routers = hf_logits_and_routes(hf_model(tiny_ckpt), turn2 + out)
+    pos = np.arange(len(turn2) - 1, len(turn2) + len(out) - 1)
+    want = log_softmax(logits[pos] / 0.7)[np.arange(len(out)), out]
+    got = np.array([e[0] for e in r2["meta_info"]["output_token_logprobs"]])
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    routes = routes_of(r2, cfg)
+    for layer, router in routers.items():
+        top = np.sort(np.argsort(-router, axis=-1)[: len(routes), :2], axis=-1)
+        np.testing.assert_array_equal(np.sort(routes[:, layer], axis=-1), top)
