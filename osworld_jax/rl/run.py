@@ -127,6 +127,7 @@ class RunResources(RolloutResources):
 
     def _open(self) -> None:
         super()._open()
+        barrier("osworld_jax.rl:servers")  # the others wait here, bounded, while process 0 starts
         exp, rl = self.experiment, self.experiment.rl
         model_config = Qwen3MoeConfig.from_json(self.model_path / "config.json")
         mesh = make_mesh(**rl.mesh)  # type: ignore[arg-type]

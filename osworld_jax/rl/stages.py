@@ -291,8 +291,8 @@ def export_and_refit(
     from ``copy_files_from`` so that each exported directory is a complete checkpoint.
     """
     path = weights_dir / f"step_{step:08d}"
-    if not path.exists():
-        export_hf_all_processes(trainer, state, path, copy_files_from=copy_files_from)
+    # Every process joins (process 0 alone decides whether ``path`` still needs writing).
+    export_hf_all_processes(trainer, state, path, copy_files_from=copy_files_from)
     if client is not None and runner is not None:
         runner.run(client.refit(str(path.resolve()), str(step)))
     if is_primary():

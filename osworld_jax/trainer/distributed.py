@@ -19,15 +19,34 @@ Roles of the processes:
 
 Process 0 also exports the refit weights (`export_hf_all_processes`: every process joins the
 gather of the sharded parameters, process 0 writes).
+
+Bounded collectives: every cross-process operation of the run is named (`barrier`, `collective`)
+and first meets the other processes at a barrier of the coordination service (not of the
+collectives backend) that times out after ``DistributedConfig.collective_timeout_s``, so a
+process that never arrives (stuck, or on a different code path) makes the others fail with a
+`CollectiveTimeout` that names the operation and where the missing process is instead of
+waiting in gloo for 30 minutes. A collective that all processes reached but that does not
+complete within the same time ends the process (exit code `STUCK_EXIT_CODE`) with one line
+naming it and a dump of every thread's stack. Whether a process joins a collective must never
+depend on its own view of the file system (the export race of issue 16 item 15): decisions
+that differ between processes are taken on process 0 and published, or taken after the
+collective.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
+import faulthandler
+import functools
 import logging
 import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -76,6 +95,10 @@ class DistributedConfig:
       initialization_timeout_s: how long process start-up waits for the others (seconds).
       heartbeat_timeout_s: a process that sent no heartbeat for this long is declared dead and
         the job fails (instead of hanging in a collective).
+      collective_timeout_s: how long a process waits for the others at a named collective
+        (process 1 waits there while process 0 rolls out a step, so this bounds a step's
+        rollout too) and how long a collective that every process reached may run; past it
+        the run fails naming the process and the collective (see the module docstring).
     """
 
     auto: str = "none"
@@ -86,6 +109,7 @@ class DistributedConfig:
     cpu_collectives: str = "gloo"
     initialization_timeout_s: int = 300
     heartbeat_timeout_s: int = 100
+    collective_timeout_s: int = 3600
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -116,7 +140,8 @@ class DistributedConfig:
                     f"DistributedConfig: auto='none' needs coordinator_address, num_processes "
                     f"and process_id together (got only {given})"
                 )
-        if self.initialization_timeout_s < 1 or self.heartbeat_timeout_s < 1:
+        timeouts = (self.initialization_timeout_s, self.heartbeat_timeout_s)
+        if min(*timeouts, self.collective_timeout_s) < 1:
             raise ConfigError("DistributedConfig: timeouts must be >= 1 s")
 
 
@@ -235,10 +260,11 @@ def initialize_distributed(config: DistributedConfig) -> ProcessValues | None:
       DistributedError: values missing/inconsistent, or the job was already initialised
         differently.
     """
-    global _initialized_with
+    global _initialized_with, _collective_timeout_s
     values = resolve_process_values(config)
     if values is None:
         return None
+    _collective_timeout_s = config.collective_timeout_s
     if jax.distributed.is_initialized():
         if _initialized_with is not None and _initialized_with != values:
             raise DistributedError(
@@ -284,9 +310,133 @@ def is_primary() -> bool:
 
 
 def barrier(name: str) -> None:
-    """Blocks until every process reaches the barrier ``name`` (no-op with one process)."""
+    """Blocks until every process reaches the barrier ``name`` (no-op with one process).
+
+    A barrier of the coordination service (no device collective), bounded by
+    ``collective_timeout_s``.
+
+    Raises:
+      CollectiveTimeout: a process did not arrive in time (the message says where it is).
+    """
     if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
+        _meet(name)
+
+
+# ---------------------------------------------------------------------- bounded collectives
+
+STUCK_EXIT_CODE = 124  # a collective every process reached did not complete (as `timeout`)
+_KEY = "osworld_jax/collective"
+_collective_timeout_s: float = DistributedConfig.collective_timeout_s
+_calls: collections.Counter[str] = collections.Counter()
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class CollectiveTimeout(DistributedError):
+    """A process did not reach a named collective in time (the message names both)."""
+
+
+def _client() -> Any:
+    from jax._src import distributed as jax_distributed
+
+    client = jax_distributed.global_state.client
+    if client is None:
+        raise DistributedError("multi-process collective without jax.distributed.initialize")
+    return client
+
+
+def _where(client: Any, process: int) -> str:
+    try:
+        return str(client.key_value_try_get(f"{_KEY}/at/{process}"))
+    except Exception:  # noqa: BLE001 - not published yet (or the service is gone)
+        return "no named collective yet"
+
+
+def _meet(name: str) -> str:
+    """Waits (interruptibly) until every process reaches ``name``; returns its unique id.
+
+    The n-th call of ``name`` on each process meets the n-th call on the others. Each process
+    publishes where it is, so a timeout can say where the missing ones are.
+    """
+    me, count, timeout = jax.process_index(), jax.process_count(), _collective_timeout_s
+    at = f"{name}#{_calls[name]}"
+    _calls[name] += 1
+    client = _client()
+    client.key_value_set(f"{_KEY}/at/{me}", at, allow_overwrite=True)
+    failure: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            client.wait_at_barrier(f"{_KEY}/{at}", int(timeout * 1000))
+        except Exception as e:  # noqa: BLE001 - reported by the waiting thread
+            failure.append(e)
+
+    waiter = threading.Thread(target=wait, name=f"barrier {at}", daemon=True)
+    waiter.start()
+    while waiter.is_alive():  # a join with a timeout lets Ctrl-C / SIGTERM through
+        waiter.join(0.5)
+    if failure:
+        others = [p for p in range(count) if p != me]
+        where = "; ".join(f"process {p} is at {_where(client, p)!r}" for p in others)
+        raise CollectiveTimeout(
+            f"process {me} of {count}: collective {at!r} not reached by every process within "
+            f"{timeout:g} s ({where}; DistributedConfig.collective_timeout_s)"
+        ) from failure[0]
+    return at
+
+
+def _stuck(at: str, timeout: float) -> None:
+    me, count = jax.process_index(), jax.process_count()
+    sys.stderr.write(
+        f"process {me} of {count}: collective {at!r} did not complete within {timeout:g} s "
+        f"although every process reached it; exiting with {STUCK_EXIT_CODE} (stacks follow)\n"
+    )
+    sys.stderr.flush()
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    os._exit(STUCK_EXIT_CODE)
+
+
+@contextlib.contextmanager
+def guarded(name: str) -> Iterator[None]:
+    """Runs the block as the bounded collective ``name`` on every process.
+
+    Every process must enter it within ``collective_timeout_s``, and it must finish within the
+    same time once all have, or the process exits naming it. No-op with one process. The
+    block must wait for its device work (see `collective`).
+
+    Raises:
+      CollectiveTimeout: a process did not arrive in time.
+    """
+    if jax.process_count() == 1:
+        yield
+        return
+    at, timeout = _meet(name), _collective_timeout_s
+    watchdog = threading.Timer(timeout, _stuck, (at, timeout))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        yield
+    finally:
+        watchdog.cancel()
+
+
+def collective(name: str) -> Callable[[_F], _F]:
+    """Decorates a function that every process calls together as the bounded collective ``name``.
+
+    The call runs under `guarded` and waits for its result (``jax.block_until_ready``: a jitted
+    collective returns before it has run), so a hang is reported at the collective that hangs.
+    """
+
+    def wrap(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if jax.process_count() == 1:
+                return fn(*args, **kwargs)
+            with guarded(name):
+                return jax.block_until_ready(fn(*args, **kwargs))
+
+        return call  # type: ignore[return-value]
+
+    return wrap
 
 
 # ---------------------------------------------------------------------- host batches
@@ -310,6 +460,7 @@ def _empty_batch(r: int, t: int, layers: int, k: int) -> Batch:
     )
 
 
+@collective("broadcast_host_batch")
 def broadcast_host_batch(batch: Batch | None) -> Batch:
     """Process 0's host batch on every process.
 
@@ -338,6 +489,7 @@ def broadcast_host_batch(batch: Batch | None) -> Batch:
 # ---------------------------------------------------------------------- parameters, export
 
 
+@collective("params_to_host")
 def params_to_host(tree: Any) -> Any:
     """A pytree of (possibly non-fully-addressable) arrays as full numpy arrays on every host.
 
@@ -354,12 +506,16 @@ def export_hf_all_processes(
     """Writes the refit checkpoint of ``state`` from process 0; every process must call it.
 
     The sharded parameters are gathered to every host (`params_to_host`), process 0 writes the
-    HF checkpoint through ``trainer.export_hf`` (atomic rename), and a barrier makes the files
-    visible to all processes before anyone asks a server to load them.
+    HF checkpoint through ``trainer.export_hf`` (atomic rename; skipped when ``path`` already
+    holds one, e.g. on resume), and a barrier makes the files visible to all processes before
+    anyone asks a server to load them. No process skips the gather or the barrier because of
+    what it sees on disk: process 0 may have written ``path`` already (a fully replicated
+    gather does not synchronise), and a process that skipped would meet the others in a
+    different collective.
     """
     path = Path(path)
-    host_params = params_to_host(state.params)
-    if is_primary():
+    host_params = params_to_host(state.params)  # every process joins, whatever is on disk
+    if is_primary() and not path.exists():  # only process 0 looks at the disk
         trainer.export_hf(state.replace(params=host_params), path, copy_files_from=copy_files_from)
-    barrier(f"export_hf:{path}")
+    barrier(f"export_hf:{path.name}")
     return path

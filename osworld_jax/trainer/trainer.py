@@ -36,6 +36,7 @@ from osworld_jax.model import (
 from osworld_jax.model.params import decay_mask
 from osworld_jax.trainer.checkpoint import Checkpointer
 from osworld_jax.trainer.config import TrainerConfig
+from osworld_jax.trainer.distributed import collective
 from osworld_jax.trainer.memory import check_step_fits
 from osworld_jax.trainer.optimizer import make_optimizer, make_schedule
 from osworld_jax.trainer.state import NonFiniteError, TrainerError, TrainState
@@ -265,6 +266,7 @@ class Trainer:
         with jax.set_mesh(self.mesh), jax.transfer_guard("disallow"):
             return self._gradients(params, batch)
 
+    @collective("train_step")  # multi-host: bounded, named (trainer.distributed)
     def train_step(
         self, state: TrainState, batch: Batch, old_logprobs: Any = None
     ) -> tuple[TrainState, dict[str, float]]:
@@ -357,6 +359,7 @@ class Trainer:
             self._checkpointer = Checkpointer(self.config.checkpoint)
         return self._checkpointer
 
+    @collective("checkpoint_save")  # multi-host: bounded, named (trainer.distributed)
     def save(
         self, state: TrainState, step: int | None = None, data_state: Any = None, *, force=False
     ) -> bool:
@@ -368,6 +371,7 @@ class Trainer:
             step = int(jax.device_get(state.step))
         return self.checkpointer.save(state, step, data_state, force=force)
 
+    @collective("checkpoint_restore")  # multi-host: bounded, named (trainer.distributed)
     def restore(
         self, step: int | None = None, *, data_iterator: Any = None
     ) -> tuple[TrainState, Any]:

@@ -4,16 +4,40 @@
 learnable suite with ``DistributedConfig`` (2 processes x 1 CPU device, mesh ``data=2``):
 process 0 runs the embedded server and the sandboxes and broadcasts each step's batch; both
 processes train on their half of the rows, checkpoint and export.
+
+Process 1 reaches every refit export late, after process 0 has written it (as a slow or
+descheduled process does): the race that hung this run once in three CI rehearsals (issue 16
+item 15) is exercised on every run instead of by chance.
 """
 
+import inspect
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def _reach_exports_late() -> None:
+    """Process 1 enters each ``export_and_refit`` only once process 0's export exists (<= 10 s)."""
+    from osworld_jax.rl import stages
+
+    export = stages.export_and_refit
+    signature = inspect.signature(export)
+
+    def late(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs).arguments
+        path = Path(bound["weights_dir"]) / f"step_{bound['step']:08d}"
+        deadline = time.monotonic() + 10
+        while not path.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return export(*args, **kwargs)
+
+    stages.export_and_refit = late
 
 
 def main() -> None:
@@ -35,7 +59,10 @@ def main() -> None:
         "DistributedConfig.num_processes = 2",
         f"DistributedConfig.process_id = {pid}",
         "DistributedConfig.initialization_timeout_s = 120",
+        "DistributedConfig.collective_timeout_s = 240",
     ]
+    if pid == "1":
+        _reach_exports_late()
     assert learnable.BACKEND
     exp = config.load_experiment(["default.gin"], params)
     result = train(exp, run_dir, steps=int(steps))

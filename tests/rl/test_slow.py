@@ -231,15 +231,11 @@ def test_evaluate_then_freeze_the_band(learning_run, tmp_path, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    os.environ.get("OSWORLD_JAX_MULTIHOST_RL") != "1",
-    reason="opt-in (OSWORLD_JAX_MULTIHOST_RL=1): this 2-process RL-loop run hung once in three "
-    "clean-clone CI rehearsals (root cause not found yet; the worker now dumps its stacks if it "
-    "hangs). The trainer's 2-process equality test (tests/scale) stays in CI.",
-)
 def test_two_process_run_matches_one_process(learning_run, tmp_path):
     """DistributedConfig with 2 processes x 1 CPU device (gloo): process 0 rolls out and
-    broadcasts; both train their half of the rows (mesh data=2), checkpoint and export."""
+    broadcasts; both train their half of the rows (mesh data=2), checkpoint and export.
+    Process 1 reaches each export after process 0 wrote it (mp_train_worker.py): before the
+    fix it then skipped the export's barrier and hung (issue 16 item 15)."""
     import socket
 
     tasks = learning_run[0].parent / "tasks"
