@@ -64,11 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    config.write_operative_config(run_dir, experiment)
-
-    from osworld_jax.rl import train  # after config parsing: a config typo fails fast
-
     try:
+        config.write_operative_config(run_dir, experiment)
+
+        from osworld_jax.rl import train  # after config parsing: a config typo fails fast
+        from osworld_jax.rl.rundir import quiet_storage_tracebacks
+
+        quiet_storage_tracebacks()  # a full disk is reported below, once, as one line
         result = train(experiment, run_dir, steps=args.steps)
     except KeyboardInterrupt:
         print(f"interrupted; the last checkpoint in {run_dir} is intact", file=sys.stderr)
@@ -76,8 +78,29 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # storage and multi-host failures: one line; anything else: traceback
+        line = _known_failure(e, run_dir)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        return 1
     print(result.summary)
     return 0
+
+
+def _known_failure(e: Exception, run_dir: Path) -> str | None:
+    """One line for a failure that is not a bug: the run dir's storage, or a lost process."""
+    from osworld_jax.rl.rundir import complete_checkpoints, storage_error
+    from osworld_jax.trainer.distributed import DistributedError
+
+    if isinstance(e, DistributedError):
+        return f"error: {e}"
+    err = storage_error(e)
+    if err is None:
+        return None
+    steps = complete_checkpoints(run_dir)
+    kept = f"checkpoint {steps[-1]} is the last complete one" if steps else "no checkpoint yet"
+    return f"error: {err} ({kept}; fix the storage and rerun the same command to resume)"
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Run metrics: ``metrics.jsonl`` + TensorBoard events + a tqdm bar with per-stage timing.
 
 One JSON object per step (``{"step": s, "time": ..., "reward/mean": ..., "time/rollout": ...}``);
-the same scalars go to TensorBoard (tensorboardX). `StageTimer` measures the stages of one step
-(``time/<stage>`` seconds); the bar shows the last step's reward and stage times, and `summary`
-is printed at the end of the run.
+the same scalars go to TensorBoard (tensorboardX's event file, written synchronously: a full
+disk fails the step that logs, not a background thread at exit). `StageTimer` measures the
+stages of one step (``time/<stage>`` seconds); the bar shows the last step's reward and stage
+times, and `summary` is printed at the end of the run.
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from typing import Any
 
 import numpy as np
 import tqdm
-from tensorboardX import SummaryWriter
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto.event_pb2 import Event
+from tensorboardX.summary import scalar
+
+from osworld_jax.rl.rundir import trim_partial_line, writing
 
 METRICS_FILE = "metrics.jsonl"
 #: The stages of a step, in order (``time/<stage>`` metrics).
@@ -89,8 +94,12 @@ class MetricsLogger:
     ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        trim_partial_line(self.directory / METRICS_FILE)  # a full disk may have cut it short
         self._jsonl = open(self.directory / METRICS_FILE, "a", buffering=1)  # noqa: SIM115
-        self._tb = SummaryWriter(logdir=str(self.directory / "tensorboard"))
+        self._tb_dir = self.directory / "tensorboard"
+        self._tb_dir.mkdir(exist_ok=True)
+        self._tb = EventsWriter(str(self._tb_dir / "events"))
+        self._tb_closed = False
         self._bar = tqdm.tqdm(
             total=total_steps,
             initial=initial_step,
@@ -107,9 +116,14 @@ class MetricsLogger:
             s = _scalar(v)
             record[k] = v if s is None else s
             if s is not None and math.isfinite(s):
-                self._tb.add_scalar(k, s, global_step=step)
-        self._jsonl.write(json.dumps(record, default=_json_default) + "\n")
-        self._tb.flush()
+                with writing(self._tb_dir):
+                    self._tb.write_event(
+                        Event(summary=scalar(k, s), step=step, wall_time=time.time())
+                    )
+        with writing(self._jsonl.name):
+            self._jsonl.write(json.dumps(record, default=_json_default) + "\n")
+        with writing(self._tb_dir):
+            self._tb.flush()
         self.history.append(record)
         self._bar.set_postfix_str(_postfix(record), refresh=False)
         self._bar.update(1)
@@ -139,11 +153,17 @@ class MetricsLogger:
         self.close()
 
     def close(self) -> None:
-        """Flushes and closes every writer (idempotent)."""
+        """Flushes and closes every writer (idempotent; each is closed even if another fails)."""
         self._bar.close()
-        self._tb.close()
-        if not self._jsonl.closed:
-            self._jsonl.close()
+        try:
+            if not self._tb_closed:
+                self._tb_closed = True
+                with writing(self._tb_dir):
+                    self._tb.close()
+        finally:
+            if not self._jsonl.closed:
+                with writing(self._jsonl.name):
+                    self._jsonl.close()
 
 
 def _postfix(record: Mapping[str, Any]) -> str:

@@ -29,6 +29,7 @@ from osworld_jax.rl.analysis import ROLLOUTS_FILE
 from osworld_jax.rl.config import ExperimentConfig
 from osworld_jax.rl.metrics import MetricsLogger
 from osworld_jax.rl.preflight import run_preflight
+from osworld_jax.rl.rundir import check_writable, trim_partial_line, writing
 from osworld_jax.rollout import SGLangClient
 from osworld_jax.trainer import Trainer
 from osworld_jax.trainer.distributed import barrier, initialize_distributed, is_primary
@@ -70,7 +71,7 @@ class RolloutResources(contextlib.ExitStack):
         exp = self.experiment
         initialize_distributed(exp.distributed)  # multi-host: join the job (no-op alone)
         self.rolls_out = is_primary()  # multi-host: process 0 drives servers and sandboxes
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        check_writable(self.run_dir)  # read-only or full: one line before anything starts
         if self.rolls_out:
             stages.prepare_model(exp.model, self.run_dir)
         barrier("osworld_jax.rl:model")
@@ -149,7 +150,8 @@ class RunResources(RolloutResources):
         )
         if runnable.skipped and self.rolls_out:
             skipped = self.run_dir / "skipped_tasks.json"
-            skipped.write_text(json.dumps(runnable.skipped, indent=1, sort_keys=True))
+            with writing(skipped):
+                skipped.write_text(json.dumps(runnable.skipped, indent=1, sort_keys=True))
             log.warning("%d not-runnable tasks skipped (see %s)", len(runnable.skipped), skipped)
         owners = rl.num_logical_owners
         self.pack_kwargs: dict[str, Any] = dict(
@@ -174,6 +176,7 @@ class RunResources(RolloutResources):
             self.refit(latest)  # the servers start from the base model; serve the restored one
         if self.rolls_out:
             self.metrics_dir.mkdir(parents=True, exist_ok=True)
+            trim_partial_line(self.metrics_dir / ROLLOUTS_FILE)  # a full disk cut it short
             records = open(self.metrics_dir / ROLLOUTS_FILE, "a", buffering=1)  # noqa: SIM115
             self._records = self.enter_context(records)
 
@@ -223,5 +226,6 @@ class RunResources(RolloutResources):
 
     def write_owner_records(self, records: list[dict[str, Any]]) -> None:
         """Appends per-owner records to ``rollouts.jsonl``."""
-        for r in records:
-            self._records.write(json.dumps(r) + "\n")
+        with writing(self._records.name):
+            for r in records:
+                self._records.write(json.dumps(r) + "\n")

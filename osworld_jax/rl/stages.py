@@ -33,6 +33,7 @@ from osworld_jax.env import capabilities, load_task
 from osworld_jax.errors import InfraError, OsworldJaxError
 from osworld_jax.model import make_tiny_checkpoint
 from osworld_jax.rl.config import ModelSourceConfig, RLConfig
+from osworld_jax.rl.rundir import writing
 from osworld_jax.rollout import SamplingParams, SGLangClient
 from osworld_jax.trainer.distributed import export_hf_all_processes, is_primary
 
@@ -69,7 +70,8 @@ def prepare_model(config: ModelSourceConfig, run_dir: Path) -> Path:
     if not (path / "config.json").is_file():
         tmp = run_dir / "base_model.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        make_tiny_checkpoint(tmp, seed=config.tiny_seed, **config.tiny_overrides)
+        with writing(tmp):  # a full disk names the directory
+            make_tiny_checkpoint(tmp, seed=config.tiny_seed, **config.tiny_overrides)
         tmp.rename(path)
     return path
 
@@ -292,7 +294,8 @@ def export_and_refit(
     """
     path = weights_dir / f"step_{step:08d}"
     # Every process joins (process 0 alone decides whether ``path`` still needs writing).
-    export_hf_all_processes(trainer, state, path, copy_files_from=copy_files_from)
+    with writing(path):  # a full disk names the export
+        export_hf_all_processes(trainer, state, path, copy_files_from=copy_files_from)
     if client is not None and runner is not None:
         runner.run(client.refit(str(path.resolve()), str(step)))
     if is_primary():

@@ -1,4 +1,5 @@
 import json
+import struct
 
 import numpy as np
 import pytest
@@ -18,6 +19,19 @@ def test_stage_timer_sums_stages():
     m = t.metrics()
     assert set(m) == {"time/rollout", "time/train", "time/step"}
     assert m["time/step"] == pytest.approx(m["time/rollout"] + m["time/train"])
+
+
+def _tf_events(path):
+    """The Event protos of a TensorBoard event file, read by its TFRecord framing: a uint64
+    length, its masked CRC32C, the bytes, their masked CRC32C (CRCs not checked here)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    data, at, out = path.read_bytes(), 0, []
+    while at < len(data):
+        (n,) = struct.unpack("<Q", data[at : at + 8])
+        out.append(Event.FromString(data[at + 12 : at + 12 + n]))
+        at += 12 + n + 4
+    return out
 
 
 def test_logger_writes_jsonl_tensorboard_and_summary(tmp_path):
@@ -48,7 +62,10 @@ def test_logger_writes_jsonl_tensorboard_and_summary(tmp_path):
     recs = read_metrics(tmp_path)
     assert [r["step"] for r in recs] == [1, 2]
     assert recs[0]["note"] == "text" and recs[0]["arr"] == [0, 1]
-    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    (events,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
+    scalars = {(e.step, v.tag): v.simple_value for e in _tf_events(events) for v in e.summary.value}
+    assert scalars[(1, "reward/mean")] == 0.25 and scalars[(2, "reward/mean")] == 0.75
+    assert scalars[(1, "owners/failed")] == 1.0 and (2, "r3/route_agreement") not in scalars
     s = log.summary()
     assert "0.250 -> 0.750" in s and "failed owners 1" in s and "rollout=3.0s" in s
 

@@ -1,0 +1,176 @@
+"""The run directory's storage: checked before a run starts, and its failures as one line.
+
+A run writes into its directory all along (model, operative config, checkpoints, refit exports,
+metrics, per-owner records, server log). When that storage refuses a write (read-only, full,
+over quota, no permission), the run stops with one line naming the path and the cause, e.g.
+``runs/b8n8/weights/step_00000012.tmp-1a2b/model.safetensors: No space left on device``,
+instead of a traceback, and nothing already written is lost: checkpoints and exports are
+written to a temporary directory and renamed when complete, so the last complete checkpoint
+stays the resume point (rerun the same command once the storage is fixed), and the JSONL logs
+are appended one whole line at a time (`trim_partial_line` drops a line a full disk cut short).
+
+Storage errors arrive as ``OSError`` from Python and as messages carrying
+``[os_error_code='28']`` from tensorstore (orbax's checkpoint writer); `storage_error` finds
+either anywhere in an exception's chain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+# errno values that mean "this storage refuses the write" (not a bug of the run).
+STORAGE_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+)
+_TENSORSTORE_ERRNO = re.compile(r"os_error_code='(\d+)'")
+# The file tensorstore failed on, else the database it wrote into.
+_TENSORSTORE_PATHS = (re.compile(r'Failed [a-z ]+: "([^"]+)"'), re.compile(r'file "([^"]+)"'))
+
+
+class StorageError(Exception):
+    """The run directory's storage refused a write.
+
+    Attributes:
+      path: the file or directory that could not be written.
+      errno: the ``errno`` value (one of `STORAGE_ERRNOS`).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], err: int) -> None:
+        self.path, self.errno = str(path), err
+        super().__init__(f"{self.path}: {os.strerror(err)}")
+
+
+def check_writable(run_dir: Path) -> None:
+    """Creates ``run_dir`` if needed and proves it takes a write (a probe file, removed).
+
+    Raises:
+      StorageError: the directory cannot be created or written (read-only, full, permission).
+    """
+    probe = run_dir / f".write-probe-{os.getpid()}"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        if e.errno not in STORAGE_ERRNOS:
+            raise
+        raise StorageError(e.filename or run_dir, e.errno) from e
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    out, todo, seen = [], [exc], set()
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        out.append(e)
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+        todo += list(getattr(e, "exceptions", ()))  # ExceptionGroup members
+    return out
+
+
+def _as_storage_error(e: BaseException) -> StorageError | None:
+    if isinstance(e, StorageError):
+        return e
+    if isinstance(e, OSError) and e.errno in STORAGE_ERRNOS:
+        return StorageError(e.filename or "?", e.errno)
+    m = _TENSORSTORE_ERRNO.search(str(e))
+    if m and int(m.group(1)) in STORAGE_ERRNOS:
+        found = (p.search(str(e)) for p in _TENSORSTORE_PATHS)
+        return StorageError(next((f.group(1) for f in found if f), "?"), int(m.group(1)))
+    return None
+
+
+def storage_error(exc: BaseException) -> StorageError | None:
+    """The storage failure behind ``exc``, or None if there is none.
+
+    The whole chain is searched (causes, exceptions raised while handling others, exception
+    group members); the innermost storage failure that names its path wins: the first write
+    that was refused, not the clean-up writes that failed after it.
+    """
+    found = [s for s in map(_as_storage_error, _chain(exc)) if s is not None]
+    named = [s for s in found if s.path != "?"]
+    best = named or found
+    return best[-1] if best else None
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Names ``path`` in a storage error of the block that names no file.
+
+    ``write`` / ``flush`` / ``fsync`` failures (a full disk) carry no file name; raised inside
+    ``with writing(path):`` they become ``OSError(errno, strerror, path)`` (the original as
+    its cause).
+    """
+    try:
+        yield
+    except OSError as e:
+        if e.errno in STORAGE_ERRNOS and not e.filename:
+            raise OSError(e.errno, os.strerror(e.errno), str(path)) from e
+        raise
+
+
+class _DropStorageTracebacks(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None and storage_error(error) is not None:
+            return False
+        return _TENSORSTORE_ERRNO.search(record.getMessage()) is None
+
+
+def quiet_storage_tracebacks() -> None:
+    """Drops library log records that only repeat a storage failure with a traceback.
+
+    Orbax logs each failed background write of a checkpoint (with its traceback) before the
+    failure reaches the run, which reports it as one line; for a CLI (``scripts/train.py``).
+    """
+    logging.getLogger("absl").addFilter(_DropStorageTracebacks())
+
+
+def complete_checkpoints(run_dir: Path, name: str = "checkpoints") -> list[int]:
+    """The steps of ``run_dir/<name>`` that orbax finished (renamed from their temporary name)."""
+    root = run_dir / name
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def trim_partial_line(path: Path) -> int:
+    """Cuts a last line that was not completed (no newline) off the JSONL file ``path``.
+
+    A full disk can stop an append mid-line; appending after it would glue the next record
+    onto the fragment. Returns the number of bytes removed (0 for a whole file or no file).
+    """
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return 0
+    if size == 0:
+        return 0
+    with open(path, "rb+") as f:
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return 0
+        keep, pos, block = 0, size, 1 << 16
+        while pos > 0:
+            start = max(0, pos - block)
+            f.seek(start)
+            chunk = f.read(pos - start)
+            cut = chunk.rfind(b"\n")
+            if cut >= 0:
+                keep = start + cut + 1
+                break
+            pos = start
+        f.truncate(keep)
+    return size - keep

@@ -1,0 +1,173 @@
+"""The run directory's storage fails as one line naming the path and the cause, losing nothing.
+
+Issue 16 item 11: a read-only run directory and a full disk gave tracebacks. The real thing:
+size-limited and read-only tmpfs mounts (CI runs as root), ``scripts/train.py`` as a subprocess.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from osworld_jax.rl.rundir import (
+    StorageError,
+    check_writable,
+    complete_checkpoints,
+    storage_error,
+    trim_partial_line,
+)
+from tests.rl.runs import (
+    REPO,
+    Tmpfs,
+    live_processes_mentioning,
+    quick_args,
+    quick_tasks,
+    run_env,
+    train_cmd,
+)
+
+# What orbax (tensorstore) raised when a checkpoint did not fit (copied from a real run).
+TENSORSTORE_ENOSPC = (
+    'RESOURCE_EXHAUSTED: Error writing "w/0.0" in OCDBT database at local file '
+    '"/mnt/run/checkpoints/1.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp/ocdbt.process_0/": '
+    'Failed writing: "/mnt/run/checkpoints/1.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp/'
+    'ocdbt.process_0/d/2181853d": Failed to write 3512676 bytes to file 14: No space left on '
+    "device [os_error_code='28']"
+)
+
+
+@pytest.fixture
+def tmpfs():
+    mounts = Tmpfs()
+    yield mounts
+    mounts.unmount_all()
+
+
+def test_storage_error_is_found_anywhere_in_the_chain():
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", "/r/metrics.jsonl")
+        except OSError as e:
+            raise RuntimeError("while logging") from e
+    except RuntimeError as e:
+        err = storage_error(e)
+    assert str(err) == "/r/metrics.jsonl: No space left on device"
+    err = storage_error(ValueError(TENSORSTORE_ENOSPC))
+    assert err is not None and err.errno == errno.ENOSPC
+    assert err.path.endswith("ocdbt.process_0/d/2181853d")
+    group = ExceptionGroup("cleanup", [KeyError("x"), OSError(errno.EROFS, "ro", "/r/x")])
+    assert str(storage_error(group)) == "/r/x: Read-only file system"
+    assert storage_error(OSError(errno.ECONNREFUSED, "refused")) is None  # not storage
+    assert storage_error(ValueError("a bug")) is None
+
+
+def test_trim_partial_line(tmp_path):
+    f = tmp_path / "metrics.jsonl"
+    assert trim_partial_line(f) == 0  # no file
+    f.write_text('{"step": 1}\n{"step": 2}\n{"st')
+    assert trim_partial_line(f) == len('{"st')
+    assert f.read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert trim_partial_line(f) == 0
+    f.write_text("no newline at all")
+    assert trim_partial_line(f) == len("no newline at all") and f.read_text() == ""
+
+
+def test_check_writable_names_the_read_only_directory(tmp_path, tmpfs):
+    ro = tmpfs.mount(tmp_path / "ro", "1m", read_only=True)
+    with pytest.raises(StorageError, match=r"/ro/run: Read-only file system$"):
+        check_writable(ro / "run")
+    full = tmpfs.mount(tmp_path / "full", "8k")
+    (full / "filler").write_bytes(b"\0" * 8192)
+    with pytest.raises(StorageError, match=r"No space left on device$"):
+        check_writable(full)
+    assert not list(full.glob(".write-probe-*"))  # the probe never stays behind
+    check_writable(tmp_path / "ok" / "run")
+    assert (tmp_path / "ok" / "run").is_dir() and not list((tmp_path / "ok" / "run").iterdir())
+
+
+def _fill(directory: Path) -> Path:
+    """Writes ``directory/filler`` until the file system is full."""
+    filler = directory / "filler"
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"\xa5" * (1 << 20))
+                f.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+    return filler
+
+
+def _error_line(out: str) -> str:
+    lines = [x for x in out.splitlines() if x.strip()]
+    assert lines, out
+    assert "Traceback" not in out, out[-3000:]
+    return lines[-1]
+
+
+@pytest.mark.slow
+def test_read_only_run_dir_is_one_line(tmp_path, tmpfs):
+    """A new run in a read-only place, then an existing run whose directory became read-only."""
+    tasks = quick_tasks(tmp_path)
+    disk = tmpfs.mount(tmp_path / "disk", "64m", read_only=True)
+    run_dir = disk / "run"
+    r = subprocess.run(
+        train_cmd(run_dir, *quick_args(tasks), steps=1),
+        cwd=REPO,
+        env=run_env(run_dir),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-3000:]
+    assert _error_line(r.stderr) == (
+        f"error: {run_dir}: Read-only file system (no checkpoint yet; fix the storage and "
+        "rerun the same command to resume)"
+    )
+    assert not live_processes_mentioning(str(run_dir))
+
+
+@pytest.mark.slow
+def test_full_disk_mid_run_is_one_line_and_the_run_resumes(tmp_path, tmpfs):
+    """The disk fills during step 2: one line naming the file, checkpoint 1 and the logs
+    intact; once space is freed the same command resumes at step 2 and finishes."""
+    tasks = quick_tasks(tmp_path)
+    disk = tmpfs.mount(tmp_path / "disk", "96m")
+    run_dir = disk / "run"
+    cmd = train_cmd(run_dir, *quick_args(tasks), steps=3)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=run_env(run_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + 480
+    while not complete_checkpoints(run_dir):
+        assert proc.poll() is None, proc.communicate()[1].decode()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint of step 1"
+        time.sleep(0.2)
+    filler = _fill(disk)
+    out, err = (x.decode() for x in proc.communicate(timeout=300))
+    assert proc.returncode == 1, out[-2000:] + err[-3000:]
+    line = _error_line(err)
+    print(line)
+    assert line.startswith(f"error: {run_dir}/"), line
+    assert line.endswith(
+        ": No space left on device (checkpoint 1 is the last complete one; fix the storage "
+        "and rerun the same command to resume)"
+    ), line
+    assert not live_processes_mentioning(str(run_dir))
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records][:1] == [1]
+
+    filler.unlink()
+    again = subprocess.run(
+        cmd, cwd=REPO, env=run_env(run_dir), capture_output=True, text=True, timeout=480
+    )
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-2:] == [2, 3], steps  # resumed after checkpoint 1
+    assert complete_checkpoints(run_dir)[-1] == 3
+    assert not live_processes_mentioning(str(run_dir))
