@@ -134,8 +134,12 @@ def estimate_step_memory(
 
 
 def device_capacity() -> float | None:
-    """Usable bytes of the first device (``bytes_limit`` of its allocator), None if unknown."""
-    stats = jax.devices()[0].memory_stats() or {}
+    """Usable bytes of this process's first device (its allocator's ``bytes_limit``), or None.
+
+    A local device: multi-host, ``jax.devices()[0]`` belongs to process 0 and the other
+    processes cannot ask it.
+    """
+    stats = jax.local_devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     return float(limit) if limit else None
 
