@@ -89,11 +89,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _known_failure(e: Exception, run_dir: Path) -> str | None:
-    """One line for a failure that is not a bug: the run dir's storage, or a lost process."""
+    """One line for a failure that is not a bug: the run dir's storage, a damaged checkpoint,
+    or a lost process."""
     from osworld_jax.rl.rundir import complete_checkpoints, storage_error
+    from osworld_jax.trainer.checkpoint import CorruptCheckpointError
     from osworld_jax.trainer.distributed import DistributedError
 
-    if isinstance(e, DistributedError):
+    if isinstance(e, (DistributedError, CorruptCheckpointError)):
         return f"error: {e}"
     err = storage_error(e)
     if err is None:

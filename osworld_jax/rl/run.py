@@ -32,6 +32,7 @@ from osworld_jax.rl.preflight import run_preflight
 from osworld_jax.rl.rundir import check_writable, trim_partial_line, writing
 from osworld_jax.rollout import SGLangClient
 from osworld_jax.trainer import Trainer
+from osworld_jax.trainer.checkpoint import CorruptCheckpointError, set_aside
 from osworld_jax.trainer.distributed import barrier, initialize_distributed, is_primary
 
 log = logging.getLogger(__name__)
@@ -163,22 +164,64 @@ class RunResources(RolloutResources):
         )
         self.weights_dir = self.run_dir / WEIGHTS
         self.weights_dir.mkdir(exist_ok=True, parents=True)
-        latest = self.trainer.checkpointer.latest_step()
-        if latest is None:
+        resume = self._resume_step()
+        if resume is None:
             self.state = self.trainer.init_state()
             self.start_step = 0
         else:
-            self.state, data_state = self.trainer.restore(latest)
+            self.state, data_state = self._restore(resume)
             if not isinstance(data_state, dict):
-                raise ConfigError(f"{self.run_dir}: checkpoint {latest} has no task-stream state")
+                raise ConfigError(f"{self.run_dir}: checkpoint {resume} has no task-stream state")
             self.stream.set_state(data_state)
-            self.start_step = latest
-            self.refit(latest)  # the servers start from the base model; serve the restored one
+            self.start_step = resume
+            self.refit(resume)  # the servers start from the base model; serve the restored one
         if self.rolls_out:
             self.metrics_dir.mkdir(parents=True, exist_ok=True)
             trim_partial_line(self.metrics_dir / ROLLOUTS_FILE)  # a full disk cut it short
             records = open(self.metrics_dir / ROLLOUTS_FILE, "a", buffering=1)  # noqa: SIM115
             self._records = self.enter_context(records)
+
+    def _resume_step(self) -> int | None:
+        """The checkpoint to resume from: ``CheckpointConfig.restore_step``, else the newest.
+
+        With ``restore_step``, the newer checkpoints are set aside (renamed, not deleted) so
+        that this run's saves take their steps. On every resume, refit exports newer than the
+        resumed step (written before a crash) are set aside too: they hold other weights than
+        the ones this run will train, and an existing export is never rewritten.
+        """
+        ckpt = self.trainer.checkpointer
+        wanted, steps = self.experiment.trainer.checkpoint.restore_step, ckpt.all_steps()
+        if wanted is not None and wanted not in steps:
+            raise ConfigError(
+                f"CheckpointConfig.restore_step = {wanted}: {ckpt.directory} has no complete "
+                f"checkpoint {wanted} (complete: {steps or 'none'})"
+            )
+        resume = wanted if wanted is not None else (steps[-1] if steps else None)
+        if resume is not None and is_primary():
+            aside = ckpt.set_aside_after(resume) if wanted is not None else []
+            for export in sorted(self.weights_dir.glob("step_*")):
+                if export.name[5:].isdigit() and int(export.name[5:]) > resume:
+                    aside.append(set_aside(export))
+            for path in aside:
+                log.warning("resuming from checkpoint %d: set aside %s", resume, path)
+        barrier("osworld_jax.rl:resume")
+        ckpt.all_steps()  # every process sees what process 0 set aside
+        return resume
+
+    def _restore(self, step: int) -> tuple[Any, Any]:
+        """`Trainer.restore` of ``step``; a damaged one names the previous complete step."""
+        try:
+            return self.trainer.restore(step)
+        except CorruptCheckpointError as e:
+            earlier = [s for s in self.trainer.checkpointer.all_steps() if s < step]
+            hint = (
+                f"resume from checkpoint {earlier[-1]}, the previous complete one, with "
+                f"--gin_param='CheckpointConfig.restore_step = {earlier[-1]}' (the newer "
+                "checkpoints are set aside, not deleted)"
+                if earlier
+                else "no earlier checkpoint to resume from: start a new run directory"
+            )
+            raise CorruptCheckpointError(e.step, e.path, f"{e.reason}; {hint}") from e
 
     def metrics_logger(self, last_step: int) -> contextlib.AbstractContextManager[Any]:
         """The run's `MetricsLogger` on the process that rolls out; elsewhere None."""

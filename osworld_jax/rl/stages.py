@@ -299,7 +299,8 @@ def export_and_refit(
     if client is not None and runner is not None:
         runner.run(client.refit(str(path.resolve()), str(step)))
     if is_primary():
-        for old in sorted(weights_dir.glob("step_*"))[:-keep]:
+        exports = [p for p in weights_dir.glob("step_*") if p.name[5:].isdigit()]  # not set aside
+        for old in sorted(exports)[:-keep]:
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)
     return path

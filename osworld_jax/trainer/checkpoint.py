@@ -9,11 +9,17 @@ A checkpoint step directory holds the items
 
 Saves are atomic (orbax writes into a temporary directory and renames it when complete), so a
 process killed mid-save leaves the previous checkpoints intact and the partial one invisible.
+A complete checkpoint that cannot be read back (damaged on disk) raises
+`CorruptCheckpointError`, one line naming the step and the file; `set_aside_after` moves the
+checkpoints after a chosen step out of orbax's sight (renamed, not deleted) so that a run can
+resume from an earlier one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +29,84 @@ from osworld_jax.trainer.config import CheckpointConfig
 from osworld_jax.trainer.state import TrainerError, TrainState
 
 STATE, DATA_ITERATOR, DATA_JSON = "state", "data_iterator", "data"
+SET_ASIDE = ".set-aside"  # suffix of a checkpoint moved out of the way (not a step name)
+
+# tensorstore's read errors: which array of which OCDBT database, or which file, and why.
+_TS_READ = re.compile(r'Error reading "([^"]+)" in OCDBT database at local file "([^"]+)": (.*)')
+_TS_DECODE = re.compile(r'Error decoding local file "([^"]+)": (.*)')
+_TS_STATUS = ("FAILED_PRECONDITION", "OUT_OF_RANGE", "DATA_LOSS", "NOT_FOUND", "INVALID_ARGUMENT")
+
+
+class CorruptCheckpointError(TrainerError):
+    """A complete checkpoint could not be read back: one line naming the step and the file.
+
+    Attributes:
+      step: the checkpoint step.
+      path: the damaged file (or item directory).
+      reason: what reading it failed on.
+    """
+
+    def __init__(self, step: int, path: str | Path, reason: str) -> None:
+        self.step, self.path, self.reason = step, str(path), reason
+        super().__init__(f"checkpoint {step} is corrupt: {self.path}: {reason}")
+
+
+def set_aside(path: Path) -> Path:
+    """Renames ``path`` to ``<name>.set-aside`` (``-2``, ``-3``... if taken); returns it."""
+    dst, n = path.with_name(path.name + SET_ASIDE), 1
+    while dst.exists():
+        n += 1
+        dst = path.with_name(f"{path.name}{SET_ASIDE}-{n}")
+    return path.rename(dst)
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else text
+
+
+def _bad_json_file(step_dir: Path) -> tuple[Path, str] | None:
+    """The first JSON file of ``step_dir`` that does not parse, with why (orbax names none)."""
+    for f in sorted(step_dir.rglob("*")):
+        if not f.is_file() or "ocdbt" in f.parts[-3:-1] or f.parent.name == "d":
+            continue  # array data (binary)
+        try:
+            text = f.read_text()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if not text.lstrip().startswith(("{", "[")) and f.name not in ("_METADATA", "metadata"):
+            continue
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as e:
+            return f, f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
+    return None
+
+
+def _corruption(step: int, step_dir: Path, error: BaseException) -> CorruptCheckpointError | None:
+    """What ``error`` (raised by orbax restoring ``step``) says is damaged, or None (not damage)."""
+    chain: list[BaseException] = []
+    link: BaseException | None = error
+    while link is not None and len(chain) < 20:
+        chain.append(link)
+        link = link.__cause__ or link.__context__
+    for e in reversed(chain):  # innermost first: the read that failed
+        text = str(e)
+        if isinstance(e, json.JSONDecodeError):
+            bad = _bad_json_file(step_dir)
+            return CorruptCheckpointError(step, *(bad or (step_dir, f"invalid JSON ({e.msg})")))
+        if isinstance(e, FileNotFoundError):
+            return CorruptCheckpointError(step, e.filename or step_dir, "missing")
+        if isinstance(e, KeyError) and "was not found in the checkpoint" in text:
+            return CorruptCheckpointError(step, step_dir, _first_line(text.strip("'\"")))
+        if text.startswith(_TS_STATUS):
+            if m := _TS_DECODE.search(text):
+                return CorruptCheckpointError(step, m.group(1), m.group(2).split("; at ")[0])
+            if m := _TS_READ.search(text):
+                array = m.group(1).split("/")[0]  # "params.attn.k_proj/0.0.0": a chunk of it
+                path = f"{m.group(2).rstrip('/')} (array {array})"
+                return CorruptCheckpointError(step, path, m.group(3).split("; at ")[0])
+            return CorruptCheckpointError(step, step_dir, _first_line(text))
+    return None
 
 
 def _is_grain_iterator(obj: Any) -> bool:
@@ -128,11 +212,30 @@ class Checkpointer:
             items[DATA_ITERATOR] = grain.checkpoint.CheckpointRestore(data_iterator)
         elif (step_dir / DATA_JSON).exists():
             items[DATA_JSON] = ocp.args.JsonRestore()
-        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as e:
+            damage = _corruption(step, step_dir, e)
+            if damage is None:
+                raise
+            raise damage from e
         state = TrainState(**restored[STATE])
         if data_iterator is not None:
             return state, restored[DATA_ITERATOR]
         return state, restored[DATA_JSON] if DATA_JSON in items else None
+
+    def set_aside_after(self, step: int) -> list[Path]:
+        """Renames every checkpoint newer than ``step`` to ``<step>.set-aside``; returns them.
+
+        Orbax no longer sees them (not step names) and nothing is deleted.
+        """
+        self.wait()
+        moved = []
+        for s in self.all_steps():
+            if s > step:
+                moved.append(set_aside(self.directory / str(s)))
+        self._manager.reload()
+        return moved
 
     def wait(self) -> None:
         """Blocks until the in-flight async save (if any) is committed."""

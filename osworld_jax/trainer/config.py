@@ -77,18 +77,25 @@ class CheckpointConfig:
       save_every: save when ``step % save_every == 0`` (a forced save ignores it).
       keep: keep the newest ``keep`` checkpoints, delete older ones.
       async_save: write in a background thread (the trainer waits before exit / restore).
+      restore_step: resume from this checkpoint step instead of the newest one (e.g. when the
+        newest is corrupt: the error names it and the previous complete step). The newer
+        checkpoints and refit exports are set aside (renamed ``<name>.set-aside``), not
+        deleted. ``None``: the newest complete checkpoint.
     """
 
     directory: str | None = None
     save_every: int = 1
     keep: int = 3
     async_save: bool = True
+    restore_step: int | None = None
 
     def __post_init__(self) -> None:
         if self.save_every < 1:
             raise ConfigError(f"CheckpointConfig.save_every: {self.save_every} < 1")
         if self.keep < 1:
             raise ConfigError(f"CheckpointConfig.keep: {self.keep} < 1")
+        if self.restore_step is not None and self.restore_step < 1:
+            raise ConfigError(f"CheckpointConfig.restore_step: {self.restore_step} < 1")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
