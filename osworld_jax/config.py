@@ -19,7 +19,6 @@ field's annotation), or a value a config's own validation rejects.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import types
 import typing
@@ -36,6 +35,7 @@ from osworld_jax.env import BACKENDS, AgentEnvConfig
 from osworld_jax.errors import ConfigError
 from osworld_jax.model.config import ModelRuntimeConfig
 from osworld_jax.rl.config import ExperimentConfig, ModelSourceConfig, RLConfig, ServerConfig
+from osworld_jax.rl.rundir import OPERATIVE_CONFIG, RESOLVED_CONFIG, write_run_config
 from osworld_jax.rollout.config import RolloutConfig, SamplingParams, SGLangLaunchConfig
 from osworld_jax.trainer.config import CheckpointConfig, OptimizerConfig, TrainerConfig
 from osworld_jax.trainer.distributed import DistributedConfig
@@ -66,8 +66,8 @@ CONFIGURABLES: tuple[type, ...] = (
 #: The repository's ``configs/`` directory: ``--gin_file=grpo.gin`` and gin ``include`` find
 #: files there.
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
-OPERATIVE_CONFIG_NAME = "operative_config.gin"
-RESOLVED_CONFIG_NAME = "experiment.json"
+OPERATIVE_CONFIG_NAME = OPERATIVE_CONFIG
+RESOLVED_CONFIG_NAME = RESOLVED_CONFIG
 
 _registered = False
 # binding "Class.field" -> "file:line" of the binding that set its current value.
@@ -148,14 +148,15 @@ def operative_config() -> str:
 
 
 def write_operative_config(run_dir: str | Path, experiment: ExperimentConfig) -> Path:
-    """Writes ``operative_config.gin`` and the resolved ``experiment.json`` into ``run_dir``."""
+    """Writes ``operative_config.gin`` and the resolved ``experiment.json`` into ``run_dir``.
+
+    ``scripts/train.py`` does not call it: the run writes both once it is starting
+    (``train(..., operative_gin=operative_config())``), so a failed start leaves them alone.
+    """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / OPERATIVE_CONFIG_NAME
-    path.write_text(operative_config())
-    resolved = json.dumps(dataclasses.asdict(experiment), indent=2, sort_keys=True, default=str)
-    (run_dir / RESOLVED_CONFIG_NAME).write_text(resolved + "\n")
-    return path
+    write_run_config(run_dir, experiment, operative_config())
+    return run_dir / OPERATIVE_CONFIG_NAME
 
 
 # ---------------------------------------------------------------------------------------------

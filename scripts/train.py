@@ -65,13 +65,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     try:
-        config.write_operative_config(run_dir, experiment)
-
         from osworld_jax.rl import train  # after config parsing: a config typo fails fast
         from osworld_jax.rl.rundir import quiet_storage_tracebacks
 
         quiet_storage_tracebacks()  # a full disk is reported below, once, as one line
-        result = train(experiment, run_dir, steps=args.steps)
+        # The run writes operative_config.gin + experiment.json once it is starting.
+        result = train(experiment, run_dir, args.steps, operative_gin=config.operative_config())
     except KeyboardInterrupt:
         print(f"interrupted; the last checkpoint in {run_dir} is intact", file=sys.stderr)
         return 130

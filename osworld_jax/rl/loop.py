@@ -42,7 +42,11 @@ class TrainResult:
 
 
 def train(
-    experiment: ExperimentConfig, run_dir: str | Path, steps: int | None = None
+    experiment: ExperimentConfig,
+    run_dir: str | Path,
+    steps: int | None = None,
+    *,
+    operative_gin: str | None = None,
 ) -> TrainResult:
     """Runs (or resumes) the RL loop of ``experiment`` in ``run_dir`` up to step ``steps``.
 
@@ -50,9 +54,12 @@ def train(
       experiment: the built configuration.
       run_dir: the run directory; if it holds a checkpoint, the run resumes after it.
       steps: the last step to run (default ``experiment.rl.steps``).
+      operative_gin: gin's operative config, written to ``operative_config.gin`` with
+        ``experiment.json`` once the run is starting (never by a start that fails).
     """
     rl, last_step = experiment.rl, steps if steps is not None else experiment.rl.steps
-    with RunResources(experiment, Path(run_dir)) as run, run.metrics_logger(last_step) as log:
+    run = RunResources(experiment, Path(run_dir), operative_gin)
+    with run, run.metrics_logger(last_step) as log:
         for step in range(run.start_step + 1, last_step + 1):
             t, batch = StageTimer(), None
             with t.stage("data"):

@@ -29,7 +29,7 @@ from osworld_jax.rl.analysis import ROLLOUTS_FILE
 from osworld_jax.rl.config import ExperimentConfig
 from osworld_jax.rl.metrics import MetricsLogger
 from osworld_jax.rl.preflight import run_preflight
-from osworld_jax.rl.rundir import check_writable, trim_partial_line, writing
+from osworld_jax.rl.rundir import check_writable, trim_partial_line, write_run_config, writing
 from osworld_jax.rollout import SGLangClient
 from osworld_jax.trainer import Trainer
 from osworld_jax.trainer.checkpoint import CorruptCheckpointError, set_aside
@@ -115,8 +115,11 @@ class RunResources(RolloutResources):
       pack_kwargs: the static arguments of ``pack_batch``.
     """
 
-    def __init__(self, experiment: ExperimentConfig, run_dir: Path) -> None:
+    def __init__(
+        self, experiment: ExperimentConfig, run_dir: Path, operative_gin: str | None = None
+    ) -> None:
         super().__init__(experiment, run_dir)
+        self.operative_gin = operative_gin
         trainer_cfg = experiment.trainer
         if trainer_cfg.checkpoint.directory is None:
             ckpt = dataclasses.replace(
@@ -180,6 +183,8 @@ class RunResources(RolloutResources):
             trim_partial_line(self.metrics_dir / ROLLOUTS_FILE)  # a full disk cut it short
             records = open(self.metrics_dir / ROLLOUTS_FILE, "a", buffering=1)  # noqa: SIM115
             self._records = self.enter_context(records)
+            # The run is starting: only now does it replace an existing run's config files.
+            write_run_config(self.run_dir, self.experiment, self.operative_gin)
 
     def _resume_step(self) -> int | None:
         """The checkpoint to resume from: ``CheckpointConfig.restore_step``, else the newest.

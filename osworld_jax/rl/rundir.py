@@ -17,12 +17,15 @@ either anywhere in an exception's chain.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
+import json
 import logging
 import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 # errno values that mean "this storage refuses the write" (not a bug of the run).
 STORAGE_ERRNOS = frozenset(
@@ -136,6 +139,38 @@ def quiet_storage_tracebacks() -> None:
     failure reaches the run, which reports it as one line; for a CLI (``scripts/train.py``).
     """
     logging.getLogger("absl").addFilter(_DropStorageTracebacks())
+
+
+OPERATIVE_CONFIG = "operative_config.gin"
+RESOLVED_CONFIG = "experiment.json"
+
+
+def _replace_file(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with writing(tmp):
+            tmp.write_text(text)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_run_config(run_dir: Path, experiment: Any, operative_gin: str | None = None) -> None:
+    """Writes the run's ``experiment.json`` (the resolved config) and ``operative_config.gin``.
+
+    Called once the run is starting (its configuration built, preflight passed, any checkpoint
+    restored): a start that fails leaves an existing run's files as they were. Each file is
+    replaced atomically (a temporary file renamed), so a failed write keeps the previous one.
+
+    Args:
+      run_dir: the run directory.
+      experiment: the run's (dataclass) configuration.
+      operative_gin: gin's operative config text (None: ``operative_config.gin`` untouched).
+    """
+    resolved = json.dumps(dataclasses.asdict(experiment), indent=2, sort_keys=True, default=str)
+    _replace_file(run_dir / RESOLVED_CONFIG, resolved + "\n")
+    if operative_gin is not None:
+        _replace_file(run_dir / OPERATIVE_CONFIG, operative_gin)
 
 
 def complete_checkpoints(run_dir: Path, name: str = "checkpoints") -> list[int]:

@@ -111,6 +111,32 @@ def _error_line(out: str) -> str:
 
 
 @pytest.mark.slow
+def test_a_failed_start_leaves_an_existing_runs_config_alone(tmp_path):
+    """Issue 16 item 9: a start that fails (here: a missing task directory, found by preflight)
+    must not replace the run's operative_config.gin / experiment.json."""
+    tasks, run_dir = quick_tasks(tmp_path), tmp_path / "run"
+    run_dir.mkdir()
+    names = ("operative_config.gin", "experiment.json")
+    before = {name: f"the previous run's {name}\n" for name in names}
+    for name, text in before.items():
+        (run_dir / name).write_text(text)
+    missing = tmp_path / "no-such-tasks"
+    r = subprocess.run(
+        train_cmd(run_dir, *quick_args(tasks, f"DataConfig.task_set = '{missing}'"), steps=1),
+        cwd=REPO,
+        env=run_env(run_dir),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-3000:]
+    assert str(missing) in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+    for name, text in before.items():
+        assert (run_dir / name).read_text() == text, name
+    assert not live_processes_mentioning(str(run_dir))
+
+
+@pytest.mark.slow
 def test_read_only_run_dir_is_one_line(tmp_path, tmpfs):
     """A new run in a read-only place, then an existing run whose directory became read-only."""
     tasks = quick_tasks(tmp_path)
