@@ -13,6 +13,8 @@ import contextlib
 import dataclasses
 import json
 import logging
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
@@ -22,11 +24,14 @@ from osworld_jax.agent import AgentTokenizer
 from osworld_jax.batch import BatchBounds
 from osworld_jax.data import TaskRef, make_task_stream
 from osworld_jax.env import AgentEnv, load_task, make_backend
+from osworld_jax.env.local import LocalBackendConfig
+from osworld_jax.env.local.limits import remove_tree
 from osworld_jax.errors import ConfigError
 from osworld_jax.model import Qwen3MoeConfig, load_hf_checkpoint, make_mesh
 from osworld_jax.rl import stages
 from osworld_jax.rl.analysis import ROLLOUTS_FILE
 from osworld_jax.rl.config import ExperimentConfig
+from osworld_jax.rl.lease import RunLease
 from osworld_jax.rl.metrics import MetricsLogger
 from osworld_jax.rl.preflight import run_preflight
 from osworld_jax.rl.rundir import check_writable, trim_partial_line, write_run_config, writing
@@ -74,6 +79,8 @@ class RolloutResources(contextlib.ExitStack):
         self.rolls_out = is_primary()  # multi-host: process 0 drives servers and sandboxes
         check_writable(self.run_dir)  # read-only or full: one line before anything starts
         if self.rolls_out:
+            # One trainer per run dir; what it starts dies with it (even by kill -9).
+            self.lease = self.enter_context(RunLease(self.run_dir))
             stages.prepare_model(exp.model, self.run_dir)
         barrier("osworld_jax.rl:model")
         self.model_path = stages.model_dir(exp.model, self.run_dir)
@@ -82,8 +89,13 @@ class RolloutResources(contextlib.ExitStack):
         if not self.rolls_out:
             return
         # Backends with their own config section get it; the others take no arguments.
-        sections = {"local": exp.local, "remote": exp.remote, "osworld": exp.osworld}
-        backend_args = (sections[exp.env.backend],) if exp.env.backend in sections else ()
+        sections: dict[str, Callable[[], Any]] = {
+            "local": self._local,  # its sandboxes' root goes into the lease
+            "remote": lambda: exp.remote,
+            "osworld": lambda: exp.osworld,
+        }
+        section = sections.get(exp.env.backend)
+        backend_args = (section(),) if section is not None else ()
         backend = make_backend(exp.env.backend, *backend_args)
         run_preflight(exp, model_path=self.model_path, backend_preflight=backend.preflight)
         self.callback(self.runner.run, backend.aclose())  # after the client closes (LIFO)
@@ -93,6 +105,16 @@ class RolloutResources(contextlib.ExitStack):
         self.client = SGLangClient(urls, exp.rollout, detokenize=self.tokenizer.decode)
         self.callback(self.runner.run, self.client.aclose())
         self.agent_env = AgentEnv(backend, exp.env)
+
+    def _local(self) -> LocalBackendConfig:
+        """The local backend's config; its sandboxes' root recorded in the lease (see there)."""
+        local = self.experiment.local
+        if local.root is not None:
+            return local
+        root = Path(tempfile.mkdtemp(prefix="osworld_jax-local-"))
+        self.lease.add_dir(root)  # removed by the reaper if the trainer dies
+        self.callback(remove_tree, root)  # after the backend closed (LIFO)
+        return dataclasses.replace(local, root=str(root))
 
     def _servers(self) -> tuple[str, ...]:
         exp = self.experiment

@@ -1,0 +1,116 @@
+"""The run's lease and its reaper (`osworld_jax.rl.lease`, `osworld_jax.reaper`) on real processes.
+
+A lease holder is a separate Python process (the "trainer") that starts a ``sleep`` in its own
+process group, as the servers are started, and records a directory; the tests kill it with
+SIGKILL. The end-to-end version with the real server and jails is tests/rl/test_orphans.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from osworld_jax import reaper
+from osworld_jax.rl.lease import RunDirBusyError, RunLease
+
+HOLDER = """
+import subprocess, sys, time
+from pathlib import Path
+from osworld_jax.rl.lease import RunLease
+run_dir, extra = Path(sys.argv[1]), Path(sys.argv[2])
+with RunLease(run_dir) as lease:
+    extra.mkdir()
+    lease.add_dir(extra)
+    child = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    print(child.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    return reaper.process_start(pid) is not None
+
+
+def _wait(cond, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _holder(run_dir: Path, extra: Path) -> tuple[subprocess.Popen, int]:
+    run_dir.mkdir(exist_ok=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(run_dir), str(extra)], stdout=subprocess.PIPE, text=True
+    )
+    child = int(proc.stdout.readline())
+    return proc, child
+
+
+@pytest.mark.slow  # the holder imports the rl package (jax): ~20 s on a loaded machine
+def test_the_reaper_ends_what_a_killed_trainer_started(tmp_path):
+    run_dir, extra = tmp_path / "run", tmp_path / "sandboxes"
+    holder, child = _holder(run_dir, extra)
+    lease = json.loads((run_dir / reaper.LEASE_FILE).read_text())
+    assert lease["pid"] == holder.pid and lease["dirs"] == [str(extra.resolve())]
+    assert reaper.marked_processes(run_dir) == [child]  # the marker is inherited
+    assert os.getpgid(child) == child  # its own group, as the servers
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    assert _wait(lambda: not _alive(child), within_s=5)
+    assert _wait(lambda: not extra.exists(), within_s=5)
+    assert _wait(lambda: not (run_dir / reaper.LEASE_FILE).exists(), within_s=5)
+    assert f"ended processes [{child}]" in (run_dir / "reaper.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_second_trainer_in_a_live_run_dir_is_refused(tmp_path):
+    run_dir = tmp_path / "run"
+    holder, child = _holder(run_dir, tmp_path / "x")
+    try:
+        with pytest.raises(RunDirBusyError, match=rf"in use by the trainer with pid {holder.pid}"):
+            with RunLease(run_dir):
+                pass
+        assert _alive(child)  # the refused start touched nothing
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert _wait(lambda: not _alive(child), within_s=5)
+    with RunLease(run_dir):  # the dead holder's lease is taken over
+        pass
+
+
+def test_the_next_start_cleans_what_a_crash_left(tmp_path):
+    """The reaper died too: a dead instance's marked process and directory wait for the next
+    start, which ends and removes them before it returns."""
+    run_dir, extra = tmp_path / "run", tmp_path / "sandboxes"
+    run_dir.mkdir()
+    extra.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs: the crashed trainer
+    marker = f"{run_dir.resolve()}#{dead.pid}.1"
+    leftover = subprocess.Popen(
+        ["sleep", "600"], env={**os.environ, reaper.MARKER: marker}, start_new_session=True
+    )
+    lease = {"marker": marker, "pid": dead.pid, "host": os.uname().nodename, "dirs": [str(extra)]}
+    (run_dir / reaper.LEASE_FILE).write_text(json.dumps(lease))
+    before = os.environ.get(reaper.MARKER)
+    with RunLease(run_dir) as new:
+        assert not _alive(leftover.pid) and not extra.exists()
+        assert os.environ[reaper.MARKER] == new.marker
+        assert json.loads((run_dir / reaper.LEASE_FILE).read_text())["pid"] == os.getpid()
+    leftover.wait()
+    assert os.environ.get(reaper.MARKER) == before  # restored
+    assert not (run_dir / reaper.LEASE_FILE).exists()
+    assert (
+        not (run_dir / "reaper.log").exists() or "died" not in (run_dir / "reaper.log").read_text()
+    )
