@@ -64,7 +64,7 @@ def main() -> None:
     except CollectiveTimeout as e:
         print(f"elapsed {time.monotonic() - t0:.1f}", flush=True)
         print(f"CollectiveTimeout: {e}", flush=True)
-        os._exit(3)  # the other process may still be waiting; skip jax's shutdown barrier
+        sys.exit(3)  # jax's shutdown barrier at exit lets the other process report too
 
 
 if __name__ == "__main__":
