@@ -70,7 +70,9 @@ def marked_processes(run_dir: Path, *, instance: str | None = None) -> list[int]
     when not root) are not listed either.
     """
     prefix = f"{run_dir.resolve()}#"
-    out = []
+    out: list[int] = []
+    if not Path("/proc/self/environ").exists():  # no procfs (not Linux): nothing can be found
+        return out
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
@@ -181,7 +183,8 @@ def main(argv: list[str]) -> int:
     if lease.get("marker") != marker:
         lease = {"marker": marker, "dirs": []}  # another instance took over: only our marker
     killed, removed = cleanup(run_dir, lease)
-    if read_lease(run_dir) is not None and read_lease(run_dir).get("marker") == marker:  # type: ignore[union-attr]
+    current = read_lease(run_dir)
+    if current is not None and current.get("marker") == marker:
         (run_dir / LEASE_FILE).unlink(missing_ok=True)
     with open(run_dir / "reaper.log", "a") as log:
         log.write(

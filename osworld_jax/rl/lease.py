@@ -49,8 +49,7 @@ class RunLease:
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir.resolve()
-        start = reaper.process_start(os.getpid())
-        assert start is not None
+        start = reaper.process_start(os.getpid()) or 0  # 0: no procfs (not Linux)
         self.marker = reaper.marker_value(self.run_dir, os.getpid(), start)
         self.dirs: list[str] = []
         self._reaper: subprocess.Popen[bytes] | None = None

@@ -1,9 +1,11 @@
 """Set-up and tear-down of a run: model, preflight, servers, client, sandboxes, trainer, data.
 
-`RunResources` is a context manager: entering builds everything the loop needs (resuming from
-the run dir's latest checkpoint if there is one); leaving (normally, on an error or on Ctrl-C)
-closes the rollout client, every sandbox and the backend, stops the embedded server, and waits
-for an in-flight checkpoint save so the last checkpoint stays intact.
+`RunResources` is a context manager: entering takes the run dir's lease (`rl/lease.py`: one
+trainer at a time, nothing outlives it), builds everything the loop needs (resuming from the
+run dir's latest checkpoint, or ``CheckpointConfig.restore_step``) and, once the run is starting,
+writes its config files; leaving (normally, on an error or on Ctrl-C) closes the rollout client,
+every sandbox and the backend, stops the embedded server, waits for an in-flight checkpoint save
+so the last checkpoint stays intact, and releases the lease.
 """
 
 from __future__ import annotations
