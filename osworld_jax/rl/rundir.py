@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -132,13 +133,28 @@ class _DropStorageTracebacks(logging.Filter):
         return _TENSORSTORE_ERRNO.search(record.getMessage()) is None
 
 
-def quiet_storage_tracebacks() -> None:
-    """Drops library log records that only repeat a storage failure with a traceback.
+def _is_orbax_coroutine(obj: object) -> bool:
+    code = getattr(obj, "cr_code", None)
+    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
 
-    Orbax logs each failed background write of a checkpoint (with its traceback) before the
-    failure reaches the run, which reports it as one line; for a CLI (``scripts/train.py``).
+
+def quiet_storage_tracebacks() -> None:
+    """Drops library reports that only repeat a failure the run reports as one line.
+
+    For a CLI (``scripts/train.py``): orbax logs each failed background write of a checkpoint
+    with its traceback before the failure reaches the run; and when one array of a damaged
+    checkpoint fails to read, orbax abandons the reads of the others, whose coroutines Python
+    reports ("Exception ignored in: <coroutine ...>", with a traceback) when they are collected.
+    Other unraisable exceptions are reported as usual.
     """
     logging.getLogger("absl").addFilter(_DropStorageTracebacks())
+    report = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if not _is_orbax_coroutine(unraisable.object):
+            report(unraisable)
+
+    sys.unraisablehook = hook
 
 
 OPERATIVE_CONFIG = "operative_config.gin"

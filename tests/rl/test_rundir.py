@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -197,3 +198,27 @@ def test_full_disk_mid_run_is_one_line_and_the_run_resumes(tmp_path, tmpfs):
     assert steps[-2:] == [2, 3], steps  # resumed after checkpoint 1
     assert complete_checkpoints(run_dir)[-1] == 3
     assert not live_processes_mentioning(str(run_dir))
+
+
+def test_quiet_storage_tracebacks_drops_only_orbax_abandoned_reads(monkeypatch):
+    """A damaged checkpoint makes orbax abandon its other array reads; Python would report each
+    abandoned coroutine with a traceback after the run's one line. Only those are dropped."""
+    import logging
+    import sys
+    import types
+
+    from osworld_jax.rl.rundir import quiet_storage_tracebacks
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    absl = logging.getLogger("absl")
+    monkeypatch.setattr(absl, "filters", list(absl.filters))
+    quiet_storage_tracebacks()
+    scope: dict = {}
+    exec(compile("async def read():\n    pass\n", f"/site/orbax{os.sep}io.py", "exec"), scope)
+    exec(compile("async def mine():\n    pass\n", "/site/osworld_jax/io.py", "exec"), scope)
+    orbax, other = scope["read"](), scope["mine"]()
+    for coro in (orbax, other):
+        sys.unraisablehook(types.SimpleNamespace(object=coro, exc_value=ValueError("x")))
+        coro.close()
+    assert [u.object for u in seen] == [other]
