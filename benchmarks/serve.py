@@ -9,6 +9,20 @@ tokens/s = C * max_new_tokens / wall seconds.
 
   python benchmarks/serve.py                       # tiny model, CPU
   python benchmarks/serve.py --config bench-moe    # mid-size MoE in bf16 (an H200)
+  python benchmarks/serve.py --images              # the image row (tiny Qwen3-VL-MoE)
+
+Image row (``--images``): a tiny Qwen3-VL-MoE (make_tiny_checkpoint kind="qwen3_vl_moe": its
+processor turns a 1920x1080 screenshot into 288x512 pixels, 144 image tokens); each request is
+a chat turn holding one 1920x1080 PNG screenshot (base64 in ``image_data``, a different one per
+request: the desktop image with a per-request box, so no prefix is shared) and generates
+``--max-new-tokens``; all C requests stream (SSE) at once. tokens/s = C * new tokens / wall
+seconds; time to first token = from a request's POST to its first event (PNG decoding,
+resizing and patchifying, the ViT and the prefill included), mean and max over the C requests.
+Warm-up (one request alone, then C) compiles every bucket; a compile in the timed run is printed.
+
+Measured 2026-12-01, ``python benchmarks/serve.py --images`` (64 new tokens; tiny, float32, 2 CPU
+cores shared with other jobs, load ~8): C=1 390 tok/s, TTFT 0.12 s | C=16 1017 tok/s, TTFT
+0.67 s (max 0.86) | C=64 1987 tok/s, TTFT 1.17 s (max 1.58). H200 not measured (no device time).
 
 Measured 2026-11-30 (prompt 32, 64 new tokens; tokens/s, embedded vs HF generate):
   tiny, float32, 2 shared CPU cores:  C=1 873 vs 36 | C=16 4950 vs 60 | C=64 6395 vs 77
@@ -58,6 +72,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--expert-backend", default=None, help="dense | ragged | tokamax")
     p.add_argument("--ckpt-dir", default=None, help="reuse / write the checkpoint here")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument(
+        "--images", action="store_true", help="the image row: one 1920x1080 screenshot a request"
+    )
     p.add_argument("--json-out", default=None)
     return p.parse_args()
 
@@ -68,7 +85,11 @@ def make_checkpoint(args: argparse.Namespace) -> Path:
     path = Path(args.ckpt_dir or tempfile.mkdtemp(prefix=f"bench_{args.config}_"))
     if not (path / "config.json").exists():
         t = time.perf_counter()
-        make_tiny_checkpoint(path, seed=0, **CONFIGS[args.config])
+        kind = "qwen3_vl_moe" if args.images else "qwen3_moe"
+        overrides = CONFIGS[args.config]
+        if args.images and args.config == "tiny":
+            overrides = {}
+        make_tiny_checkpoint(path, seed=0, kind=kind, **overrides)
         print(f"wrote {args.config} checkpoint to {path} in {time.perf_counter() - t:.1f}s")
     return path
 
@@ -106,6 +127,130 @@ async def embedded_rate(engine, prompts: list[list[int]], n: int) -> float:
     return sum(counts) / dt
 
 
+SCREENSHOT = Path(__file__).resolve().parents[1] / "tests/model/assets/desktop_1920x1080.png"
+
+
+def screenshots(c: int, salt: int = 0) -> list[str]:
+    """C different 1920x1080 PNG screenshots (base64): the desktop with a box per request
+    (another ``salt``, other boxes: the timed run shares no image with the warm-up)."""
+    import base64
+    import io
+
+    from PIL import Image, ImageDraw
+
+    out = []
+    for i in range(c):
+        image = Image.open(SCREENSHOT).convert("RGB")
+        x, y = 60 * (i % 30), 40 * (i // 30)
+        color = (i * 37 % 256, 90 + salt, 200)
+        ImageDraw.Draw(image).rectangle((x, y, x + 50, y + 30), fill=color)
+        buf = io.BytesIO()
+        image.save(buf, "PNG")
+        out.append(base64.b64encode(buf.getvalue()).decode())
+    return out
+
+
+async def embedded_image_rates(
+    engine, prompt: list[int], warm: list[str], images: list[str], n: int
+) -> tuple[float, float, float]:
+    """(tokens/s, mean time to first token s, max time to first token s) of C streamed
+    requests, one screenshot each (after a warm-up with the ``warm`` screenshots)."""
+    import aiohttp
+    from aiohttp import web
+
+    from osworld_jax.rollout.server import build_app
+
+    runner = web.AppRunner(build_app(engine))
+    await runner.setup()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    await web.SockSite(runner, sock).start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/generate"
+    sp = {"max_new_tokens": n, "ignore_eos": True, "temperature": 1.0}
+    try:
+        conn = aiohttp.TCPConnector(limit=0)
+        timeout = aiohttp.ClientTimeout(total=None)
+        async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
+
+            async def one(image: str) -> tuple[float, int]:
+                body = {"input_ids": prompt, "image_data": [image], "sampling_params": sp}
+                t0, first, last = time.perf_counter(), None, None
+                async with s.post(url, json={**body, "stream": True}) as r:
+                    assert r.status == 200, await r.text()
+                    async for line in r.content:
+                        if line.startswith(b"data: {"):
+                            first = first or time.perf_counter()
+                            last = line
+                assert first is not None and last is not None
+                done = json.loads(last[6:])
+                return first - t0, int(done["meta_info"]["completion_tokens"])
+
+            # warm-up: one request alone (1-row prefills), then all (batched prefills)
+            await one(warm[0])
+            await asyncio.gather(*(one(im) for im in warm))
+            before = compiled()
+            t = time.perf_counter()
+            res = await asyncio.gather(*(one(im) for im in images))
+            dt = time.perf_counter() - t
+            if compiled() != before:
+                print(f"  (compiled during the timed run: {before} -> {compiled()})")
+    finally:
+        await runner.cleanup()
+    ttft = [r[0] for r in res]
+    assert all(r[1] == n for r in res), res
+    return len(images) * n / dt, float(np.mean(ttft)), float(np.max(ttft))
+
+
+def compiled() -> tuple[int, int]:
+    """Compiled prefill and decode shapes so far (a timed run should add none)."""
+    from osworld_jax.rollout import runner
+
+    return runner._prefill._cache_size(), runner._decode._cache_size()
+
+
+def image_rows(args: argparse.Namespace, path: Path, dtype: str, levels: list[int]) -> None:
+    from osworld_jax.rollout.engine import Engine, EngineConfig
+
+    n = args.max_new_tokens
+    rows = []
+    for c in levels:
+        engine = Engine(
+            EngineConfig(
+                model_path=str(path),
+                max_running_requests=c,
+                min_decode_batch=c,
+                context_length=256,
+                dtype=dtype,
+                expert_backend=args.expert_backend or "ragged",
+            )
+        ).start()
+        try:
+            text = "<|im_start|>user\nWhat should I click?<|vision_start|><|image_pad|>"
+            text += "<|vision_end|><|im_end|>\n<|im_start|>assistant\n"
+            prompt = engine.tokenizer.encode(text).ids
+            rate, mean, worst = asyncio.run(
+                embedded_image_rates(engine, prompt, screenshots(c, 0), screenshots(c, 1), n)
+            )
+        finally:
+            engine.shutdown()
+        rows.append({"concurrency": c, "tok_s": rate, "ttft_mean_s": mean, "ttft_max_s": worst})
+        text_tokens = len(prompt) - 1
+        print(f"C={c}: {rate:.1f} tok/s, TTFT mean {mean:.3f}s max {worst:.3f}s", flush=True)
+    import jax
+
+    dev = jax.devices()[0].device_kind
+    print(f"\n{args.config} Qwen3-VL-MoE ({dtype}) on {dev}; one 1920x1080 screenshot (144 image")
+    print(f"tokens) + {text_tokens} text tokens a request, {n} new tokens a request, streamed")
+    print("| concurrency | tokens/s | TTFT mean s | TTFT max s |\n|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['concurrency']} | {r['tok_s']:.1f} | {r['ttft_mean_s']:.3f} | "
+            f"{r['ttft_max_s']:.3f} |"
+        )
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"config": args.config, "image_rows": rows}))
+
+
 def hf_rate(model, prompts: list[list[int]], n: int, device: str) -> float:
     import torch
 
@@ -137,6 +282,9 @@ def main() -> None:
     path = make_checkpoint(args)
     levels = [int(c) for c in args.concurrency.split(",")]
     n = args.max_new_tokens
+    if args.images:
+        image_rows(args, path, dtype, levels)
+        return
 
     def start(c: int) -> Engine:
         # One engine per level, decoding exactly C slots, every bucket compiled before timing.

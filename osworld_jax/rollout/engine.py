@@ -502,7 +502,9 @@ class Engine:
         slots = [r.slot for r in reqs]
         assert all(s is not None for s in slots)
         samp = self._sampling(slots, list(reqs))  # type: ignore[arg-type]
-        images = [r.images for r in reqs] if any(r.images is not None for r in reqs) else None
+        images = None
+        if any(r.images is not None for r in reqs):
+            images = [None if r.images is None else r.images.restore(self.processor) for r in reqs]
         results = self.runner.prefill(
             slots,  # type: ignore[arg-type]
             prompts,
@@ -524,6 +526,8 @@ class Engine:
             req.routes.append(res.routes[max(0, req.num_route_rows - req.match) :])
             req.num_route_rows = len(prompt)
             req.rope_delta = res.rope_delta
+            if req.images is not None:  # its KV holds them now; keep only the encoded bytes
+                req.images = req.images.without_pixels()
             if req.max_new_tokens <= 0:  # prompt-only request (routes / prompt logprobs)
                 self._finish(req, {"type": "length", "length": 0})
             else:

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import hashlib
+import io
 import os
 import stat
 import warnings
@@ -77,21 +79,38 @@ class RequestImages:
     """The processed images of one request (in prompt order).
 
     Attributes:
-      pixel_values: f32[N, 3 T P P] patches of every image (the processor's order).
+      pixel_values: f32[N, 3 T P P] patches of every image (the processor's order), or None
+        once the request is prefilled (see `restore`: a 1920x1080 screenshot is ~50 MB of
+        float32 patches at Qwen3-VL's budget, its PNG a few hundred KB).
       grid_thw: i32[n, 3] patch grid of each image.
       num_tokens: ``<|image_pad|>`` tokens of each image (``t h w / merge^2``).
       digests: sha256 of each image's encoded bytes (prefix-cache keys; equal bytes, equal key).
+      encoded: each image's encoded bytes (to recompute ``pixel_values``).
     """
 
-    pixel_values: np.ndarray
+    pixel_values: np.ndarray | None
     grid_thw: np.ndarray
     num_tokens: tuple[int, ...]
     digests: tuple[bytes, ...] = field(default=())
+    encoded: tuple[bytes, ...] = field(default=())
 
     @property
     def count(self) -> int:
         """Number of images."""
         return len(self.num_tokens)
+
+    def without_pixels(self) -> RequestImages:
+        """The same images with the patches dropped (they can be recomputed: `restore`)."""
+        if not self.encoded:
+            return self
+        return dataclasses.replace(self, pixel_values=None)
+
+    def restore(self, processor: ImageProcessor) -> RequestImages:
+        """The same images with their patches (recomputed from the encoded bytes if dropped)."""
+        if self.pixel_values is not None:
+            return self
+        pixel_values, _ = processor([Image.open(io.BytesIO(raw)) for raw in self.encoded])
+        return dataclasses.replace(self, pixel_values=pixel_values)
 
 
 def normalize_image_data(value: Any, n: int, batch: bool) -> list[list[Any]]:
@@ -196,8 +215,6 @@ def open_image(raw: bytes, where: str, limits: ImageLimits) -> Image.Image:
     Raises:
       ImageRequestError: not an image Pillow decodes, or more than ``max_image_pixels`` pixels.
     """
-    import io
-
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -247,7 +264,7 @@ def load_request_images(
             f"{where}: {len(items)} images, at most {limits.max_images} are allowed "
             "(--max-images-per-request)"
         )
-    opened, digests, tokens = [], [], []
+    opened, digests, tokens, encoded = [], [], [], []
     for j, item in enumerate(items):
         name = f"{where} image {j}"
         raw = read_image_bytes(item, name, limits)
@@ -258,6 +275,7 @@ def load_request_images(
             raise ImageRequestError(f"{name}: {e}") from None
         opened.append(image)
         digests.append(hashlib.sha256(raw).digest())
+        encoded.append(raw)
     if sum(tokens) > max_tokens:
         raise ImageRequestError(
             f"{where}: the images need {sum(tokens)} image tokens ({tokens}), more than the "
@@ -278,6 +296,7 @@ def load_request_images(
         grid_thw=np.concatenate(grids, axis=0).astype(np.int32),
         num_tokens=tuple(tokens),
         digests=tuple(digests),
+        encoded=tuple(encoded),
     )
 
 

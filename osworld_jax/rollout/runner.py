@@ -254,6 +254,8 @@ def _new_images(
         raise EngineError(f"a kept prefix of {start} tokens ends inside an image")
     if first == images.count:
         return None, None
+    if images.pixel_values is None:
+        raise EngineError("the images' patches were dropped (RequestImages.restore them)")
     patch_ends = np.cumsum([0, *np.prod(images.grid_thw, axis=-1)])
     return images.pixel_values[patch_ends[first] :], images.grid_thw[first:]
 

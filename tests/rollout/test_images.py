@@ -16,10 +16,12 @@ import os
 import struct
 import zlib
 
+import aiohttp
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from PIL import Image
 
 from osworld_jax.model import ImageProcessor, forward, load_hf_checkpoint, mrope_positions
@@ -76,6 +78,7 @@ def expanded(engine, ids: list[int], grid: np.ndarray) -> list[int]:
     return out
 
 
+@pytest.mark.slow  # ~30 s on the shared CPU: three HF forwards and the trainer's compile
 def test_image_logprobs_and_routes_match_transformers_and_the_trainer(vl_engine, vl_ckpt):
     """Greedy and sampled image prompts (one and two images, PNG and JPEG, base64 and data:
     URL): output logprobs at the sampling temperature, prompt logprobs, every route row (image
@@ -258,6 +261,10 @@ def test_bad_images_get_400_naming_request_and_image_and_the_server_keeps_servin
                 assert "request" in message, message
             status, reply = await post(url, "/generate", body(one, [good], max_new_tokens=2))
             assert status == 200 and reply["meta_info"]["completion_tokens"] == 2
+            async with aiohttp.ClientSession() as s:
+                async with s.get(url + "/model_info") as r:
+                    info = await r.json()
+            assert info["has_image_understanding"] and info["model_type"] == "qwen3_vl_moe"
 
     run(main())
 
@@ -436,3 +443,19 @@ def test_client_refit_mid_generation_on_image_prompts_stitches_exactly(vl_engine
         assert g.routed_experts.shape == (g.prompt_tokens + 30 - 1, cfg.num_hidden_layers, 2)
         np.testing.assert_array_equal(g.routed_experts, r.routed_experts)
         assert g.weight_version == "v-image"
+
+
+def test_dropped_patches_are_restored_from_the_encoded_bytes(vl_ckpt):
+    """A prefilled request keeps only its images' encoded bytes; a re-prefill (a retracted
+    request whose kept rows were taken) recomputes exactly the same patches."""
+    from osworld_jax.rollout.images import ImageLimits, load_request_images
+
+    processor = ImageProcessor.from_pretrained(vl_ckpt)
+    items = [b64(png(40, 64, 96)), b64(png(41, 96, 64, "JPEG"))]
+    full = load_request_images(items, "request", processor, ImageLimits(), 256)
+    assert full is not None and full.pixel_values is not None
+    light = full.without_pixels()
+    assert light.pixel_values is None and light.digests == full.digests
+    again = light.restore(processor)
+    np.testing.assert_array_equal(again.pixel_values, full.pixel_values)
+    np.testing.assert_array_equal(again.grid_thw, full.grid_thw)
