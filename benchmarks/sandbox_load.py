@@ -130,7 +130,7 @@ async def run_load(
             backend = RemoteBackend(cfg)
             env = AgentEnv(
                 backend,
-                AgentEnvConfig(backend="remote", max_turns=turns + 1, eval_retry_delay_s=0.1),
+                AgentEnvConfig(max_turns=turns + 1, eval_retry_delay_s=0.1),
             )
             words = [f"word{g:02d}" for g in range(groups)]
             t0 = time.perf_counter()

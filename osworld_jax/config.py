@@ -18,7 +18,9 @@ field's annotation), or a value a config's own validation rejects.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import re
 import types
 import typing
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import gin
+from gin import config_parser
 
 from osworld_jax.agent.config import AgentConfig, CompactionConfig, GroupPolicyConfig
 from osworld_jax.algorithms import LossConfig
@@ -34,7 +37,13 @@ from osworld_jax.data import DataConfig
 from osworld_jax.env import BACKENDS, AgentEnvConfig
 from osworld_jax.errors import ConfigError
 from osworld_jax.model.config import ModelRuntimeConfig
-from osworld_jax.rl.config import ExperimentConfig, ModelSourceConfig, RLConfig, ServerConfig
+from osworld_jax.rl.config import (
+    ExperimentConfig,
+    MeshConfig,
+    ModelSourceConfig,
+    RLConfig,
+    ServerConfig,
+)
 from osworld_jax.rl.rundir import OPERATIVE_CONFIG, RESOLVED_CONFIG, write_run_config
 from osworld_jax.rollout.config import RolloutConfig, SamplingParams, SGLangLaunchConfig
 from osworld_jax.trainer.config import CheckpointConfig, OptimizerConfig, TrainerConfig
@@ -61,6 +70,7 @@ CONFIGURABLES: tuple[type, ...] = (
     GroupPolicyConfig,
     DataConfig,
     RLConfig,
+    MeshConfig,
     DistributedConfig,
 )
 #: The repository's ``configs/`` directory: ``--gin_file=grpo.gin`` and gin ``include`` find
@@ -97,10 +107,12 @@ def parse_gin(files: Sequence[str | Path] = (), params: Sequence[str] = ()) -> N
     _locations.clear()
     for f in files:
         path = _find_config_file(str(f))
-        _parse_one(lambda p=path: gin.parse_config_file(p), str(path), path.read_text())
+        _parse_one(lambda p=path: gin.parse_config_file(p), str(path))
+        _record_locations(path.read_text(), str(path))
     for i, param in enumerate(params):
         where = f"--gin_param[{i}]"
-        _parse_one(lambda param=param: gin.parse_config(param), where, param)
+        _parse_one(lambda param=param: gin.parse_config(param), where)
+        _record_locations(param, where)
 
 
 def build(cls: type) -> Any:
@@ -113,7 +125,7 @@ def build(cls: type) -> Any:
         try:
             value = gin.query_parameter(key)
         except ValueError:  # not bound: a nested config is built from its own class's bindings
-            sub = _config_class(hints[f.name])
+            sub = _config_class(hints[f.name]) or _default_config_class(f)
             if sub is not None:
                 kwargs[f.name] = build(sub)
             continue
@@ -169,32 +181,52 @@ def _find_config_file(name: str) -> Path:
     raise ConfigError(f"--gin_file {name}: no such file (also looked in {CONFIGS_DIR})")
 
 
-def _parse_one(parse: Any, where: str, text: str) -> None:
-    before = _bindings()
+def _parse_one(parse: Any, where: str) -> None:
     try:
-        parse()
+        with _quiet_search_misses():
+            parse()
     except (ValueError, SyntaxError, OSError, ImportError) as e:
         raise ConfigError(_gin_error_line(e, where)) from None
-    after = _bindings()
-    for key, value in after.items():
-        if key not in before or before[key] is not value:
-            _locations[key] = f"{where}:{_line_of(text, key)}"
 
 
-def _bindings() -> dict[str, Any]:
-    out = {}
-    for (_scope, selector), params in gin.config._CONFIG.items():  # noqa: SLF001
-        short = selector.rsplit(".", 1)[-1]
-        for p, v in params.items():
-            out[f"{short}.{p}"] = v
-    return out
+class _SearchMissFilter(logging.Filter):
+    """Drops gin's resource reader's ``Path not found`` records.
+
+    gin looks an ``include``d name up in every search path in turn and its package-resource
+    reader logs an ERROR for each path that misses, although the file is then found in a later
+    one (the ``configs/`` directory): not an error. A file found nowhere still fails loudly.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        miss = str(record.msg).startswith("Path not found")
+        return not (miss and record.pathname.endswith("resource_reader.py"))
 
 
-def _line_of(text: str, key: str) -> int:
-    cls, field = key.split(".")
-    pattern = re.compile(rf"^\s*(?:[\w.]+\.)?{re.escape(cls)}\.{re.escape(field)}\s*=", re.M)
-    m = pattern.search(text)
-    return text.count("\n", 0, m.start()) + 1 if m else 1
+@contextlib.contextmanager
+def _quiet_search_misses() -> Any:
+    root, miss = logging.getLogger(), _SearchMissFilter()
+    root.addFilter(miss)
+    try:
+        yield
+    finally:
+        root.removeFilter(miss)
+
+
+def _record_locations(text: str, where: str) -> None:
+    """Remembers ``file:line`` of each binding of ``text`` (included files followed).
+
+    Read with gin's own public parser (``gin.config_parser``), statement by statement, so a
+    later binding of the same key (or one after an ``include``) wins as it does in gin.
+    """
+    delegate = gin.config.ParserDelegate(skip_unknown=True)
+    for statement in config_parser.ConfigParser(text, delegate):
+        if isinstance(statement, config_parser.BindingStatement):
+            short = statement.selector.rsplit(".", 1)[-1]
+            key = f"{short}.{statement.arg_name}"
+            _locations[key] = f"{where}:{statement.location.line_num}"
+        elif isinstance(statement, config_parser.IncludeStatement):
+            included = _find_config_file(statement.filename)
+            _record_locations(included.read_text(), str(included))
 
 
 def _gin_error_line(e: BaseException, where: str) -> str:
@@ -234,6 +266,14 @@ def _first_line(s: str) -> str:
     return s.strip().splitlines()[0] if s.strip() else s
 
 
+def _default_config_class(f: dataclasses.Field) -> type | None:
+    """The config class of a field's default value (e.g. ``sandbox``: ``LocalBackendConfig``)."""
+    if f.default_factory is dataclasses.MISSING:  # type: ignore[misc]
+        return None
+    cls = type(f.default_factory())  # type: ignore[misc]
+    return cls if cls in CONFIGURABLES else None
+
+
 def _config_class(hint: Any) -> type | None:
     if isinstance(hint, type) and dataclasses.is_dataclass(hint) and hint in CONFIGURABLES:
         return hint
@@ -245,6 +285,8 @@ def _matches(value: Any, hint: Any) -> bool:
     if hint is Any or isinstance(value, gin.config.ConfigurableReference):
         return True
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        return value in args
     if origin in (typing.Union, types.UnionType):
         return any(_matches(value, a) for a in args)
     if hint is type(None):

@@ -1,9 +1,15 @@
-"""A string-keyed registry that fails loudly: one source of truth per choice."""
+"""Picking one of N, written one way: `Registry` for implementations, `Literal` for values.
+
+A choice with implementations (estimators, gates, backends) lives in a `Registry` that fails
+loudly; a plain choice is a ``Literal[...]`` type alias on the config field, validated by
+`check_choice` (and by the gin binding's type check).
+"""
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from osworld_jax.errors import ConfigError
 
@@ -61,3 +67,28 @@ class Registry(Generic[T]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
+
+
+def check_choice(value: object, choices: Any, field: str, kind: str = "value") -> None:
+    """Raises ``ConfigError`` naming ``field`` unless ``value`` is one of a ``Literal``'s values.
+
+    Args:
+      value: the configured value.
+      choices: a ``Literal[...]`` type (e.g. ``GateLevel``).
+      field: ``Class.field`` for the message.
+      kind: what the choice is (``"gate level"``), for the message.
+
+    >>> check_choice("token", typing.Literal["sequence", "token"], "LossConfig.gate_level")
+    """
+    allowed = _choices(choices)
+    if value not in allowed:
+        raise ConfigError(f"{field}: unknown {kind} {value!r}; choose one of {list(allowed)}")
+
+
+def _choices(choices: Any) -> tuple[Any, ...]:
+    """The values of a ``Literal`` (or of a union of ``Literal``s and ``None``)."""
+    if choices is type(None):
+        return (None,)
+    if typing.get_origin(choices) is typing.Literal:
+        return typing.get_args(choices)
+    return tuple(v for arg in typing.get_args(choices) for v in _choices(arg))

@@ -4,7 +4,11 @@ from pathlib import Path
 import pytest
 
 from osworld_jax import config
+from osworld_jax.env.local import LocalBackendConfig
+from osworld_jax.env.osworld_adapter import OSWorldBackendConfig
+from osworld_jax.env.remote import RemoteBackendConfig
 from osworld_jax.errors import ConfigError
+from osworld_jax.model.tiny import tiny_config
 from osworld_jax.rl import ExperimentConfig
 
 CONFIGS = Path(config.CONFIGS_DIR)
@@ -15,9 +19,7 @@ FRAGMENTS += ["sglang_servers.gin"]  # tests/rl/test_servers.py
 TINY = [
     "ModelSourceConfig.path = 'tiny'",
     "ServerConfig.launch = 'embedded'",
-    "RolloutConfig.num_layers = 3",
-    "RolloutConfig.num_experts_per_tok = 2",
-    "RLConfig.mesh = {}",
+    "MeshConfig.fsdp = 1",
 ]
 
 
@@ -30,7 +32,9 @@ def test_recipes_build_with_tiny_model(recipe):
     exp = config.load_experiment([CONFIGS / recipe], TINY)
     assert isinstance(exp, ExperimentConfig)
     assert exp.model.path == "tiny" and exp.server.launch == "embedded"
-    assert exp.trainer.router_replay and exp.rollout.return_routed_experts
+    assert exp.trainer.router_replay and not exp.rollout.return_routed_experts  # derived:
+    tiny = exp.rollout_for(tiny_config(1024, 0))  # R3 and the route shape from the model
+    assert tiny.return_routed_experts and (tiny.num_layers, tiny.num_experts_per_tok) == (3, 2)
     assert exp.trainer.loss.gate == "binary_kl" and exp.trainer.loss.gate_threshold == 0.01
     assert exp.trainer.loss.agg_mode == "prompt-mean-token-mean"
     assert exp.rl.num_logical_owners == exp.rl.num_prompts * exp.rl.num_owners
@@ -38,16 +42,18 @@ def test_recipes_build_with_tiny_model(recipe):
 
 def test_recipe_values():
     b8 = config.load_experiment(["osworld_b8n8_r3.gin"])
-    assert (b8.rl.num_prompts, b8.rl.num_owners, b8.rl.train_global_batch_size) == (8, 8, 64)
+    assert (b8.rl.num_prompts, b8.rl.num_owners, b8.rl.num_logical_owners) == (8, 8, 64)
+    assert b8.rl.mesh.axes() == {"data": 1, "fsdp": 8, "expert": 1, "tensor": 1}
     assert b8.trainer.optimizer.learning_rate == 5e-6
     assert b8.trainer.loss.ratio_clip is None  # one optimizer step per rollout batch
     assert len(b8.rollout.urls) == 2 and b8.model.path.startswith("/")
     b17 = config.load_experiment(["osworld_b17n16_r3.gin"])
-    assert b17.rl.num_logical_owners == 272 and b17.rl.train_global_batch_size == 272
+    assert b17.rl.num_logical_owners == 272 and b17.rl.mesh.fsdp == 8
     assert b17.trainer.optimizer.learning_rate == 5e-6  # inherited by include
     default = config.load_experiment(["default.gin"])
     assert (default.rl.num_prompts, default.rl.num_owners) == (2, 4)
-    assert default.data.task_set == "bundled" and default.env.backend == "local"
+    assert default.data.task_set == "bundled" and default.backend == "local"
+    assert isinstance(default.sandbox, LocalBackendConfig)
 
 
 @pytest.mark.parametrize(
@@ -132,12 +138,15 @@ def test_validation_error_names_the_binding_location(tmp_path):
     f.write_text("RLConfig.num_prompts = 2\nRLConfig.estimator = 'ppo'\n")
     msg = one_line_error([f])
     assert f"{f}:2" in msg and "RLConfig.estimator" in msg and "grpo" in msg  # lists choices
-    g = tmp_path / "bsz.gin"
+    g = tmp_path / "r3.gin"
     g.write_text(
-        "RLConfig.num_prompts = 2\nRLConfig.num_owners = 4\nRLConfig.train_global_batch_size = 6\n"
+        "RolloutConfig.num_layers = 3\nRolloutConfig.return_routed_experts = True\n"
+        "RolloutConfig.num_experts_per_tok = 2\n"
     )
-    msg = one_line_error([g])
-    assert "train_global_batch_size" in msg and "8" in msg
+    msg = one_line_error([g])  # R3 is switched on in one place: TrainerConfig.router_replay
+    assert f"{g}:2" in msg and "TrainerConfig.router_replay" in msg
+    msg = one_line_error([], ["MeshConfig.fsdp = 0"])
+    assert "--gin_param[0]:1" in msg and "MeshConfig.fsdp" in msg
 
 
 def test_missing_file():
@@ -153,28 +162,40 @@ def test_operative_config_written(tmp_path):
     assert resolved["rl"]["steps"] == 9 and resolved["rollout"]["sampling"]["max_new_tokens"] == 24
 
 
-def test_cross_room_consistency_is_checked_at_build():
-    msg = one_line_error([], ["AgentConfig.action_space = 'computer_13'"])
-    assert "AgentConfig.action_space" in msg and "AgentEnvConfig.action_space" in msg
+def test_facts_stated_in_one_place_only():
+    # The action space is the env's (the prompt describes what the parser accepts).
+    assert "action_space" in one_line_error([], ["AgentConfig.action_space = 'computer_13'"])
+    exp = config.load_experiment([], ["AgentEnvConfig.action_space = 'computer_13'"])
+    assert exp.env.action_space == "computer_13"
+    # One knob with one legal value is gone.
+    assert "train_global_batch_size" in one_line_error([], ["RLConfig.train_global_batch_size = 8"])
+    for derived in ("num_layers = 48", "num_experts_per_tok = 8"):
+        assert "config.json" in one_line_error([], [f"RolloutConfig.{derived}"])
 
 
-def test_remote_backend_section_is_bound_from_gin(tmp_path):
+def test_sandbox_backend_and_its_settings_are_one_field(tmp_path):
     gin_file = tmp_path / "remote.gin"
     gin_file.write_text(
-        'AgentEnvConfig.backend = "remote"\n'
-        "ExperimentConfig.remote = @RemoteBackendConfig()\n"
+        "ExperimentConfig.sandbox = @RemoteBackendConfig()\n"
         'RemoteBackendConfig.base_url = "https://sandboxes.example:8443"\n'
         'RemoteBackendConfig.ca_bundle = "/etc/osworld/ca.pem"\n'
+        'RemoteBackendConfig.cache_dir = "/srv/cache"\n'
     )
     exp = config.load_experiment(["default.gin", gin_file])
-    assert exp.env.backend == "remote"
-    assert exp.remote is not None and exp.remote.base_url == "https://sandboxes.example:8443"
-    assert exp.remote.ca_bundle == "/etc/osworld/ca.pem"
-    # the default run has no remote section, and the osworld adapter keeps its defaults
-    default = config.load_experiment(["default.gin"])
-    assert default.remote is None and default.osworld.provider_name == "docker"
+    assert exp.backend == "remote" and isinstance(exp.sandbox, RemoteBackendConfig)
+    assert exp.sandbox.base_url == "https://sandboxes.example:8443"
+    assert exp.sandbox.ca_bundle == "/etc/osworld/ca.pem" and exp.cache_dir == "/srv/cache"
+    osw = config.load_experiment([], ["ExperimentConfig.sandbox = @OSWorldBackendConfig()"])
+    assert osw.backend == "osworld" and isinstance(osw.sandbox, OSWorldBackendConfig)
+    assert osw.sandbox.provider_name == "docker"
+    # An unbound sandbox is the local backend, built from its own bindings.
+    local = config.load_experiment([], ["LocalBackendConfig.cache_dir = '/tmp/c'"])
+    assert local.backend == "local" and local.cache_dir == "/tmp/c"
+    assert config.load_experiment([], ["ExperimentConfig.sandbox = 'memory'"]).backend == "memory"
 
 
-def test_remote_backend_without_its_section_fails_at_build():
-    with pytest.raises(ConfigError, match="ExperimentConfig.remote"):
-        config.load_experiment(["default.gin"], ['AgentEnvConfig.backend = "remote"'])
+def test_sandbox_errors_are_one_line():
+    msg = one_line_error([], ["ExperimentConfig.sandbox = 'nope'"])
+    assert "--gin_param[0]:1" in msg and "ExperimentConfig.sandbox" in msg and "local" in msg
+    msg = one_line_error([], ["ExperimentConfig.sandbox = @RemoteBackendConfig()"])
+    assert "base_url" in msg and "ca_bundle" in msg

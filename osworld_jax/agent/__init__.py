@@ -10,16 +10,15 @@ from osworld_jax.agent.batching import (
     select_groups,
 )
 from osworld_jax.agent.config import (
-    BASELINE_POPULATIONS,
-    ON_DROPPED_GROUP,
     AgentConfig,
+    BaselinePopulation,
     CompactionConfig,
     GroupPolicyConfig,
+    OnDroppedGroup,
 )
 from osworld_jax.agent.context import ContextManager
 from osworld_jax.agent.errors import (
     AgentCallError,
-    AgentError,
     ChatTemplateError,
     ContextOverflowError,
     GroupPolicyError,
@@ -33,13 +32,11 @@ from osworld_jax.agent.segments import Segment, build_segments
 from osworld_jax.agent.template import QWEN_CHAT_TEMPLATE, AgentTokenizer, ChatTemplate
 
 __all__ = [
-    "BASELINE_POPULATIONS",
-    "ON_DROPPED_GROUP",
     "QWEN_CHAT_TEMPLATE",
     "AgentCallError",
     "AgentConfig",
-    "AgentError",
     "AgentTokenizer",
+    "BaselinePopulation",
     "CallRecord",
     "ChatTemplate",
     "ChatTemplateError",
@@ -51,6 +48,7 @@ __all__ = [
     "GroupPolicyConfig",
     "GroupPolicyError",
     "GroupSelection",
+    "OnDroppedGroup",
     "History",
     "OwnerAgent",
     "OwnerRollout",

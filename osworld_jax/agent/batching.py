@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from osworld_jax.agent.config import BASELINE_POPULATIONS, GroupPolicyConfig
+from osworld_jax.agent.config import BaselinePopulation, GroupPolicyConfig
 from osworld_jax.agent.errors import GroupPolicyError, PackingError
 from osworld_jax.agent.owner import OwnerRollout
 from osworld_jax.agent.segments import Segment
 from osworld_jax.batch import Batch, check_batch
+from osworld_jax.registry import check_choice
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -51,7 +52,7 @@ class GroupSelection:
     def of(
         cls,
         owners: Sequence[OwnerRollout],
-        baseline_population: str = "healthy",
+        baseline_population: BaselinePopulation = "healthy",
         dropped_group_ids: tuple[int, ...] = (),
     ) -> GroupSelection:
         """The selection of exactly ``owners`` (no group policy applied).
@@ -60,7 +61,7 @@ class GroupSelection:
         (``all_owners``: failed owners count with reward 0). Group indices are the rank of each
         owner's ``group_id`` among the sorted distinct ids.
         """
-        BASELINE_POPULATIONS.validate(baseline_population, "baseline_population")
+        check_choice(baseline_population, BaselinePopulation, "baseline_population")
         owners = tuple(owners)
         failed = np.array([o.failed for o in owners], bool)
         rewards = np.array([0.0 if o.failed else float(o.reward or 0.0) for o in owners])

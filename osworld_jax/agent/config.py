@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Literal
 
-from osworld_jax.env.actions import ACTION_SPACES
 from osworld_jax.errors import ConfigError
-from osworld_jax.registry import Registry
+from osworld_jax.registry import check_choice
 
-#: What happens when a prompt group has too few healthy owners.
-ON_DROPPED_GROUP: Registry[str] = Registry("dropped-group policy")
-ON_DROPPED_GROUP.add("shrink", "train on the remaining groups")
-ON_DROPPED_GROUP.add("fail", "fail the step")
+#: What a step does with a group below ``min_healthy_per_group``: train on the rest, or fail.
+OnDroppedGroup = Literal["shrink", "fail"]
 
-#: Which owners of a group form the estimator's baseline population.
-BASELINE_POPULATIONS: Registry[str] = Registry("baseline population")
-BASELINE_POPULATIONS.add("healthy", "failed owners are excluded from group statistics")
-BASELINE_POPULATIONS.add("all_owners", "failed owners count with reward 0")
+#: Who forms the baseline: the healthy owners, or every owner (failed ones with reward 0).
+BaselinePopulation = Literal["healthy", "all_owners"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,10 +81,9 @@ class AgentConfig:
     """How an owner's observations become prompt tokens.
 
     Attributes:
-      action_space: ``pyautogui`` or ``computer_13`` (the env's ``ACTION_SPACES``; the env must
-        parse with the same one); the system prompt describes it plus WAIT, DONE and FAIL.
       system_prompt: replaces the built-in system prompt when not None (then it must state the
-        action space and output format itself).
+        action space and output format itself). The built-in one describes the action space the
+        env parses (``AgentEnvConfig.action_space``, given to the agent) plus WAIT, DONE, FAIL.
       screen_width: screen width in pixels, stated in the system prompt.
       screen_height: screen height in pixels, stated in the system prompt.
       a11y_max_chars: the accessibility tree is cut (at line boundaries) to this many characters;
@@ -107,7 +102,6 @@ class AgentConfig:
       compaction: the context compaction policy.
     """
 
-    action_space: str = "pyautogui"
     system_prompt: str | None = None
     screen_width: int = 1920
     screen_height: int = 1080
@@ -123,7 +117,6 @@ class AgentConfig:
     compaction: CompactionConfig = field(default_factory=CompactionConfig)
 
     def __post_init__(self) -> None:
-        ACTION_SPACES.validate(self.action_space, "AgentConfig.action_space")
         for name in (
             "a11y_max_chars",
             "a11y_max_tokens",
@@ -168,9 +161,9 @@ class GroupPolicyConfig:
     """
 
     min_healthy_per_group: int = 2
-    on_dropped_group: str = "shrink"
+    on_dropped_group: OnDroppedGroup = "shrink"
     min_step_batch_fraction: float = 0.5
-    baseline_population: str = "healthy"
+    baseline_population: BaselinePopulation = "healthy"
 
     def __post_init__(self) -> None:
         if self.min_healthy_per_group < 1:
@@ -178,9 +171,9 @@ class GroupPolicyConfig:
                 "GroupPolicyConfig.min_healthy_per_group must be >= 1, got "
                 f"{self.min_healthy_per_group}"
             )
-        ON_DROPPED_GROUP.validate(self.on_dropped_group, "GroupPolicyConfig.on_dropped_group")
-        BASELINE_POPULATIONS.validate(
-            self.baseline_population, "GroupPolicyConfig.baseline_population"
+        check_choice(self.on_dropped_group, OnDroppedGroup, "GroupPolicyConfig.on_dropped_group")
+        check_choice(
+            self.baseline_population, BaselinePopulation, "GroupPolicyConfig.baseline_population"
         )
         if not 0.0 <= self.min_step_batch_fraction <= 1.0:
             raise ConfigError(

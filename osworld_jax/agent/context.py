@@ -53,15 +53,20 @@ class ContextManager:
     Use: ``ids, compaction = ctx.next_prompt(obs)``; generate; ``ctx.record_reply(output_ids,
     text)``; repeat.
 
+    Args (constructor): ``tokenizer``, ``config`` and the env's ``action_space`` (the system
+    prompt describes it).
+
     Attributes:
       config: the prompting config.
       tokenizer: tokenizer + chat template.
     """
 
-    def __init__(self, tokenizer: AgentTokenizer, config: AgentConfig) -> None:
+    def __init__(
+        self, tokenizer: AgentTokenizer, config: AgentConfig, *, action_space: str = "pyautogui"
+    ) -> None:
         self.tokenizer = tokenizer
         self.config = config
-        self._system = system_prompt(config)
+        self._system = system_prompt(config, action_space)
         self._turns: list[_Turn] = []
         self._instruction: str | None = None
         self._context: np.ndarray | None = None  # last prompt + last output

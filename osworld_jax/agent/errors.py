@@ -5,15 +5,11 @@ from __future__ import annotations
 from osworld_jax.errors import ConfigError, InfraError, OsworldJaxError
 
 
-class AgentError(OsworldJaxError):
-    """Base of every error the agent room raises on purpose."""
-
-
-class ChatTemplateError(AgentError, ConfigError):
+class ChatTemplateError(ConfigError):
     """A chat template is missing, does not compile, or renders inconsistently."""
 
 
-class ContextOverflowError(AgentError):
+class ContextOverflowError(OsworldJaxError):
     """Even a fully compacted context (one observation, no a11y tree) exceeds the prompt budget.
 
     The system prompt plus the instruction are longer than
@@ -21,11 +17,11 @@ class ContextOverflowError(AgentError):
     """
 
 
-class AgentCallError(AgentError, InfraError):
+class AgentCallError(InfraError):
     """A model call failed in transport or returned an unusable reply: the owner is failed."""
 
 
-class SegmentIntegrityError(AgentError):
+class SegmentIntegrityError(OsworldJaxError):
     """An owner's calls do not extend each other token-exactly and no compaction was declared.
 
     Fatal: the rows would not be the tokens the server saw.
@@ -46,9 +42,9 @@ class SegmentIntegrityError(AgentError):
         self.position = position
 
 
-class PackingError(AgentError):
+class PackingError(OsworldJaxError):
     """Rows cannot be packed (a row longer than the largest bucket, inconsistent shapes)."""
 
 
-class GroupPolicyError(AgentError):
+class GroupPolicyError(OsworldJaxError):
     """Too few prompt groups survive the group policy for a step (or a drop under ``fail``)."""

@@ -73,7 +73,8 @@ class OwnerAgent:
 
     A ``length`` finish is data (the reply is what the model produced). A transport or server
     failure raises an ``InfraError`` (the env marks the owner failed). Every call and declared
-    compaction goes into ``history``.
+    compaction goes into ``history``. ``action_space`` is the env's (``AgentEnvConfig``): the
+    system prompt describes what the env parses.
 
     Attributes:
       history: the recorded calls and compactions.
@@ -91,11 +92,12 @@ class OwnerAgent:
         group_id: int,
         sampling: SamplingParams,
         rid_prefix: str | None = None,
+        action_space: str = "pyautogui",
     ) -> None:
         self.client = client
         self.config = config
         self.sampling = sampling
-        self.context = ContextManager(tokenizer, config)
+        self.context = ContextManager(tokenizer, config, action_space=action_space)
         self.history = History(
             owner_id=owner_id, group_id=group_id, media_token_ids=self.context.media_token_ids()
         )

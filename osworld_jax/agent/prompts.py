@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from osworld_jax.agent.config import AgentConfig
+from osworld_jax.env.actions import ACTION_SPACES
 
 if TYPE_CHECKING:
     from osworld_jax.agent.template import AgentTokenizer
@@ -59,11 +60,15 @@ You may think briefly before the action; then give exactly one action: one code 
 special action word on the last line."""
 
 
-def system_prompt(config: AgentConfig) -> str:
-    """The system prompt: the configured one, or the built-in one for the action space."""
+def system_prompt(config: AgentConfig, action_space: str = "pyautogui") -> str:
+    """The system prompt: the configured one, or the built-in one for ``action_space``.
+
+    ``action_space`` is the env's (``AgentEnvConfig.action_space``: what the parser accepts).
+    """
     if config.system_prompt is not None:
         return config.system_prompt
-    body = _PYAUTOGUI if config.action_space == "pyautogui" else _COMPUTER_13
+    ACTION_SPACES.validate(action_space, "action_space")
+    body = _PYAUTOGUI if action_space == "pyautogui" else _COMPUTER_13
     return body.format(w=config.screen_width, h=config.screen_height, special=_SPECIAL_ACTIONS)
 
 

@@ -13,7 +13,7 @@ import math
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-from osworld_jax.algorithms.registries import GATES, Gate, GateLevel, check_gate_level
+from osworld_jax.algorithms.registries import GATES, Gate, check_gate_level
 
 #: ``(keep, is_weight)``: keep is bool[R] (sequence level) or bool[R, T] (token level).
 GateOutput = tuple[Bool[Array, "R *t"], Float[Array, "R T"]]
@@ -121,7 +121,7 @@ def _gate(
     """
     mask = loss_mask > 0
     bad = mask & ~jnp.isfinite(behavior)
-    if check_gate_level(level) is GateLevel.SEQUENCE:
+    if check_gate_level(level) == "sequence":
         if row_stat is None:
             row_stat = _row_mean(stat, mask)
         keep = (row_stat <= threshold) & ~jnp.any(bad, axis=-1)
@@ -231,7 +231,7 @@ def no_gate(
     del threshold
     behavior = jnp.asarray(behavior_logprobs, jnp.float32)
     train = jnp.asarray(train_logprobs, jnp.float32)
-    shape = loss_mask.shape if check_gate_level(level) is GateLevel.TOKEN else loss_mask.shape[:1]
+    shape = loss_mask.shape if check_gate_level(level) == "token" else loss_mask.shape[:1]
     keep = jnp.ones(shape, dtype=bool)
     return keep, _finite_weights(jnp.ones(loss_mask.shape, bool), behavior, train)
 

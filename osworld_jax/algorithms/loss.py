@@ -12,6 +12,7 @@ from osworld_jax.algorithms.aggregation import aggregate_loss
 from osworld_jax.algorithms.gates import binary_kl
 from osworld_jax.algorithms.registries import GATES, LOSS_AGG_MODES, GateLevel, check_gate_level
 from osworld_jax.errors import ConfigError
+from osworld_jax.registry import check_choice
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -35,17 +36,14 @@ class LossConfig:
 
     gate: str = "binary_kl"
     gate_threshold: float = 0.01
-    gate_level: str = "sequence"
+    gate_level: GateLevel = "sequence"
     agg_mode: str = "prompt-mean-token-mean"
     ratio_clip: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         GATES.validate(self.gate, "LossConfig.gate")
         LOSS_AGG_MODES.validate(self.agg_mode, "LossConfig.agg_mode")
-        try:
-            check_gate_level(self.gate_level)
-        except ConfigError as e:
-            raise ConfigError(f"LossConfig.gate_level: {e}") from None
+        check_choice(self.gate_level, GateLevel, "LossConfig.gate_level", "gate level")
         if self.ratio_clip is not None:
             object.__setattr__(self, "ratio_clip", _check_ratio_clip(self.ratio_clip))
 
@@ -135,7 +133,7 @@ def policy_loss(
     pi_old = jax.lax.stop_gradient(old)
 
     keep, is_weight = gate_fn(
-        behavior, pi_old, mask_f, threshold=config.gate_threshold, level=level.value
+        behavior, pi_old, mask_f, threshold=config.gate_threshold, level=level
     )
     coef = jax.lax.stop_gradient(jnp.where(mask, is_weight, 0.0))
     ratio = jnp.exp(logprobs - pi_old)
@@ -160,9 +158,9 @@ def policy_loss(
 
     finite = jnp.isfinite(behavior)
     kl = binary_kl(jnp.where(finite, behavior, pi_old), pi_old)
-    rejected_tok = mask & ~(keep if level is GateLevel.TOKEN else keep[:, None])
+    rejected_tok = mask & ~(keep if level == "token" else keep[:, None])
     active_rows = jnp.any(mask, axis=-1)
-    if level is GateLevel.TOKEN:
+    if level == "token":
         rejected = _masked_mean(rejected_tok.astype(jnp.float32), mask)
     else:
         rejected = _masked_mean((~keep).astype(jnp.float32), active_rows)

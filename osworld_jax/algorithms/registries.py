@@ -1,7 +1,8 @@
 """String enums and registries for the algorithm choices (estimators, loss modes, gates).
 
-Each choice has one source of truth: a ``StrEnum`` naming the allowed values and a
-:class:`~osworld_jax.registry.Registry` holding the implementation registered under each value.
+Each choice with implementations has one source of truth: a ``StrEnum`` naming the allowed
+values and a :class:`~osworld_jax.registry.Registry` holding the implementation registered under
+each value; the gate level is a plain choice (a ``Literal``).
 The implementing modules fill the registries at import time (``osworld_jax.algorithms`` imports
 them all), a duplicate registration raises ``ValueError`` and an unknown name raises
 ``ConfigError`` listing the choices. Config validation calls e.g.
@@ -11,11 +12,11 @@ them all), a duplicate registration raises ``ValueError`` and an unknown name ra
 from __future__ import annotations
 
 import enum
+import typing
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
-from osworld_jax.errors import ConfigError
-from osworld_jax.registry import Registry
+from osworld_jax.registry import Registry, check_choice
 
 
 class Estimator(enum.StrEnum):
@@ -46,11 +47,8 @@ class Gate(enum.StrEnum):
     RATIO = "ratio"
 
 
-class GateLevel(enum.StrEnum):
-    """Where a gate decides: one decision per row or one per token."""
-
-    SEQUENCE = "sequence"
-    TOKEN = "token"
+#: Where a gate decides: one decision per row or one per token (a plain choice: no registry).
+GateLevel = Literal["sequence", "token"]
 
 
 ESTIMATORS: Registry[Callable[..., Any]] = Registry("advantage estimator")
@@ -59,10 +57,6 @@ GATES: Registry[Callable[..., Any]] = Registry("policy-loss gate")
 
 
 def check_gate_level(level: str) -> GateLevel:
-    """Returns ``level`` as a :class:`GateLevel`; an unknown level raises ``ConfigError``."""
-    try:
-        return GateLevel(level)
-    except ValueError:
-        raise ConfigError(
-            f"unknown gate level {level!r}; choose one of {[v.value for v in GateLevel]}"
-        ) from None
+    """Returns ``level`` as a `GateLevel`; an unknown level raises ``ConfigError``."""
+    check_choice(level, GateLevel, "gate_level", "gate level")
+    return typing.cast(GateLevel, level)

@@ -28,7 +28,6 @@ from osworld_jax.env.backend import (
     SandboxEvalError,
     SandboxTimeout,
 )
-from osworld_jax.env.backends import BACKENDS
 from osworld_jax.env.protocol import is_transient
 from osworld_jax.env.tasks import Task
 from osworld_jax.errors import ConfigError, InfraError
@@ -39,8 +38,6 @@ class AgentEnvConfig:
     """How AgentEnv drives sandboxes.
 
     Attributes:
-      backend: the sandbox backend's ``BACKENDS`` name (``local``, ``remote``, ``osworld``,
-        ``memory`` for tests).
       max_turns: agent turns per episode; the episode ends (and is evaluated) after this many.
       action_space: ``pyautogui`` or ``computer_13`` (how model text is parsed).
       create_timeout_s: limit for ``backend.create`` (the task's setup included).
@@ -51,10 +48,8 @@ class AgentEnvConfig:
       eval_attempts: tries of ``sandbox.evaluate`` on transient errors (5xx, timeouts).
       eval_retry_delay_s: the first back-off between evaluation attempts (doubles per retry).
       close_timeout_s: limit for closing one sandbox.
-      cache_dir: the local file cache for task downloads (None: the default cache).
     """
 
-    backend: str = "local"
     max_turns: int = 15
     action_space: str = "pyautogui"
     create_timeout_s: float = 600.0
@@ -65,7 +60,6 @@ class AgentEnvConfig:
     eval_attempts: int = 3
     eval_retry_delay_s: float = 1.0
     close_timeout_s: float = 60.0
-    cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:
@@ -75,10 +69,6 @@ class AgentEnvConfig:
                 f"AgentEnvConfig.eval_attempts must be >= 1, got {self.eval_attempts}"
             )
         ACTION_SPACES.validate(self.action_space, "AgentEnvConfig.action_space")
-
-    def validate_backend(self) -> None:
-        """Raises ``ConfigError`` when ``backend`` is not a registered backend name."""
-        BACKENDS.validate(self.backend, "AgentEnvConfig.backend")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

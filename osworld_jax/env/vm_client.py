@@ -34,7 +34,7 @@ Two failures are permanent although they look like transient ones:
   ``subprocess`` call raised: a missing program, no permission, past its 120 s limit); the same
   request fails the same way again, so that is a ``SandboxRequestError`` (status 500), as
   upstream's getters treat every non-200 reply: no retry;
-- a failed TLS handshake (refused certificate, protocol version) is a ``SandboxTLSError`` naming
+- a failed TLS handshake (refused certificate, protocol version) is a ``SandboxStepError`` naming
   what failed (``osworld_jax.env.tls.describe_tls_failure``).
 
 Error text quoted from a reply is cut to 300 characters; a client given a ``mask`` (the remote
@@ -60,7 +60,6 @@ __all__ = [
     "MASK",
     "SandboxOutputLimit",
     "SandboxRequestError",
-    "SandboxTLSError",
     "SandboxTransientError",
     "VMClient",
     "snippet",
@@ -112,10 +111,6 @@ class SandboxOutputLimit(SandboxLimitError):
     def __init__(self, message: str, *, limit: str, status: int) -> None:
         super().__init__(message, limit=limit)
         self.status = status
-
-
-class SandboxTLSError(SandboxStepError):
-    """The TLS handshake with the desktop's endpoint failed (the message says why); not retried."""
 
 
 def snippet(
@@ -260,7 +255,7 @@ class VMClient:
         except aiohttp.ClientSSLError as e:
             host = urlsplit(self._http_base).hostname or "?"
             why = describe_tls_failure(e, host=host)
-            raise SandboxTLSError(self._clean(f"{where}: {why}")) from None
+            raise SandboxStepError(self._clean(f"{where}: {why}")) from None
         except aiohttp.ClientError as e:
             raise SandboxTransientError(self._clean(f"{where}: connection failed: {e}")) from e
 

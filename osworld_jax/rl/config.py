@@ -13,15 +13,45 @@ from typing import Any
 from osworld_jax.agent.config import AgentConfig, GroupPolicyConfig
 from osworld_jax.algorithms import ESTIMATORS
 from osworld_jax.data import DataConfig
-from osworld_jax.env import AgentEnvConfig
+from osworld_jax.env import BACKENDS, AgentEnvConfig
 from osworld_jax.env.local import LocalBackendConfig
 from osworld_jax.env.osworld_adapter import OSWorldBackendConfig
 from osworld_jax.env.remote import RemoteBackendConfig
 from osworld_jax.errors import ConfigError
-from osworld_jax.model.config import ModelRuntimeConfig
+from osworld_jax.model.config import ModelRuntimeConfig, Qwen3MoeConfig
 from osworld_jax.rollout.config import SERVER_LAUNCHERS, RolloutConfig, SGLangLaunchConfig
 from osworld_jax.trainer.config import TrainerConfig
 from osworld_jax.trainer.distributed import DistributedConfig
+
+#: The sandbox of a run: a backend's config (the backend is the one whose ``config_class`` it
+#: is), or the ``BACKENDS`` name of a backend that takes no config (test backends).
+SandboxConfig = LocalBackendConfig | RemoteBackendConfig | OSWorldBackendConfig | str
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """The trainer's device mesh: devices per axis (their product is the devices used).
+
+    Attributes:
+      data: pure data parallelism (batch rows).
+      fsdp: fully sharded data parallelism (batch rows and parameters).
+      expert: expert parallelism (experts, and batch rows).
+      tensor: tensor parallelism (heads, vocabulary, MLP widths).
+    """
+
+    data: int = 1
+    fsdp: int = 1
+    expert: int = 1
+    tensor: int = 1
+
+    def __post_init__(self) -> None:
+        for name, value in dataclasses.asdict(self).items():
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"MeshConfig.{name} must be an integer >= 1, got {value!r}")
+
+    def axes(self) -> dict[str, int]:
+        """``{"data": d, "fsdp": f, "expert": e, "tensor": t}`` (``make_mesh`` keywords)."""
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,8 +67,6 @@ class RLConfig:
       steps: optimizer steps of the run (``--steps`` overrides).
       estimator: advantage estimator over the logical owners (a name of
         ``osworld_jax.algorithms.ESTIMATORS``).
-      train_global_batch_size: logical owners per optimizer step; must equal B x N (one
-        optimizer step per rollout batch). ``None`` means B x N.
       seed: seed of the rollout sampling seeds (``fold(seed, step, owner)``; ``None`` leaves
         sampling to the server's randomness).
       max_failed_fraction: the step fails (with the infrastructure errors listed) when more than
@@ -49,8 +77,7 @@ class RLConfig:
       success_reward: a healthy owner with reward >= this counts as a pass (``reward/pass_rate``).
       norm_length: the constant L of ``seq-mean-token-sum-norm`` (Dr.GRPO); ``None`` uses the
         generation budget ``max_new_tokens x max_turns``.
-      mesh: the trainer's device-mesh shape, ``{"data": d, "fsdp": f, "expert": e, "tensor":
-        t}`` (missing axes are 1; empty: one device).
+      mesh: the trainer's device mesh (default: one device).
       length_buckets: allowed padded row lengths of the device batch (ascending; the smallest
         that fits is used, so few shapes are compiled). Empty: round up to a multiple of 128.
     """
@@ -59,7 +86,6 @@ class RLConfig:
     num_owners: int = 4
     steps: int = 3
     estimator: str = "grpo"
-    train_global_batch_size: int | None = None
     seed: int | None = 0
     max_failed_fraction: float = 0.5
     metrics_dir: str = "."
@@ -67,7 +93,7 @@ class RLConfig:
     progress_bar: bool = True
     success_reward: float = 1.0
     norm_length: int | None = None
-    mesh: dict[str, int] = field(default_factory=dict)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
     length_buckets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -75,20 +101,10 @@ class RLConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"RLConfig.{name} must be >= 1, got {getattr(self, name)}")
         ESTIMATORS.validate(self.estimator, "RLConfig.estimator")
-        owners = self.num_prompts * self.num_owners
-        if self.train_global_batch_size is not None and self.train_global_batch_size != owners:
-            raise ConfigError(
-                f"RLConfig.train_global_batch_size ({self.train_global_batch_size}) must equal "
-                f"num_prompts x num_owners = {self.num_prompts} x {self.num_owners} = {owners} "
-                "logical owners (one optimizer step per rollout batch)"
-            )
         if not 0.0 <= self.max_failed_fraction <= 1.0:
             raise ConfigError(
                 f"RLConfig.max_failed_fraction must be in [0, 1], got {self.max_failed_fraction}"
             )
-        unknown = set(self.mesh) - {"data", "fsdp", "expert", "tensor"}
-        if unknown:
-            raise ConfigError(f"RLConfig.mesh: unknown axes {sorted(unknown)}")
         if self.norm_length is not None and self.norm_length < 1:
             raise ConfigError(f"RLConfig.norm_length must be >= 1, got {self.norm_length}")
         buckets = tuple(int(b) for b in self.length_buckets)
@@ -170,24 +186,28 @@ class ServerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ExperimentConfig:
-    """The root of a run's configuration: one config per room.
+    """The root of a run's configuration: one config per room, each fact stated once.
+
+    Derived, not configured (see `rollout_for`): the rollout client's R3 switch and route shape
+    (``RolloutConfig.return_routed_experts`` = ``TrainerConfig.router_replay``;
+    ``num_layers`` / ``num_experts_per_tok`` from the model's ``config.json``), the sandbox
+    backend's name (from ``sandbox``), the task-file cache (``sandbox.cache_dir``).
 
     Attributes:
       model: the starting checkpoint.
       runtime: how the policy computes (expert backend, dtype, remat).
-      trainer: the train step, optimizer and checkpointing.
-      rollout: the rollout client (server URLs, timeouts, sampling, R3).
+      trainer: the train step, optimizer and checkpointing; ``router_replay`` switches R3 on.
+      rollout: the rollout client (server URLs, timeouts, sampling).
       server: the rollout servers: running ones, or embedded / SGLang ones the run starts.
-      env: AgentEnv (sandbox backend, turns, timeouts).
-      local: the ``local`` sandbox backend's settings (used when ``env.backend == "local"``).
-      remote: the ``remote`` sandbox service's settings (required when ``env.backend ==
-        "remote"``; bind ``ExperimentConfig.remote = @RemoteBackendConfig()``).
-      osworld: the upstream ``desktop_env`` adapter's settings (used when ``env.backend ==
-        "osworld"``).
+      env: AgentEnv (turns, timeouts, the action space the model's text is parsed in).
+      sandbox: the sandbox backend and its settings: ``LocalBackendConfig`` (default),
+        ``RemoteBackendConfig`` or ``OSWorldBackendConfig`` (bind e.g.
+        ``ExperimentConfig.sandbox = @RemoteBackendConfig()``), or the ``BACKENDS`` name of a
+        backend without a config (e.g. ``'memory'``).
       agent: prompting and context compaction.
       group: which prompt groups are trained on and the baseline population.
       data: the task set and its order.
-      rl: the loop's shape (B, N, steps, estimator).
+      rl: the loop's shape (B, N, steps, estimator, mesh).
       distributed: how this process joins a multi-host job (process 0 rolls out and broadcasts
         the batch; every process trains, checkpoints and exports).
     """
@@ -198,9 +218,7 @@ class ExperimentConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     env: AgentEnvConfig = field(default_factory=AgentEnvConfig)
-    local: LocalBackendConfig = field(default_factory=LocalBackendConfig)
-    remote: RemoteBackendConfig | None = None
-    osworld: OSWorldBackendConfig = field(default_factory=OSWorldBackendConfig)
+    sandbox: SandboxConfig = field(default_factory=LocalBackendConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     group: GroupPolicyConfig = field(default_factory=GroupPolicyConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -208,18 +226,46 @@ class ExperimentConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
-        if self.env.backend == "remote" and self.remote is None:
-            raise ConfigError(
-                "ExperimentConfig.remote: env.backend is 'remote' but no RemoteBackendConfig is "
-                "bound (bind ExperimentConfig.remote = @RemoteBackendConfig() and its base_url "
-                "and ca_bundle)"
-            )
-        if self.agent.action_space != self.env.action_space:
-            raise ConfigError(
-                f"AgentConfig.action_space ({self.agent.action_space!r}) and "
-                f"AgentEnvConfig.action_space ({self.env.action_space!r}) differ: the prompt "
-                "would describe one action space and the parser expect another"
-            )
+        if isinstance(self.sandbox, str):
+            BACKENDS.validate(self.sandbox, "ExperimentConfig.sandbox")
+        else:
+            BACKENDS.name_for_config(self.sandbox)  # raises for a config no backend takes
+        derived = RolloutConfig()
+        for name, source in (
+            ("return_routed_experts", "TrainerConfig.router_replay"),
+            ("num_layers", "the model's config.json"),
+            ("num_experts_per_tok", "the model's config.json"),
+        ):
+            if getattr(self.rollout, name) != getattr(derived, name):
+                raise ConfigError(
+                    f"RolloutConfig.{name}: the run derives it from {source}; do not set it"
+                )
+
+    @property
+    def backend(self) -> str:
+        """The ``BACKENDS`` name of the run's sandbox backend."""
+        if isinstance(self.sandbox, str):
+            return self.sandbox
+        return BACKENDS.name_for_config(self.sandbox)
+
+    @property
+    def cache_dir(self) -> str | None:
+        """The task-file cache of the sandbox backend (None: the default cache)."""
+        return getattr(self.sandbox, "cache_dir", None)
+
+    def rollout_for(self, model: Qwen3MoeConfig) -> RolloutConfig:
+        """The rollout client's config for ``model`` (its ``config.json``).
+
+        The client asks for routes exactly when the trainer replays them (R3) and decodes them
+        with the model's layer count and top-k.
+        """
+        replay = self.trainer.router_replay
+        return dataclasses.replace(
+            self.rollout,
+            return_routed_experts=replay,
+            num_layers=model.num_hidden_layers if replay else None,
+            num_experts_per_tok=model.num_experts_per_tok if replay else None,
+        )
 
     def replace(self, **changes: Any) -> ExperimentConfig:
         """A copy with ``changes`` applied."""

@@ -48,11 +48,11 @@ def evaluate(
 
     The model is ``experiment.model`` served by the configured (or embedded) servers.
     """
-    rl = dataclasses.replace(experiment.rl, num_owners=reps, train_global_batch_size=None)
+    rl = dataclasses.replace(experiment.rl, num_owners=reps)
     exp = experiment.replace(rl=rl)
     refs = load_task_refs(resolve_task_set(exp.data.task_set))
     if exp.data.only_runnable:
-        refs = [r for r in refs if stages.RunnableFilter(exp.env.backend, exp.env.cache_dir)(r)]
+        refs = [r for r in refs if stages.RunnableFilter(exp.backend, exp.cache_dir)(r)]
     stream = TaskStream(refs, batch_size=rl.num_prompts, shuffle=False, num_epochs=1)
     lines: list[dict[str, Any]] = []
     with RolloutResources(exp, Path(run_dir)) as res:

@@ -1,16 +1,15 @@
 """Preflight: check every external part of a run before the first step, one line per problem.
 
-A run needs a model checkpoint, reachable rollout servers (unless embedded), a sandbox backend
-that passes its own preflight, and a non-empty task set; R3 also needs the rollout client's
-route shape to match the model. All problems are collected and raised together as one
-`PreflightError` (``osworld_jax.errors``, the same class a backend's own preflight raises) whose
-message has one line per missing part.
+A run needs a model checkpoint, reachable rollout servers (unless the run starts them), a
+sandbox backend that passes its own preflight, and a non-empty task set (R3's route shape is
+derived from the model, so it cannot disagree). All problems are collected and raised together
+as one `PreflightError` (``osworld_jax.errors``, the same class a backend's own preflight
+raises) whose message has one line per missing part.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,27 +32,6 @@ def check_model_path(path: str | Path) -> str | None:
         return f"model path {str(path)!r} has no *.safetensors weights"
     if not (p / "tokenizer.json").is_file():
         return f"model path {str(path)!r} has no tokenizer.json"
-    return None
-
-
-def check_route_shape(experiment: ExperimentConfig, model_path: str | Path) -> str | None:
-    """R3 needs ``return_routed_experts`` and the client's route shape to match the model."""
-    rollout, trainer = experiment.rollout, experiment.trainer
-    if trainer.router_replay and not rollout.return_routed_experts:
-        return (
-            "TrainerConfig.router_replay (R3) needs RolloutConfig.return_routed_experts = True "
-            "(the engine's routes are what the trainer replays)"
-        )
-    if not rollout.return_routed_experts:
-        return None
-    cfg = json.loads((Path(model_path) / "config.json").read_text())
-    want = (cfg.get("num_hidden_layers"), cfg.get("num_experts_per_tok"))
-    got = (rollout.num_layers, rollout.num_experts_per_tok)
-    if want != got:
-        return (
-            f"RolloutConfig.num_layers/num_experts_per_tok = {got} but the model at {model_path} "
-            f"has num_hidden_layers/num_experts_per_tok = {want}"
-        )
     return None
 
 
@@ -104,15 +82,13 @@ def run_preflight(
     model_problem = check_model_path(model_path)
     if model_problem:
         problems.append(model_problem)
-    else:
-        problems += [p for p in [check_route_shape(experiment, model_path)] if p]
     if experiment.server.launch == "none":
         problems += check_servers(experiment.rollout.urls, experiment.rollout.connect_timeout_s)
     problems += server_problems(experiment)
     try:
         backend_preflight()
     except OsworldJaxError as e:
-        problems.append(f"sandbox backend {experiment.env.backend!r}: {e}")
+        problems.append(f"sandbox backend {experiment.backend!r}: {e}")
     task_problem = check_task_set(experiment.data.task_set)
     if task_problem:
         problems.append(task_problem)

@@ -16,7 +16,6 @@ import dataclasses
 import json
 import logging
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
@@ -32,7 +31,7 @@ from osworld_jax.errors import ConfigError
 from osworld_jax.model import Qwen3MoeConfig, load_hf_checkpoint, make_mesh
 from osworld_jax.rl import stages
 from osworld_jax.rl.analysis import ROLLOUTS_FILE
-from osworld_jax.rl.config import ExperimentConfig
+from osworld_jax.rl.config import ExperimentConfig, SandboxConfig
 from osworld_jax.rl.lease import RunLease
 from osworld_jax.rl.metrics import MetricsLogger
 from osworld_jax.rl.preflight import run_preflight
@@ -55,6 +54,7 @@ class RolloutResources(contextlib.ExitStack):
       experiment: the run's config.
       run_dir: the run directory.
       model_path: the starting HF checkpoint.
+      model_config: its architecture (``config.json``).
       runner: the asyncio runner every async stage runs on (one event loop per run).
       client: the rollout client.
       tokenizer: the agent's tokenizer + chat template (from the model dir).
@@ -88,30 +88,25 @@ class RolloutResources(contextlib.ExitStack):
         self.model_path = stages.model_dir(exp.model, self.run_dir)
         self.runner = self.enter_context(asyncio.Runner())
         self.client: SGLangClient | None = None
+        if self.rolls_out:
+            backend = make_backend(self._sandbox())
+            run_preflight(exp, model_path=self.model_path, backend_preflight=backend.preflight)
+            self.callback(self.runner.run, backend.aclose())  # after the client closes (LIFO)
+        self.model_config = Qwen3MoeConfig.from_json(self.model_path / "config.json")
         if not self.rolls_out:
             return
-        # Backends with their own config section get it; the others take no arguments.
-        sections: dict[str, Callable[[], Any]] = {
-            "local": self._local,  # its sandboxes' root goes into the lease
-            "remote": lambda: exp.remote,
-            "osworld": lambda: exp.osworld,
-        }
-        section = sections.get(exp.env.backend)
-        backend_args = (section(),) if section is not None else ()
-        backend = make_backend(exp.env.backend, *backend_args)
-        run_preflight(exp, model_path=self.model_path, backend_preflight=backend.preflight)
-        self.callback(self.runner.run, backend.aclose())  # after the client closes (LIFO)
         urls = self._servers()
         self.tokenizer = AgentTokenizer.from_model_dir(self.model_path)
         # decodes the text when servers send none (SGLang with --skip-tokenizer-init)
-        self.client = SGLangClient(urls, exp.rollout, detokenize=self.tokenizer.decode)
+        rollout = exp.rollout_for(self.model_config)  # R3 and the route shape, derived
+        self.client = SGLangClient(urls, rollout, detokenize=self.tokenizer.decode)
         self.callback(self.runner.run, self.client.aclose())
         self.agent_env = AgentEnv(backend, exp.env)
 
-    def _local(self) -> LocalBackendConfig:
-        """The local backend's config; its sandboxes' root recorded in the lease (see there)."""
-        local = self.experiment.local
-        if local.root is not None:
+    def _sandbox(self) -> SandboxConfig:
+        """The sandbox config; a local backend's sandboxes' root is recorded in the lease."""
+        local = self.experiment.sandbox
+        if not isinstance(local, LocalBackendConfig) or local.root is not None:
             return local
         root = Path(tempfile.mkdtemp(prefix="osworld_jax-local-"))
         self.lease.add_dir(root)  # removed by the reaper if the trainer dies
@@ -158,8 +153,9 @@ class RunResources(RolloutResources):
         super()._open()
         barrier("osworld_jax.rl:servers")  # the others wait here, bounded, while process 0 starts
         exp, rl = self.experiment, self.experiment.rl
-        model_config = Qwen3MoeConfig.from_json(self.model_path / "config.json")
-        mesh = make_mesh(**rl.mesh)  # type: ignore[arg-type]
+        model_config = self.model_config
+        m = rl.mesh
+        mesh = make_mesh(data=m.data, fsdp=m.fsdp, expert=m.expert, tensor=m.tensor)
         policy = load_hf_checkpoint(
             self.model_path, dtype=jnp.dtype(exp.runtime.dtype), mesh=mesh, runtime=exp.runtime
         )
@@ -169,7 +165,7 @@ class RunResources(RolloutResources):
         )
         self.trainer = Trainer(exp.trainer, policy, bounds=bounds, mesh=mesh)
         self.callback(self.trainer.close)  # waits for an in-flight save: the checkpoint stays whole
-        runnable = stages.RunnableFilter(exp.env.backend, exp.env.cache_dir)
+        runnable = stages.RunnableFilter(exp.backend, exp.cache_dir)
         keep = runnable if exp.data.only_runnable else None
         # Every process draws the same stream (process 0 uses the tasks), so the checkpointed
         # stream position is the same on every process.

@@ -22,7 +22,7 @@ def server_group(exp: ExperimentConfig, model_path: str | Path, run_dir: Path) -
     Logs go to ``run_dir/server.log`` (embedded) or ``run_dir/sglang_<i>.log``.
     """
     s = exp.server
-    routes = exp.rollout.return_routed_experts
+    routes = exp.trainer.router_replay  # R3: the servers return the routes the trainer replays
     if s.launch == "embedded":
         extra = ["--expert-backend", exp.runtime.expert_backend, *s.extra_args]
         if s.return_original_logprob:

@@ -180,6 +180,7 @@ async def rollout_step(
             group_id=owner // n,
             sampling=sampling.replace(sampling_seed=owner_seed(rl.seed, step, owner)),
             rid_prefix=f"s{step}",
+            action_space=agent_env.config.action_space,
         )
         return agents[owner]
 

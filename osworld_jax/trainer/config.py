@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from osworld_jax.algorithms import LossConfig
 from osworld_jax.errors import ConfigError
+from osworld_jax.registry import check_choice
 
-SCHEDULES = ("constant", "cosine")
+#: Learning-rate schedules after the warmup.
+Schedule = Literal["constant", "cosine"]
+#: dtypes of the train-state parameters (``None``: the policy's own).
+MasterDtype = Literal["float32", "bfloat16"] | None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,7 +41,7 @@ class OptimizerConfig:
 
     learning_rate: float = 5e-6
     warmup_steps: int = 0
-    schedule: str = "constant"
+    schedule: Schedule = "constant"
     decay_steps: int = 0
     min_lr_ratio: float = 0.0
     b1: float = 0.9
@@ -48,11 +53,7 @@ class OptimizerConfig:
     freeze_vision: bool = False
 
     def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(
-                f"OptimizerConfig.schedule: unknown schedule {self.schedule!r}; "
-                f"choose one of {list(SCHEDULES)}"
-            )
+        check_choice(self.schedule, Schedule, "OptimizerConfig.schedule")
         if self.learning_rate < 0:
             raise ConfigError(f"OptimizerConfig.learning_rate: {self.learning_rate} < 0")
         if self.warmup_steps < 0:
@@ -129,15 +130,11 @@ class TrainerConfig:
     num_micro_batches: int = 1
     logprob_chunk: int = 1024
     router_replay: bool = True
-    master_dtype: str | None = "float32"
+    master_dtype: MasterDtype = "float32"
     check_finite: bool = True
 
     def __post_init__(self) -> None:
-        if self.master_dtype not in (None, "float32", "bfloat16"):
-            raise ConfigError(
-                f"TrainerConfig.master_dtype: {self.master_dtype!r}; "
-                "choose 'float32', 'bfloat16' or None"
-            )
+        check_choice(self.master_dtype, MasterDtype, "TrainerConfig.master_dtype")
         if self.num_micro_batches < 1:
             raise ConfigError(f"TrainerConfig.num_micro_batches: {self.num_micro_batches} < 1")
         if self.logprob_chunk < 1:

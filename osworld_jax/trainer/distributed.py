@@ -46,7 +46,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import jax
 import numpy as np
@@ -54,12 +54,15 @@ from jax.experimental import multihost_utils
 
 from osworld_jax.batch import Batch, check_batch
 from osworld_jax.errors import ConfigError
+from osworld_jax.registry import check_choice
 from osworld_jax.trainer.state import TrainerError
 
 logger = logging.getLogger(__name__)
 
-AUTO_MODES = ("none", "slurm", "env")
-CPU_COLLECTIVES = ("gloo", "mpi")
+#: Where the process values come from.
+AutoMode = Literal["none", "slurm", "env"]
+#: Cross-process collectives of the CPU backend.
+CpuCollectives = Literal["gloo", "mpi"]
 
 # The JAX_* variables of ``auto="env"`` (the first and last are also read by jax itself).
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
@@ -101,26 +104,19 @@ class DistributedConfig:
         the run fails naming the process and the collective (see the module docstring).
     """
 
-    auto: str = "none"
+    auto: AutoMode = "none"
     coordinator_address: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
     local_device_ids: tuple[int, ...] | None = None
-    cpu_collectives: str = "gloo"
+    cpu_collectives: CpuCollectives = "gloo"
     initialization_timeout_s: int = 300
     heartbeat_timeout_s: int = 100
     collective_timeout_s: int = 3600
 
     def __post_init__(self) -> None:
-        for name, value, allowed in (
-            ("auto", self.auto, AUTO_MODES),
-            ("cpu_collectives", self.cpu_collectives, CPU_COLLECTIVES),
-        ):
-            if value not in allowed:
-                raise ConfigError(
-                    f"DistributedConfig.{name}: unknown value {value!r}; choose one of "
-                    f"{list(allowed)}"
-                )
+        check_choice(self.auto, AutoMode, "DistributedConfig.auto")
+        check_choice(self.cpu_collectives, CpuCollectives, "DistributedConfig.cpu_collectives")
         if self.num_processes is not None and self.num_processes < 1:
             raise ConfigError(f"DistributedConfig.num_processes: {self.num_processes} < 1")
         if self.process_id is not None and self.num_processes is not None:

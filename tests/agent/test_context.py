@@ -268,7 +268,7 @@ def test_a11y_char_and_token_budgets_and_special_strings(agent_tokenizer):
 
 @pytest.mark.parametrize("space", ["pyautogui", "computer_13"])
 def test_system_prompt_states_the_action_space_the_parser_accepts(space):
-    text = system_prompt(AgentConfig(action_space=space))
+    text = system_prompt(AgentConfig(), space)
     for word in ("WAIT", "DONE", "FAIL", space):
         assert word in text
     # Replies in the formats the prompt asks for parse to the intended actions.

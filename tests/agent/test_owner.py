@@ -115,7 +115,7 @@ def test_a_group_through_agent_env_becomes_rows(agent_tokenizer):
         return agents[i]
 
     backend = MemoryBackend()
-    env = AgentEnv(backend, AgentEnvConfig(backend="memory", max_turns=4))
+    env = AgentEnv(backend, AgentEnvConfig(max_turns=4))
     results = asyncio.run(env.run_group(word_task("cat"), [0, 1, 2, 3], make_agent))
     assert [r.reward for r in results] == [1.0, 0.0, None, 1.0]
     assert backend.inventory() == []

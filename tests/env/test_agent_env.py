@@ -49,7 +49,7 @@ class Scripted:
 
 
 def env_for(backend, **cfg):
-    return AgentEnv(backend, AgentEnvConfig(backend="memory", **cfg))
+    return AgentEnv(backend, AgentEnvConfig(**cfg))
 
 
 def run(coro):
@@ -252,9 +252,6 @@ def test_config_validation():
         AgentEnvConfig(max_turns=0)
     with pytest.raises(ConfigError, match="action_space"):
         AgentEnvConfig(action_space="mouse")
-    with pytest.raises(ConfigError, match="backend"):
-        AgentEnvConfig(backend="nope").validate_backend()
-    AgentEnvConfig(backend="memory").validate_backend()
 
 
 def test_duplicate_owner_indices_rejected():
@@ -263,9 +260,7 @@ def test_duplicate_owner_indices_rejected():
 
 
 def test_computer_13_action_space():
-    env = AgentEnv(
-        MemoryBackend(), AgentEnvConfig(backend="memory", action_space="computer_13", max_turns=1)
-    )
+    env = AgentEnv(MemoryBackend(), AgentEnvConfig(action_space="computer_13", max_turns=1))
     res = run(
         env.run_group(
             word_task("zz"), [0], lambda i: Scripted(['{"action_type": "TYPING", "text": "zz"}'])

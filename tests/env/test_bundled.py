@@ -50,7 +50,7 @@ class Scripted:
 @pytest.mark.parametrize("tid", sorted(TASKS))
 def test_scripted_solutions_on_memory_backend(tid):
     be = MemoryBackend()
-    env = AgentEnv(be, AgentEnvConfig(backend="memory", max_turns=10))
+    env = AgentEnv(be, AgentEnvConfig(max_turns=10))
     sol = SOLUTIONS[tid]
 
     async def main():

@@ -141,7 +141,7 @@ def test_call_sequence_create_step_evaluate_close(fake_upstream):
 def test_fork_is_n_fresh_resets_and_metrics_say_so(fake_upstream):
     async def main():
         be = OSWorldBackend(OSWorldBackendConfig(step_pause_s=0.0))
-        env = AgentEnv(be, AgentEnvConfig(backend="osworld", max_turns=2))
+        env = AgentEnv(be, AgentEnvConfig(max_turns=2))
         results = await env.run_group(
             word_task("yo"),
             range(3),
@@ -196,7 +196,7 @@ def test_error_mapping(fake_upstream):
 def test_agent_env_masks_failing_owner(fake_upstream):
     async def main():
         be = OSWorldBackend(OSWorldBackendConfig(step_pause_s=0.0))
-        env = AgentEnv(be, AgentEnvConfig(backend="osworld", max_turns=2))
+        env = AgentEnv(be, AgentEnvConfig(max_turns=2))
         res = await env.run_group(
             word_task("ok"),
             range(3),

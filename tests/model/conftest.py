@@ -7,25 +7,10 @@ import functools
 import numpy as np
 import pytest
 
-from osworld_jax.model import ModelRuntimeConfig, Qwen3MoeConfig
+from tests.tiny import RUNTIME, TINY, hf_kwargs
 
-# A tiny random config for tests that need no HF reference (layer 0 dense, layers 1-2 MoE).
-TINY_CFG = Qwen3MoeConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    num_experts=8,
-    num_experts_per_tok=2,
-    norm_topk_prob=True,
-    mlp_only_layers=(0,),
-    initializer_range=0.2,
-)
-TINY_RT = ModelRuntimeConfig(dtype="float32", expert_backend="dense")
+# The tests' tiny config (tests/tiny.py): layer 0 dense, layers 1-2 MoE.
+TINY_CFG, TINY_RT = TINY, RUNTIME
 
 
 @functools.cache
@@ -38,22 +23,9 @@ def tiny_policy():
     return Policy(TINY_CFG, TINY_RT, rngs=nnx.Rngs(0))
 
 
-HF_TINY = dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    num_experts=8,
-    num_experts_per_tok=2,
-    mlp_only_layers=[1],
-    norm_topk_prob=True,
-    initializer_range=0.1,
-    rope_theta=10000.0,
-    max_position_embeddings=256,
+# The HF reference's variant of it: another vocabulary and layer layout (layer 1 dense).
+HF_TINY = hf_kwargs(
+    vocab_size=96, mlp_only_layers=[1], initializer_range=0.1, max_position_embeddings=256
 )
 
 

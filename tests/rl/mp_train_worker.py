@@ -54,7 +54,7 @@ def main() -> None:
     params = [
         *LEARN,
         f"DataConfig.task_set = '{tasks}'",
-        "RLConfig.mesh = {'data': 2}",
+        "MeshConfig.data = 2",
         f"DistributedConfig.coordinator_address = '{coordinator}'",
         "DistributedConfig.num_processes = 2",
         f"DistributedConfig.process_id = {pid}",

@@ -23,6 +23,7 @@ import pytest
 
 from osworld_jax import config
 from osworld_jax.errors import ConfigError
+from osworld_jax.model import Qwen3MoeConfig
 from osworld_jax.rl.config import ExperimentConfig, ModelSourceConfig, ServerConfig
 from osworld_jax.rl.servers import server_group, server_problems
 from osworld_jax.rollout import (
@@ -108,10 +109,7 @@ def test_config_validation():
 
 
 def test_fragment_starts_two_sglang_servers(tmp_path):
-    exp = config.load_experiment(
-        [CONFIGS / "osworld_b8n8_r3.gin", CONFIGS / "sglang_servers.gin"],
-        ["RolloutConfig.num_layers = 3", "RolloutConfig.num_experts_per_tok = 2"],
-    )
+    exp = config.load_experiment([CONFIGS / "osworld_b8n8_r3.gin", CONFIGS / "sglang_servers.gin"])
     assert exp.server.launch == "sglang" and exp.server.sglang.num_servers == 2
     group = server_group(exp, "/ckpt", tmp_path)
     assert group.urls == ("http://127.0.0.1:30000", "http://127.0.0.1:30001")
@@ -127,7 +125,6 @@ def test_fragment_starts_two_sglang_servers(tmp_path):
 def _experiment(tiny: Path, **sglang) -> ExperimentConfig:
     return ExperimentConfig(
         model=ModelSourceConfig(path=str(tiny)),
-        rollout=RolloutConfig(return_routed_experts=True, num_layers=3, num_experts_per_tok=2),
         server=ServerConfig(
             launch="sglang",
             startup_timeout_s=60,
@@ -183,7 +180,7 @@ def test_run_starts_waits_for_and_stops_sglang_servers(fake_sglang, tmp_path):
         assert info["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
 
         async def main():
-            cfg = exp.rollout
+            cfg = exp.rollout_for(Qwen3MoeConfig.from_json(tiny / "config.json"))  # R3 shape
             async with SGLangClient(group.urls, cfg, detokenize=tok.decode) as client:
                 return await asyncio.gather(
                     *(

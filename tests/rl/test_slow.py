@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 # than the recipes' 5e-6, via gin, so that a random tiny model learns in a few CPU minutes.
 LEARNING_STEPS = 18
 LEARN = [
-    f"AgentEnvConfig.backend = '{learnable.BACKEND}'",
+    f"ExperimentConfig.sandbox = '{learnable.BACKEND}'",
     "AgentEnvConfig.max_turns = 1",
     "SamplingParams.max_new_tokens = 1",
     "AgentConfig.a11y_max_chars = 0",

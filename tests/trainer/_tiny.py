@@ -9,26 +9,14 @@ from flax import nnx
 
 from osworld_jax.algorithms import LossConfig
 from osworld_jax.batch import Batch, BatchBounds
-from osworld_jax.model import ModelRuntimeConfig, Policy, Qwen3MoeConfig
+from osworld_jax.model import Policy, Qwen3MoeConfig
 from osworld_jax.trainer import OptimizerConfig, TrainerConfig
+from tests import tiny
 
-# Layer 0 dense, layer 1 MoE: both kinds, and every dimension divides by 2 for the 8-device mesh.
-TINY = Qwen3MoeConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    moe_intermediate_size=16,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    num_experts=4,
-    num_experts_per_tok=2,
-    norm_topk_prob=True,
-    mlp_only_layers=(1,),
-    initializer_range=0.2,
-)
-RUNTIME = ModelRuntimeConfig(dtype="float32", expert_backend="dense")
+# The tests' tiny config (tests/tiny.py) cut to 2 layers and 4 experts: layer 0 MoE, layer 1
+# dense (both kinds), every dimension divisible by 2 for the 8-device mesh.
+TINY = tiny.TINY.replace(num_hidden_layers=2, num_experts=4, mlp_only_layers=(1,))
+RUNTIME = tiny.RUNTIME
 
 # Rows -> logical owners (owners 0 and 3 have two segments each; row 7 is padding) and groups.
 OWNERS = np.array([0, 0, 1, 2, 3, 3, 4, 0], np.int32)

@@ -24,7 +24,6 @@ from osworld_jax.env.evaluators.registry import (
     GETTERS,
     METRICS,
     EvalContext,
-    UnsupportedOption,
     option_checker,
 )
 
@@ -33,7 +32,6 @@ __all__ = [
     "METRICS",
     "EvalContext",
     "RetryingVM",
-    "UnsupportedOption",
     "evaluate_task",
     "option_checker",
 ]

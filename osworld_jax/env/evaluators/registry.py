@@ -37,10 +37,6 @@ METRICS: Registry[Metric] = Registry("evaluator metric")
 GETTERS: Registry[Getter] = Registry("evaluator getter")
 
 
-class UnsupportedOption(ValueError):
-    """A metric was given an option (e.g. a ``compare_table`` rule type) this package lacks."""
-
-
 def option_checker(metric: Metric) -> Callable[[Mapping[str, Any]], list[str]] | None:
     """The metric's ``unsupported_options(options) -> list[str]`` hook, if it defines one."""
     return getattr(metric, "unsupported_options", None)

@@ -11,7 +11,7 @@ from osworld_jax.env.remote.api import (
     RemoteStepError,
     SandboxServiceClient,
 )
-from osworld_jax.env.remote.backend import RemoteBackend, RemoteMetrics, RemoteSandbox, SandboxLost
+from osworld_jax.env.remote.backend import RemoteBackend, RemoteMetrics, RemoteSandbox
 from osworld_jax.env.remote.config import RemoteBackendConfig
 from osworld_jax.env.tls import CABundleError, check_ca_bundle, pinned_ssl_context
 
@@ -25,7 +25,6 @@ __all__ = [
     "RemoteSandbox",
     "RemoteServiceError",
     "RemoteStepError",
-    "SandboxLost",
     "SandboxServiceClient",
     "check_ca_bundle",
     "pinned_ssl_context",

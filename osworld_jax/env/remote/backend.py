@@ -18,7 +18,7 @@ Fork, in order of preference:
 
 ``metrics`` counts forks by fork and by snapshot. Failures are typed ``SandboxError``s (AgentEnv
 masks the owner): ``RemoteCreateError`` (create, boot, fork, snapshot), ``SandboxTimeout`` (boot
-or snapshot too slow), ``SandboxLost`` (the sandbox vanished mid-episode: 404 from the service),
+or snapshot too slow), ``RemoteStepError`` with status 404 (the sandbox vanished mid-episode),
 ``RemoteStepError``. Every sandbox created is tracked from the moment its id is known and deleted
 on close, on failure and on cancellation; ``aclose()`` deletes what is left, including sandboxes a
 lost create reply never named (found by this backend's metadata tag).
@@ -69,7 +69,7 @@ from osworld_jax.env.vm_sandbox import VMSandbox, setup_context
 if TYPE_CHECKING:
     from osworld_jax.env.tasks import Task
 
-__all__ = ["RemoteBackend", "RemoteMetrics", "RemoteSandbox", "SandboxLost"]
+__all__ = ["RemoteBackend", "RemoteMetrics", "RemoteSandbox"]
 
 _log = logging.getLogger("osworld_jax.env.remote")
 
@@ -79,10 +79,6 @@ DEAD_STATES = frozenset({"Failed", "Terminated", "Stopping", "Error"})
 SNAPSHOT_READY = frozenset({"Ready", "Available", "Succeeded"})
 
 _T = TypeVar("_T")
-
-
-class SandboxLost(RemoteStepError):
-    """The sandbox vanished mid-episode (the service no longer knows it, or it died)."""
 
 
 @dataclasses.dataclass
@@ -164,7 +160,7 @@ class RemoteSandbox(VMSandbox):
         self, what: str, aw: Awaitable[_T], error: type[SandboxError] = SandboxStepError
     ) -> _T:
         """As ``VMSandbox._call``; a 404 or dropped connection is checked against the service
-        (``SandboxLost`` when the sandbox is gone).
+        (a ``RemoteStepError`` with status 404 when the sandbox is gone).
         """  # noqa: D205
         try:
             return await super()._call(what, aw, error)
@@ -359,7 +355,7 @@ class RemoteBackend(SandboxBackend[RemoteSandbox]):
             await asyncio.shield(asyncio.gather(*(one(s) for s in sandbox_ids)))
 
     async def _check_alive(self, sandbox_id: str, context: str) -> None:
-        """Raises ``SandboxLost`` when the service says the sandbox is gone or dead."""
+        """Raises ``RemoteStepError`` (404) when the service says the sandbox is gone or dead."""
         try:
             reply = await self._client().get(sandbox_id, error=RemoteStepError)
         except RemoteServiceError:
@@ -369,7 +365,7 @@ class RemoteBackend(SandboxBackend[RemoteSandbox]):
             self.metrics.lost += 1
             if reply is None:
                 self._live.discard(sandbox_id)
-            raise SandboxLost(f"sandbox {sandbox_id} was lost: {state} ({context})", status=404)
+            raise RemoteStepError(f"sandbox {sandbox_id} was lost: {state} ({context})", status=404)
 
     # -- SandboxBackend -----------------------------------------------------------------------
 

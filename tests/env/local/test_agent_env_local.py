@@ -66,7 +66,7 @@ def test_run_group_on_local_sandboxes(runner, backend: LocalBackend):
         1: Scripted(SOLUTIONS[TASK_ID]["wrong"], seen),
         2: Broken(),
     }
-    env = AgentEnv(backend, AgentEnvConfig(backend="local", max_turns=30))
+    env = AgentEnv(backend, AgentEnvConfig(max_turns=30))
     results = runner.run(env.run_group(_task(), [0, 1, 2], lambda i: agents[i]))
     by_owner = {r.owner_index: r for r in results}
     assert by_owner[0].reward == 1.0 and not by_owner[0].failed
@@ -81,7 +81,7 @@ def test_run_group_on_local_sandboxes(runner, backend: LocalBackend):
 @pytest.mark.slow
 def test_cancelled_group_leaves_no_sandbox(runner, backend: LocalBackend):
     started = asyncio.Event()
-    env = AgentEnv(backend, AgentEnvConfig(backend="local", max_turns=5))
+    env = AgentEnv(backend, AgentEnvConfig(max_turns=5))
     namespaces: set[str] = set()
 
     async def main() -> None:

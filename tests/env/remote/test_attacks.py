@@ -405,7 +405,7 @@ def test_getter_of_a_missing_program_scores_without_retrying(pki, secret_env):
     async def main():
         async with FakeSandboxService(token=SECRET, pki=pki) as svc:
             be = RemoteBackend(make_config(svc, pki.ca_path))
-            env = AgentEnv(be, AgentEnvConfig(backend="remote", max_turns=2, eval_retry_delay_s=0))
+            env = AgentEnv(be, AgentEnvConfig(max_turns=2, eval_retry_delay_s=0))
             try:
                 results = await env.run_group(
                     load_task(_missing_program_task()), [0], lambda i: Scripted(["DONE"])

@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent(
                                       token_env=sys.argv[3], poll_interval_s=0.01, settle_s=0.0,
                                       max_creations_per_s=1000.0)
             be = RemoteBackend(cfg)
-            env = AgentEnv(be, AgentEnvConfig(backend="remote", max_turns=2))
+            env = AgentEnv(be, AgentEnvConfig(max_turns=2))
             try:
                 jobs = [asyncio.ensure_future(env.run_group(word_task(w), range(4),
                                                             lambda o: Slow())) for w in "xyz"]

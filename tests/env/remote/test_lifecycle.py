@@ -46,7 +46,7 @@ def test_create_step_evaluate_close(pki):
 
 
 def _run_groups(be, words, owners_per_group, replies_for):
-    env = AgentEnv(be, AgentEnvConfig(backend="remote", max_turns=3, eval_retry_delay_s=0.01))
+    env = AgentEnv(be, AgentEnvConfig(max_turns=3, eval_retry_delay_s=0.01))
 
     async def group(word):
         return await env.run_group(
