@@ -4,7 +4,7 @@ The only library module that imports gin. Files bind ``ClassName.field = value``
 convention: ``--gin_file`` repeatable, later files override earlier ones, ``--gin_param``
 bindings are applied after every file)::
 
-    parse_gin(["configs/osworld_b8n8_r3.gin", "configs/dr_grpo.gin"], ["RLConfig.steps = 2"])
+    parse_gin(["configs/osworld_flash_b8n8_r3_dr_grpo.gin"], ["RLConfig.steps = 2"])
     experiment = build_experiment()
     write_operative_config(run_dir)
 

@@ -3,7 +3,7 @@
 
     python scripts/evaluate.py --model_path=runs/x/weights/step_00000100 --task_set=TASKS \
         --reps=8 --out=calib.jsonl
-    python scripts/evaluate.py --gin_file=configs/osworld_b8n8_r3.gin \
+    python scripts/evaluate.py --gin_file=configs/osworld_flash_b8n8_r3_dr_grpo.gin \
         --server_url=http://sglang-0:30000 --reps=8 --out=calib.jsonl
 
 Writes one calibration line per task ({task_id, reps, passes, failed, mean_reward}) for

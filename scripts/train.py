@@ -2,7 +2,7 @@
 """Train a computer-use agent with RL: gin configs in, `osworld_jax.rl.train` out.
 
     python scripts/train.py                                   # configs/default.gin, CPU, embedded
-    python scripts/train.py --gin_file=configs/osworld_b8n8_r3.gin --gin_file=configs/dr_grpo.gin \
+    python scripts/train.py --gin_file=configs/osworld_flash_b8n8_r3_dr_grpo.gin \
         --gin_param="RLConfig.steps = 200" --run_dir=runs/b8n8
 
 ``--gin_file`` and ``--gin_param`` repeat (later files override earlier ones; params apply

@@ -1,18 +1,36 @@
+import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import pytest
 
 from osworld_jax import config
+from osworld_jax.agent import AgentConfig, CompactionConfig, GroupPolicyConfig
+from osworld_jax.algorithms import LossConfig
+from osworld_jax.data import DataConfig
+from osworld_jax.env import AgentEnvConfig
 from osworld_jax.env.local import LocalBackendConfig
 from osworld_jax.env.osworld_adapter import OSWorldBackendConfig
 from osworld_jax.env.remote import RemoteBackendConfig
 from osworld_jax.errors import ConfigError
+from osworld_jax.model import ModelRuntimeConfig
 from osworld_jax.model.tiny import tiny_config
-from osworld_jax.rl import ExperimentConfig
+from osworld_jax.rl import ExperimentConfig, MeshConfig, ModelSourceConfig, RLConfig, ServerConfig
+from osworld_jax.rollout import RolloutConfig, SamplingParams
+from osworld_jax.trainer import CheckpointConfig, OptimizerConfig, TrainerConfig
+from osworld_jax.trainer.distributed import DistributedConfig
 
 CONFIGS = Path(config.CONFIGS_DIR)
-RECIPES = ["default.gin", "osworld_b8n8_r3.gin", "osworld_b17n16_r3.gin"]
+# The seed's recipes: two alternatives (Dr.GRPO, REINFORCE baseline) of B8/N8 and B17/N16.
+SEED_RECIPES = [
+    f"osworld_flash_{size}_r3_{alt}.gin"
+    for size in ("b8n8", "b17n16")
+    for alt in ("dr_grpo", "reinforce")
+]
+RECIPES = ["default.gin", *SEED_RECIPES]
+# The shared parts of the seed's recipes: they refuse to run without an estimator.
+BASES = ["osworld_flash_b8n8_r3.gin", "osworld_flash_b17n16_r3.gin"]
 FRAGMENTS = ["grpo.gin", "dr_grpo.gin", "reinforce_baseline.gin", "flash_reinforce.gin"]
 FRAGMENTS += ["sglang_servers.gin"]  # tests/rl/test_servers.py
 # The recipe test swaps the real model and servers for tiny, embedded ones.
@@ -24,7 +42,7 @@ TINY = [
 
 
 def test_every_gin_file_is_covered():
-    assert sorted(p.name for p in CONFIGS.glob("*.gin")) == sorted(RECIPES + FRAGMENTS)
+    assert sorted(p.name for p in CONFIGS.glob("*.gin")) == sorted(RECIPES + BASES + FRAGMENTS)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -40,16 +58,92 @@ def test_recipes_build_with_tiny_model(recipe):
     assert exp.rl.num_logical_owners == exp.rl.num_prompts * exp.rl.num_owners
 
 
-def test_recipe_values():
-    b8 = config.load_experiment(["osworld_b8n8_r3.gin"])
-    assert (b8.rl.num_prompts, b8.rl.num_owners, b8.rl.num_logical_owners) == (8, 8, 64)
-    assert b8.rl.mesh.axes() == {"data": 1, "fsdp": 8, "expert": 1, "tensor": 1}
-    assert b8.trainer.optimizer.learning_rate == 5e-6
-    assert b8.trainer.loss.ratio_clip is None  # one optimizer step per rollout batch
-    assert len(b8.rollout.urls) == 2 and b8.model.path.startswith("/")
-    b17 = config.load_experiment(["osworld_b17n16_r3.gin"])
-    assert b17.rl.num_logical_owners == 272 and b17.rl.mesh.fsdp == 8
-    assert b17.trainer.optimizer.learning_rate == 5e-6  # inherited by include
+def seed_recipe(size: str, alternative: str) -> ExperimentConfig:
+    """Every field of a seed recipe, written out (the reference the gin files must build)."""
+    b8 = size == "b8n8"
+    urls = tuple(f"http://sglang-{i}:30000" for i in range(2 if b8 else 4))
+    return ExperimentConfig(
+        model=ModelSourceConfig(path="/checkpoints/qwen3-30b-a3b-osworld-sft"),
+        runtime=ModelRuntimeConfig(
+            dtype="bfloat16", expert_backend="auto", remat="full", scan_layers=True
+        ),
+        trainer=TrainerConfig(
+            optimizer=OptimizerConfig(
+                learning_rate=5e-6, weight_decay=0.01, max_grad_norm=1.0, warmup_steps=0
+            ),
+            checkpoint=CheckpointConfig(save_every=10, keep=3),
+            loss=LossConfig(
+                gate="binary_kl",
+                gate_threshold=0.01,
+                gate_level="sequence",
+                agg_mode="prompt-mean-token-mean",
+                ratio_clip=None,
+            ),
+            num_micro_batches=8 if b8 else 17,
+            router_replay=True,
+        ),
+        rollout=RolloutConfig(
+            urls=urls, sampling=SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=2048)
+        ),
+        server=ServerConfig(launch="none"),
+        env=AgentEnvConfig(max_turns=15),
+        sandbox=LocalBackendConfig(),
+        agent=AgentConfig(
+            image_tokens=0,
+            compaction=CompactionConfig(
+                max_context_tokens=32768, reserved_generation_tokens=2048, every_k_actions=5
+            ),
+        ),
+        group=GroupPolicyConfig(min_healthy_per_group=2, baseline_population="all_owners"),
+        data=DataConfig(task_set=f"/data/osworld/band_{size}"),
+        rl=RLConfig(
+            num_prompts=8 if b8 else 17,
+            num_owners=8 if b8 else 16,
+            steps=200,
+            estimator={"dr_grpo": "dr_grpo", "reinforce": "reinforce_baseline"}[alternative],
+            mesh=MeshConfig(fsdp=8),
+        ),
+        distributed=DistributedConfig(),
+    )
+
+
+@pytest.mark.parametrize("size", ["b8n8", "b17n16"])
+@pytest.mark.parametrize("alternative", ["dr_grpo", "reinforce"])
+def test_seed_recipes_field_by_field(size, alternative):
+    exp = config.load_experiment([f"osworld_flash_{size}_r3_{alternative}.gin"])
+    want = seed_recipe(size, alternative)
+    assert dataclasses.asdict(exp) == dataclasses.asdict(want)  # every field of every room
+    # The seed's defining choices, spelled out:
+    assert (
+        exp.rl.estimator == {"dr_grpo": "dr_grpo", "reinforce": "reinforce_baseline"}[alternative]
+    )
+    assert exp.group.baseline_population == "all_owners"
+    loss = exp.trainer.loss
+    assert (loss.gate, loss.gate_threshold, loss.gate_level) == ("binary_kl", 0.01, "sequence")
+    assert loss.agg_mode == "prompt-mean-token-mean"
+    assert exp.trainer.router_replay and exp.trainer.optimizer.learning_rate == 5e-6
+    assert exp.rl.num_logical_owners == (64 if size == "b8n8" else 272)
+    assert exp.logprob_temperature == 1.0
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_a_recipe_without_an_estimator_refuses_to_run(base):
+    msg = one_line_error([base])
+    # The location is the binding (in the B8/N8 base, which the B17/N16 base includes).
+    assert "osworld_flash_b8n8_r3.gin:" in msg and "RLConfig.estimator" in msg
+    assert "dr_grpo" in msg and "reinforce" in msg
+
+
+def test_an_included_recipe_logs_no_spurious_error(caplog):
+    # gin looks an include up in every search path; a miss before the hit is not an error.
+    with caplog.at_level(logging.DEBUG):
+        for recipe in SEED_RECIPES:
+            config.load_experiment([recipe])
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.records
+    assert not [r for r in caplog.records if "Path not found" in r.getMessage()]
+
+
+def test_default_values():
     default = config.load_experiment(["default.gin"])
     assert (default.rl.num_prompts, default.rl.num_owners) == (2, 4)
     assert default.data.task_set == "bundled" and default.backend == "local"
@@ -66,7 +160,7 @@ def test_recipe_values():
     ],
 )
 def test_fragments_override_the_recipe(fragment, estimator):
-    exp = config.load_experiment(["osworld_b8n8_r3.gin", fragment], TINY)
+    exp = config.load_experiment(["osworld_flash_b8n8_r3.gin", fragment], TINY)
     assert exp.rl.estimator == estimator
     assert exp.rl.num_prompts == 8  # the rest of the recipe is kept
 

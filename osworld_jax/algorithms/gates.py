@@ -1,19 +1,22 @@
 """Binary KL and the off-policy gates (FlashREINFORCE binary-KL gate, geometric ratio band).
 
 A gate compares the rollout engine's logprobs (behaviour, ``mu``) with the trainer's pi_old and
-returns ``(keep, is_weight)``: ``keep`` per row (``level="sequence"``) or per token
-(``level="token"``), and ``is_weight[r, t] = keep * exp(pi_old - mu)``, the unclipped per-token
-importance ratio, 0 wherever the decision is "reject" (a rejected ratio is never exponentiated).
+returns ``(keep, is_weight)``: ``keep`` per row (``level="sequence"``, or ``"owner"``: one
+decision per logical owner, shared by its rows) or per token (``level="token"``), and
+``is_weight[r, t] = keep * exp(pi_old - mu)``, the unclipped per-token importance ratio, 0
+wherever the decision is "reject" (a rejected ratio is never exponentiated).
 """
 
 from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from osworld_jax.algorithms.registries import GATES, Gate, check_gate_level
+from osworld_jax.errors import ConfigError
 
 #: ``(keep, is_weight)``: keep is bool[R] (sequence level) or bool[R, T] (token level).
 GateOutput = tuple[Bool[Array, "R *t"], Float[Array, "R T"]]
@@ -98,12 +101,6 @@ def _finite_weights(
     return jnp.where(ok, jnp.exp(jnp.where(ok, log_ratio, 0.0)), 0.0)
 
 
-def _row_mean(x: Float[Array, "R T"], mask: Bool[Array, "R T"]) -> Float[Array, " R"]:
-    """Mean of ``x`` over the masked tokens of each row (0 for a row without tokens)."""
-    n = jnp.sum(mask, axis=-1)
-    return jnp.sum(jnp.where(mask, x, 0.0), axis=-1) / jnp.maximum(n, 1)
-
-
 def _gate(
     stat: Float[Array, "R T"],
     behavior: Float[Array, "R T"],
@@ -111,25 +108,40 @@ def _gate(
     loss_mask: Float[Array, "R T"],
     threshold: float,
     level: str,
-    row_stat: Float[Array, " R"] | None = None,
+    owner_ids: Int[Array, " R"] | None,
+    num_owners: int | None,
+    *,
+    token_stat: Float[Array, "R T"] | None = None,
+    absolute: bool = False,
 ) -> GateOutput:
     """Keeps where the statistic is ``<= threshold`` and attaches the importance weights.
 
-    Sequence level compares ``row_stat`` (default: the row mean of ``stat`` over loss tokens);
-    token level compares ``stat`` per loss token (masked tokens are kept). A loss token whose
-    behaviour logprob is not finite rejects its row (or itself); masked tokens never count.
+    Sequence level compares the mean of ``stat`` over a row's loss tokens; owner level the mean
+    over all loss tokens of the row's logical owner (every segment pooled: one decision for all
+    its rows); token level compares ``token_stat`` (default ``stat``) per loss token, masked
+    tokens kept. ``absolute`` compares the mean's absolute value. A loss token whose behaviour
+    logprob is not finite rejects its row / owner (or itself); masked tokens never count.
     """
     mask = loss_mask > 0
     bad = mask & ~jnp.isfinite(behavior)
-    if check_gate_level(level) == "sequence":
-        if row_stat is None:
-            row_stat = _row_mean(stat, mask)
-        keep = (row_stat <= threshold) & ~jnp.any(bad, axis=-1)
-        decide = jnp.broadcast_to(keep[:, None], stat.shape)
-    else:
-        keep = ~mask | ((stat <= threshold) & ~bad)
-        decide = keep
-    return keep, _finite_weights(decide, behavior, train)
+    level = check_gate_level(level)
+    if level == "token":
+        ts = stat if token_stat is None else token_stat
+        keep = ~mask | ((ts <= threshold) & ~bad)
+        return keep, _finite_weights(keep, behavior, train)
+    num = jnp.sum(jnp.where(mask, stat, 0.0), axis=-1)  # [R]
+    den = jnp.sum(mask, axis=-1).astype(jnp.float32)  # [R]
+    row_bad = jnp.any(bad, axis=-1).astype(jnp.float32)  # [R]
+    if level == "owner":
+        if owner_ids is None or num_owners is None:
+            raise ConfigError("gate_level 'owner' needs owner_ids and num_owners")
+        pool = lambda x: jax.ops.segment_sum(x, owner_ids, num_segments=num_owners)[owner_ids]
+        num, den, row_bad = pool(num), pool(den), pool(row_bad)  # each row sees its owner's
+    mean = num / jnp.maximum(den, 1.0)
+    if absolute:
+        mean = jnp.abs(mean)
+    keep = (mean <= threshold) & (row_bad == 0)  # [R]
+    return keep, _finite_weights(jnp.broadcast_to(keep[:, None], stat.shape), behavior, train)
 
 
 def flash_reinforce_gate(
@@ -139,6 +151,8 @@ def flash_reinforce_gate(
     *,
     threshold: float = 0.01,
     level: str = "sequence",
+    owner_ids: Int[Array, " R"] | None = None,
+    num_owners: int | None = None,
 ) -> GateOutput:
     """FlashREINFORCE binary-KL gate: reject rows (or tokens) where the policies drifted apart.
 
@@ -149,8 +163,15 @@ def flash_reinforce_gate(
     a rejected row, and 0 wherever ``train - behavior`` is not finite or would overflow float32
     (``> 88``), so weights stay finite.
 
+    Owner level: one decision per logical owner over all its rows (segments),
+    ``stat_o = sum_{r in o, t} m_rt KL_rt / sum_{r in o, t} m_rt`` (its tokens pooled, as
+    ``prompt-mean-token-mean`` pools a group's); every row of the owner gets ``keep_o``.
+
     Token level: ``keep_rt = KL_rt <= threshold`` per loss token (masked tokens are kept) and
     ``is_weight[r, t] = keep_rt * exp(train - behavior)``.
+
+    The direction is KL(behaviour || train): mu = 0.01, pi = 0.03 gives KL(mu || pi) = 0.0092
+    (kept at 0.01) where KL(pi || mu) = 0.0132 would be rejected (tested).
 
     Reference: OpenRLHF PR #1339 (FlashREINFORCE); the NeMo OSWorld-v2 recipes use sequence
     level with threshold 0.01.
@@ -160,7 +181,10 @@ def flash_reinforce_gate(
       train_logprobs: f32[R, T] pi_old logprobs of the same tokens.
       loss_mask: f32[R, T] 1 on trainable tokens.
       threshold: maximum accepted KL statistic.
-      level: ``"sequence"`` (keep is bool[R]) or ``"token"`` (keep is bool[R, T]); static.
+      level: ``"sequence"`` / ``"owner"`` (keep is bool[R]) or ``"token"`` (keep is
+        bool[R, T]); static.
+      owner_ids: i32[R] logical owner of each row (owner level).
+      num_owners: static owner count (owner level).
 
     Returns:
       ``(keep, is_weight)``: bool[R] or bool[R, T], and f32[R, T].
@@ -170,7 +194,7 @@ def flash_reinforce_gate(
     finite = jnp.isfinite(behavior)
     kl = binary_kl(jnp.where(finite, behavior, train), train)
     stat = jnp.where(finite & (loss_mask > 0), kl, 0.0)
-    return _gate(stat, behavior, train, loss_mask, threshold, level)
+    return _gate(stat, behavior, train, loss_mask, threshold, level, owner_ids, num_owners)
 
 
 def ratio_band_gate(
@@ -180,13 +204,16 @@ def ratio_band_gate(
     *,
     threshold: float = 0.01,
     level: str = "sequence",
+    owner_ids: Int[Array, " R"] | None = None,
+    num_owners: int | None = None,
 ) -> GateOutput:
     """Geometric-mean ratio band (seq-mask-tis): keep rows whose mean log-ratio is near 0.
 
     Sequence level: ``keep_r = |sum_t m_rt (pi_rt - mu_rt) / sum_t m_rt| <= threshold``, i.e. the
     geometric-mean importance ratio lies in ``[exp(-threshold), exp(threshold)]``; token level:
-    ``keep_rt = |pi_rt - mu_rt| <= threshold``. Non-finite behaviour rejects, masked tokens never
-    count, and ``is_weight`` is as in :func:`flash_reinforce_gate`.
+    ``keep_rt = |pi_rt - mu_rt| <= threshold``; owner level: the mean over all the owner's loss
+    tokens. Non-finite behaviour rejects, masked tokens never count, and ``is_weight`` is as in
+    :func:`flash_reinforce_gate`.
 
     Reference: verl rollout correction, ``seq-mask-tis`` (geometric sequence-level masking).
 
@@ -195,7 +222,9 @@ def ratio_band_gate(
       train_logprobs: f32[R, T] pi_old logprobs.
       loss_mask: f32[R, T] 1 on trainable tokens.
       threshold: half-width of the accepted band of the (mean) log-ratio.
-      level: ``"sequence"`` or ``"token"`` (static).
+      level: ``"sequence"``, ``"owner"`` or ``"token"`` (static).
+      owner_ids: i32[R] logical owner of each row (owner level).
+      num_owners: static owner count (owner level).
 
     Returns:
       ``(keep, is_weight)`` as in :func:`flash_reinforce_gate`.
@@ -204,8 +233,18 @@ def ratio_band_gate(
     train = jnp.asarray(train_logprobs, jnp.float32)
     ok = jnp.isfinite(behavior) & (loss_mask > 0)
     log_ratio = jnp.where(ok, train - behavior, 0.0)
-    row_stat = jnp.abs(_row_mean(log_ratio, ok))
-    return _gate(jnp.abs(log_ratio), behavior, train, loss_mask, threshold, level, row_stat)
+    return _gate(
+        log_ratio,
+        behavior,
+        train,
+        loss_mask,
+        threshold,
+        level,
+        owner_ids,
+        num_owners,
+        token_stat=jnp.abs(log_ratio),
+        absolute=True,
+    )
 
 
 def no_gate(
@@ -215,6 +254,8 @@ def no_gate(
     *,
     threshold: float = 0.01,
     level: str = "sequence",
+    owner_ids: Int[Array, " R"] | None = None,
+    num_owners: int | None = None,
 ) -> GateOutput:
     """No rejection: keep everything, ``is_weight = exp(train - behavior)`` (0 where not finite).
 
@@ -223,12 +264,14 @@ def no_gate(
       train_logprobs: f32[R, T] pi_old logprobs.
       loss_mask: f32[R, T] unused except for its shape.
       threshold: unused.
-      level: ``"sequence"`` (keep bool[R]) or ``"token"`` (keep bool[R, T]).
+      level: ``"sequence"`` / ``"owner"`` (keep bool[R]) or ``"token"`` (keep bool[R, T]).
+      owner_ids: unused.
+      num_owners: unused.
 
     Returns:
       ``(keep, is_weight)`` with keep all true.
     """
-    del threshold
+    del threshold, owner_ids, num_owners
     behavior = jnp.asarray(behavior_logprobs, jnp.float32)
     train = jnp.asarray(train_logprobs, jnp.float32)
     shape = loss_mask.shape if check_gate_level(level) == "token" else loss_mask.shape[:1]

@@ -26,8 +26,9 @@ class LossConfig:
     Attributes:
       gate: off-policy gate (a name of ``GATES``: ``"binary_kl"``, ``"ratio"``, ``"none"``).
       gate_threshold: the gate's threshold (binary-KL mean, or the log-ratio band half-width).
-      gate_level: where the gate decides: ``"sequence"`` (one decision per row) or
-        ``"token"`` (one per token).
+      gate_level: where the gate decides: ``"sequence"`` (one decision per row), ``"owner"``
+        (one decision per logical owner over all its rows' loss tokens pooled: its segments
+        stand or fall together; needs ``owner_ids``) or ``"token"`` (one per token).
       agg_mode: loss aggregation (a name of ``LOSS_AGG_MODES``).
       ratio_clip: PPO ratio bounds ``(low, high)`` with ``0 < low <= 1 <= high`` (e.g.
         ``(0.8, 1.28)`` for clip epsilons 0.2 / 0.28), or ``None`` (one update per rollout
@@ -110,13 +111,14 @@ def policy_loss(
       old_logprobs: f32[R, T] pi_old when several optimizer steps reuse one rollout batch.
       group_ids: i32[R] prompt group of each row (for ``prompt-mean-token-mean``).
       num_groups: static number of groups.
-      owner_ids: i32[R] logical owner of each row.
+      owner_ids: i32[R] logical owner of each row (also the owner-level gate's unit).
       num_owners: static number of owners.
       norm_length: constant L of ``seq-mean-token-sum-norm``.
 
     Returns:
       ``(loss, metrics)``: f32[] and a dict of f32[] scalars: ``gate_rejected_fraction`` (rejected
-      fraction of rows with loss tokens, or of loss tokens at token level),
+      fraction of rows with loss tokens; of owners at owner level; of loss tokens at token
+      level),
       ``gate_rejected_token_fraction``, ``binary_kl_mean`` (token mean of binary KL(mu, pi_old)
       over loss tokens with finite mu), ``is_weight_mean``, ``ratio_mean``, ``clip_fraction``,
       ``loss_tokens``, ``nonfinite_behavior_tokens``.
@@ -133,7 +135,13 @@ def policy_loss(
     pi_old = jax.lax.stop_gradient(old)
 
     keep, is_weight = gate_fn(
-        behavior, pi_old, mask_f, threshold=config.gate_threshold, level=level
+        behavior,
+        pi_old,
+        mask_f,
+        threshold=config.gate_threshold,
+        level=level,
+        owner_ids=owner_ids,
+        num_owners=num_owners,
     )
     coef = jax.lax.stop_gradient(jnp.where(mask, is_weight, 0.0))
     ratio = jnp.exp(logprobs - pi_old)
@@ -162,6 +170,14 @@ def policy_loss(
     active_rows = jnp.any(mask, axis=-1)
     if level == "token":
         rejected = _masked_mean(rejected_tok.astype(jnp.float32), mask)
+    elif level == "owner":  # the rejected fraction of owners with loss tokens
+        assert owner_ids is not None and num_owners is not None  # the gate checked them
+        per_owner = lambda x: jax.ops.segment_max(  # noqa: E731
+            x.astype(jnp.float32), owner_ids, num_segments=num_owners
+        )
+        active_o = per_owner(active_rows) > 0
+        rejected_o = per_owner(active_rows & ~keep) > 0
+        rejected = _masked_mean(rejected_o.astype(jnp.float32), active_o)
     else:
         rejected = _masked_mean((~keep).astype(jnp.float32), active_rows)
     metrics = {

@@ -47,8 +47,9 @@ class Gate(enum.StrEnum):
     RATIO = "ratio"
 
 
-#: Where a gate decides: one decision per row or one per token (a plain choice: no registry).
-GateLevel = Literal["sequence", "token"]
+#: Where a gate decides: one decision per row, per logical owner (all its rows), or per token
+#: (a plain choice: no registry).
+GateLevel = Literal["sequence", "owner", "token"]
 
 
 ESTIMATORS: Registry[Callable[..., Any]] = Registry("advantage estimator")

@@ -19,7 +19,14 @@ from osworld_jax.env.osworld_adapter import OSWorldBackendConfig
 from osworld_jax.env.remote import RemoteBackendConfig
 from osworld_jax.errors import ConfigError
 from osworld_jax.model.config import ModelRuntimeConfig, Qwen3MoeConfig
-from osworld_jax.rollout.config import SERVER_LAUNCHERS, RolloutConfig, SGLangLaunchConfig
+from osworld_jax.rollout.config import (
+    GREEDY_EPS,
+    SERVER_LAUNCHERS,
+    RolloutConfig,
+    SamplingParams,
+    SGLangLaunchConfig,
+    logprob_temperature,
+)
 from osworld_jax.trainer.config import TrainerConfig
 from osworld_jax.trainer.distributed import DistributedConfig
 
@@ -184,6 +191,72 @@ class ServerConfig:
             )
 
 
+def scoring_problem(sampling: SamplingParams, server: ServerConfig, gate: str) -> str | None:
+    """Why the trainer could not score rollouts of ``sampling`` correctly, or None.
+
+    The trainer scores a token as ``log_softmax(z / T_lp)`` over the whole vocabulary
+    (``T_lp = logprob_temperature``), exactly what SGLang reports. That is the behaviour
+    policy mu only when nothing else shaped the sampling distribution:
+
+    - penalties and ``min_new_tokens`` change the logits the engine's logprobs are taken from in
+      ways that depend on the history: train and rollout logprobs disagree for every gate (its
+      importance weights included);
+    - with an off-policy gate that compares mu with pi (``binary_kl``, ``ratio``), the reported
+      logprobs must also be the distribution the tokens were drawn from: not when top-k / top-p /
+      min-p truncate it, when sampling is greedy (SGLang then reports the temperature-1
+      logprobs of an argmax policy), or when the servers return the untempered logprobs
+      (``return_original_logprob``) of tokens sampled at another temperature.
+
+    Returns:
+      One line naming the fields, or None.
+    """
+    changed = [
+        f"{name} = {getattr(sampling, name)}"
+        for name, neutral in (
+            ("repetition_penalty", 1.0),
+            ("frequency_penalty", 0.0),
+            ("presence_penalty", 0.0),
+            ("min_new_tokens", 0),
+        )
+        if getattr(sampling, name) != neutral
+    ]
+    if changed:
+        return (
+            f"SamplingParams {', '.join(changed)}: the engine's logprobs include history-dependent "
+            "logit changes the trainer cannot reproduce, so train and behaviour logprobs disagree; "
+            "use the neutral values"
+        )
+    if gate == "none":
+        return None
+    why = None
+    truncated = [
+        f"{name} = {getattr(sampling, name)}"
+        for name, neutral in (("top_k", -1), ("top_p", 1.0), ("min_p", 0.0))
+        if getattr(sampling, name) != neutral
+    ]
+    if sampling.temperature < GREEDY_EPS:
+        why = (
+            "SamplingParams.temperature = 0 samples greedily; the engine reports the "
+            "temperature-1 logprobs of an argmax policy"
+        )
+    elif truncated:
+        why = (
+            f"SamplingParams {', '.join(truncated)} truncate the sampling distribution; the engine "
+            "reports (and the trainer scores) the full-vocabulary logprobs"
+        )
+    elif server.return_original_logprob and sampling.temperature != 1.0:
+        why = (
+            f"ServerConfig.return_original_logprob reports temperature-1 logprobs of tokens "
+            f"sampled at SamplingParams.temperature = {sampling.temperature}"
+        )
+    if why is None:
+        return None
+    return (
+        f"LossConfig.gate = {gate!r} compares the behaviour policy with pi, but {why}: use "
+        "LossConfig.gate = 'none' or sample from the full tempered distribution"
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class ExperimentConfig:
     """The root of a run's configuration: one config per room, each fact stated once.
@@ -230,6 +303,9 @@ class ExperimentConfig:
             BACKENDS.validate(self.sandbox, "ExperimentConfig.sandbox")
         else:
             BACKENDS.name_for_config(self.sandbox)  # raises for a config no backend takes
+        problem = scoring_problem(self.rollout.sampling, self.server, self.trainer.loss.gate)
+        if problem:
+            raise ConfigError(problem)
         derived = RolloutConfig()
         for name, source in (
             ("return_routed_experts", "TrainerConfig.router_replay"),
@@ -240,6 +316,19 @@ class ExperimentConfig:
                 raise ConfigError(
                     f"RolloutConfig.{name}: the run derives it from {source}; do not set it"
                 )
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature of the behaviour logprobs, hence of every logprob the trainer computes.
+
+        ``rollout.logprob_temperature(SamplingParams.temperature, return_original_logprob=
+        ServerConfig.return_original_logprob)``: the sampling temperature, or 1 for greedy
+        requests and for servers that return the untempered logprobs.
+        """
+        return logprob_temperature(
+            self.rollout.sampling.temperature,
+            return_original_logprob=self.server.return_original_logprob,
+        )
 
     @property
     def backend(self) -> str:

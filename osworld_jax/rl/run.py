@@ -163,7 +163,9 @@ class RunResources(RolloutResources):
         bounds = BatchBounds(
             num_owners=rl.num_logical_owners, num_groups=rl.num_prompts, norm_length=norm
         )
-        self.trainer = Trainer(exp.trainer, policy, bounds=bounds, mesh=mesh)
+        self.trainer = Trainer(
+            exp.trainer, policy, bounds=bounds, temperature=exp.logprob_temperature, mesh=mesh
+        )
         self.callback(self.trainer.close)  # waits for an in-flight save: the checkpoint stays whole
         runnable = stages.RunnableFilter(exp.backend, exp.cache_dir)
         keep = runnable if exp.data.only_runnable else None

@@ -33,8 +33,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 
-def _chunk_logits(h: Float[Array, "R C H"], w: Float[Array, "H V"]) -> Float[Array, "R C V"]:
-    return jnp.einsum("rch,hv->rcv", h, w, preferred_element_type=jnp.float32)
+def _chunk_logits(
+    h: Float[Array, "R C H"], w: Float[Array, "H V"], temperature: float = 1.0
+) -> Float[Array, "R C V"]:
+    z = jnp.einsum("rch,hv->rcv", h, w, preferred_element_type=jnp.float32)
+    return z if temperature == 1.0 else z / temperature  # SGLang's logits.div_(T), float32
 
 
 def _to_chunks(x: Array, chunk: int) -> Array:
@@ -77,10 +80,10 @@ def softmax_stats(z: Float[Array, "*B V"]) -> tuple[Float[Array, "*B"], Float[Ar
     return lse, lse - t / s
 
 
-def _forward(hidden, w, targets, chunk):
+def _forward(hidden, w, targets, chunk, temperature):
     def body(_, xs):
         h, y = xs  # [R, C, H], [R, C]
-        z = _chunk_logits(h, w)  # [R, C, V] f32
+        z = _chunk_logits(h, w, temperature)  # [R, C, V] f32
         lse, entropy = softmax_stats(z)  # [R, C] x 2
         z_y = jnp.take_along_axis(z, y[..., None], axis=-1)[..., 0]  # [R, C]
         return None, (z_y - lse, entropy, lse)
@@ -98,7 +101,7 @@ def _onehot_minus_p(z, lse, y, dtype):
     return (onehot.astype(jnp.float32) - p).astype(dtype)
 
 
-def _forward_saving(hidden, w, targets, chunk):
+def _forward_saving(hidden, w, targets, chunk, temperature):
     """`_forward` that also returns ``q = onehot - p`` in ``w.dtype``, one [R, C, V] per chunk.
 
     The chunks run as an unrolled Python loop (the saved residual is bounded by ``save_bytes``,
@@ -108,7 +111,7 @@ def _forward_saving(hidden, w, targets, chunk):
     lps, ents, qs = [], [], []
     for i in range(hidden.shape[1] // chunk):
         h, y = hidden[:, i * chunk : (i + 1) * chunk], targets[:, i * chunk : (i + 1) * chunk]
-        z = _chunk_logits(h, w)  # [R, C, V] f32
+        z = _chunk_logits(h, w, temperature)  # [R, C, V] f32
         lse, entropy = softmax_stats(z)  # one pass over z
         z_y = jnp.take_along_axis(z, y[..., None], axis=-1)[..., 0]
         lps.append(z_y - lse)
@@ -117,24 +120,26 @@ def _forward_saving(hidden, w, targets, chunk):
     return jnp.concatenate(lps, axis=1), jnp.concatenate(ents, axis=1), tuple(qs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _chunked_logprobs(hidden, w, targets, chunk, save):
-    lp, ent, _ = _forward(hidden, w, targets, chunk)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _chunked_logprobs(hidden, w, targets, chunk, save, temperature):
+    lp, ent, _ = _forward(hidden, w, targets, chunk, temperature)
     return lp, ent
 
 
-def _chunked_logprobs_fwd(hidden, w, targets, chunk, save):
+def _chunked_logprobs_fwd(hidden, w, targets, chunk, save, temperature):
     if save:
-        lp, ent, q = _forward_saving(hidden, w, targets, chunk)
+        lp, ent, q = _forward_saving(hidden, w, targets, chunk, temperature)
         return (lp, ent), (hidden, w, None, q)
-    lp, ent, lse = _forward(hidden, w, targets, chunk)
+    lp, ent, lse = _forward(hidden, w, targets, chunk, temperature)
     return (lp, ent), (hidden, w, targets, lse)
 
 
-def _chunked_logprobs_bwd(chunk, save, residuals, cotangents):
+def _chunked_logprobs_bwd(chunk, save, temperature, residuals, cotangents):
     hidden, w, targets, saved = residuals
     g_lp, _ = cotangents  # the entropy output is a metric: its cotangent is ignored (see below)
     g_lp = g_lp.astype(jnp.float32)
+    if temperature != 1.0:  # z = h W / T: every d/dh, d/dW carries 1/T, as g does
+        g_lp = g_lp / temperature
     if save:  # saved q = onehot - p, per chunk: two GEMMs each, g as a row scale
         gh = (g_lp[..., None] * hidden.astype(jnp.float32)).astype(w.dtype)  # [R, T, H]
         dhs, dw = [], jnp.zeros(w.shape, jnp.float32)
@@ -148,7 +153,7 @@ def _chunked_logprobs_bwd(chunk, save, residuals, cotangents):
 
     def body(dw, xs):
         h, y, lse_c, g = xs  # [R, C, H], [R, C], [R, C], [R, C]
-        z = _chunk_logits(h, w)  # [R, C, V] f32, recomputed
+        z = _chunk_logits(h, w, temperature)  # [R, C, V] f32, recomputed
         dz = (g[..., None] * _onehot_minus_p(z, lse_c, y, jnp.float32)).astype(w.dtype)
         dh = jnp.einsum("rcv,hv->rch", dz, w, preferred_element_type=jnp.float32)
         dw = dw + jnp.einsum("rch,rcv->hv", h, dz, preferred_element_type=jnp.float32)
@@ -181,13 +186,15 @@ def token_logprobs(
     *,
     chunk: int = 1024,
     save_bytes: int | None = None,
+    temperature: float = 1.0,
 ) -> tuple[Float[Array, "R T"], Float[Array, "R T"]]:
     """Logprob of each token under the logits of the previous position, and the entropy there.
 
-    ``out[r, t] = log softmax(hidden[r, t-1] @ unembed)[tokens[r, t]]`` for ``t >= 1`` and
-    ``out[r, 0] = 0`` (position 0 has no prediction and is never trainable), i.e. aligned to
-    ``tokens`` as the ``Batch`` contract requires. ``entropy[r, t]`` is the entropy of that same
-    predictive distribution, ``H = lse(z) - sum softmax(z) z`` (0 at ``t = 0``).
+    ``out[r, t] = log softmax(hidden[r, t-1] @ unembed / temperature)[tokens[r, t]]`` for
+    ``t >= 1`` and ``out[r, 0] = 0`` (position 0 has no prediction and is never trainable),
+    i.e. aligned to ``tokens`` as the ``Batch`` contract requires. ``entropy[r, t]`` is the
+    entropy of that same predictive distribution, ``H = lse(z) - sum softmax(z) z`` (0 at
+    ``t = 0``).
 
     The sequence is processed ``chunk`` positions at a time (via a ``custom_vjp``), so at most
     one float32 ``[R, chunk, V]`` logit block exists at a time; the sequence is padded up to a
@@ -203,6 +210,9 @@ def token_logprobs(
       chunk: sequence positions per chunk.
       save_bytes: most bytes the saved ``onehot - p`` residual may take (None:
         `DEFAULT_SAVE_BYTES`; 0: always recompute).
+      temperature: the logits are ``hidden @ unembed / temperature`` (float32, as SGLang's
+        sampler divides them): logprobs and entropy of the tempered distribution, the one the
+        rollout engine's logprobs refer to (``rollout.logprob_temperature``). Static.
 
     Returns:
       ``(logprobs, entropy)``, both f32[R, T].
@@ -215,7 +225,9 @@ def token_logprobs(
         hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
         targets = jnp.pad(targets, ((0, 0), (0, pad)))
     save = saves_probs(r, hidden.shape[1], unembed.shape[-1], unembed.dtype, save_bytes)
-    lp, ent = _chunked_logprobs(hidden, unembed, targets.astype(jnp.int32), chunk, save)
+    lp, ent = _chunked_logprobs(
+        hidden, unembed, targets.astype(jnp.int32), chunk, save, float(temperature)
+    )
     zero = jnp.zeros((r, 1), jnp.float32)
     lp = jnp.concatenate([zero, lp[:, : t - 1]], axis=1)
     ent = jnp.concatenate([zero, jax.lax.stop_gradient(ent[:, : t - 1])], axis=1)

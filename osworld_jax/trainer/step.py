@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from osworld_jax.algorithms import LossConfig, aggregate_loss, policy_loss
+from osworld_jax.algorithms import GATES, LossConfig, aggregate_loss, policy_loss
 from osworld_jax.batch import BatchBounds
 from osworld_jax.model import ModelRuntimeConfig, Qwen3MoeConfig, forward, unembed_matrix
 from osworld_jax.trainer.config import TrainerConfig
@@ -107,6 +107,8 @@ def micro_batch_policy_loss(
     weights: jax.Array,
     old_logprobs: jax.Array | None,
     loss: LossConfig,
+    *,
+    num_owners: int | None = None,
 ) -> jax.Array:
     """``sum_{rt in micro-batch} W_rt l_rt``: this micro-batch's exact share of the batch loss.
 
@@ -123,7 +125,10 @@ def micro_batch_policy_loss(
       mb: the micro-batch rows.
       weights: f32[r, T] the rows' slice of the full-batch weights ``W``.
       old_logprobs: f32[r, T] pi_old, or None (pi_old = stop_gradient(logprobs)).
-      loss: gate and clipping settings (its ``agg_mode`` is already in ``weights``).
+      loss: gate and clipping settings (its ``agg_mode`` is already in ``weights``). An
+        owner-level gate decides on these rows' owners alone: the whole batch must be one
+        micro-batch (`_gate_owners_first` handles several).
+      num_owners: the owner-id bound (owner-level gate).
 
     Returns:
       f32[] the micro-batch's loss share.
@@ -138,6 +143,8 @@ def micro_batch_policy_loss(
         mask,
         config=dataclasses.replace(loss, agg_mode="token-mean"),
         old_logprobs=old_logprobs,
+        owner_ids=mb.owner_ids,  # the owner-level gate's unit (token-mean ignores them)
+        num_owners=num_owners,
     )
     return value
 
@@ -177,11 +184,13 @@ def score_rows(
     model: Qwen3MoeConfig,
     runtime: ModelRuntimeConfig,
     config: TrainerConfig,
+    temperature: float = 1.0,
 ) -> Scores:
     """Token logprobs, entropy, router losses and R3 agreement of some rows.
 
     The model room's pure ``forward`` on ``batch`` (routes replayed from
-    ``batch.routed_experts`` when ``config.router_replay``), then the chunked log-softmax head.
+    ``batch.routed_experts`` when ``config.router_replay``), then the chunked log-softmax head
+    at ``temperature`` (the one the behaviour logprobs refer to).
     """
     params = compute_params(params, runtime)
     out = forward(
@@ -195,7 +204,11 @@ def score_rows(
         return_logits=False,
     )
     lp, ent = token_logprobs(
-        out.hidden, unembed_matrix(params, model), batch.tokens, chunk=config.logprob_chunk
+        out.hidden,
+        unembed_matrix(params, model),
+        batch.tokens,
+        chunk=config.logprob_chunk,
+        temperature=temperature,
     )
     aux = out.aux
     return Scores(lp, ent, aux["total"], aux["agreeing_routes"], aux["replayed_routes"])
@@ -224,19 +237,23 @@ def _accumulate(
     mask = batch.loss_mask * batch.row_weight[:, None]  # [R, T]
     weights = token_loss_weights(mask, batch, bounds, loss.agg_mode)  # [R, T]
     split = functools.partial(split_micro, m=m)
+    # Differentiate w.r.t. the compute-dtype copy the forward runs on (cast once, out of the
+    # micro-batch loop): the same values as through the master -> compute cast, but every
+    # per-micro-batch gradient tree is in the compute dtype (bf16), not the master's.
+    compute = compute_params(params, runtime)
+    if loss.gate_level == "owner" and m > 1:
+        batch, old_logprobs, loss = _gate_owners_first(
+            compute, batch, old_logprobs, mask, score=score, loss=loss, bounds=bounds, m=m
+        )
     old = None if old_logprobs is None else split(old_logprobs)
     micro = (jax.tree.map(split, batch), split(weights), old)
 
     def micro_loss(p: Params, mb: DeviceBatch, w: jax.Array, o: jax.Array | None) -> Any:
         s = score(p, mb)
-        pl = micro_batch_policy_loss(s.logprobs, mb, w, o, loss)
+        pl = micro_batch_policy_loss(s.logprobs, mb, w, o, loss, num_owners=bounds.num_owners)
         return pl + s.aux_loss / m, (pl, s)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-    # Differentiate w.r.t. the compute-dtype copy the forward runs on (cast once, out of the
-    # micro-batch loop): the same values as through the master -> compute cast, but every
-    # per-micro-batch gradient tree is in the compute dtype (bf16), not the master's.
-    compute = compute_params(params, runtime)
     if m == 1:  # no accumulator
         (_, out), grads = grad_fn(compute, *jax.tree.map(lambda x: x[0], micro))
         pls, scores = jax.tree.map(lambda x: x[None], out)
@@ -259,18 +276,66 @@ def _accumulate(
     return grads, merged, jnp.sum(pls)
 
 
-def _scorer(model: Qwen3MoeConfig, runtime: ModelRuntimeConfig, config: TrainerConfig) -> ScoreFn:
-    return functools.partial(score_rows, model=model, runtime=runtime, config=config)
+def _gate_owners_first(
+    compute: Params,
+    batch: DeviceBatch,
+    old_logprobs: jax.Array | None,
+    mask: jax.Array,
+    *,
+    score: ScoreFn,
+    loss: LossConfig,
+    bounds: BatchBounds,
+    m: int,
+) -> tuple[DeviceBatch, jax.Array, LossConfig]:
+    """The owner-level gate over the whole batch, before micro-batching splits owners apart.
+
+    An owner's rows land in different micro-batches (rows ``i, i + M, ...``), but its decision
+    pools all of them, so it is taken here on the full batch: pi_old of every row (one
+    forward-only pass when ``old_logprobs`` is None: the extra cost of ``gate_level='owner'``
+    with micro-batches), then the configured gate at owner level. The micro-batches then run
+    gate ``'none'`` on advantages zeroed for the rejected owners: the same loss and gradient,
+    since the gated token loss is ``-keep * exp(pi_old - mu) * ratio * A`` and a rejected
+    owner's rows keep their masks, hence their denominators.
+
+    Returns:
+      ``(batch with rejected owners' advantages 0, pi_old f32[R, T], loss with gate 'none')``.
+    """
+    if old_logprobs is None:
+        micro = jax.tree.map(functools.partial(split_micro, m=m), batch)
+        lps = jax.lax.map(lambda mb: score(compute, mb).logprobs, micro)
+        old_logprobs = jax.lax.stop_gradient(merge_micro(lps))
+    keep, _ = GATES.get(loss.gate)(
+        batch.behavior_logprobs,
+        old_logprobs,
+        mask,
+        threshold=loss.gate_threshold,
+        level="owner",
+        owner_ids=batch.owner_ids,
+        num_owners=bounds.num_owners,
+    )  # bool[R], one decision per owner
+    gated = batch._replace(advantages=jnp.where(keep[:, None], batch.advantages, 0.0))
+    return gated, old_logprobs, dataclasses.replace(loss, gate="none", gate_level="sequence")
+
+
+def _scorer(
+    model: Qwen3MoeConfig, runtime: ModelRuntimeConfig, config: TrainerConfig, temperature: float
+) -> ScoreFn:
+    return functools.partial(
+        score_rows, model=model, runtime=runtime, config=config, temperature=temperature
+    )
 
 
 def make_logprobs(
-    model: Qwen3MoeConfig, runtime: ModelRuntimeConfig, config: TrainerConfig
+    model: Qwen3MoeConfig,
+    runtime: ModelRuntimeConfig,
+    config: TrainerConfig,
+    temperature: float = 1.0,
 ) -> Callable[[Params, DeviceBatch], jax.Array]:
     """``logprobs(params, batch) -> f32[R, T]``: forward-only token logprobs (e.g. pi_old).
 
-    The same micro-batching, chunking and router replay as the train step.
+    The same micro-batching, chunking, router replay and temperature as the train step.
     """
-    score = _scorer(model, runtime, config)
+    score = _scorer(model, runtime, config, temperature)
     m = config.num_micro_batches
 
     def logprobs(params: Params, batch: DeviceBatch) -> jax.Array:
@@ -285,11 +350,12 @@ def make_gradients(
     runtime: ModelRuntimeConfig,
     config: TrainerConfig,
     bounds: BatchBounds,
+    temperature: float = 1.0,
 ) -> Callable[[Params, DeviceBatch], tuple[jax.Array, Params]]:
     """``gradients(params, batch) -> (loss, d loss / d params)`` exactly as the step has them."""
     accumulate = functools.partial(
         _accumulate,
-        score=_scorer(model, runtime, config),
+        score=_scorer(model, runtime, config, temperature),
         runtime=runtime,
         loss=config.loss,
         bounds=bounds,
@@ -312,6 +378,7 @@ def make_train_step(
     tx: optax.GradientTransformation,
     schedule: optax.Schedule,
     labels: Params,
+    temperature: float = 1.0,
 ) -> Callable[[TrainState, DeviceBatch, jax.Array | None], tuple[TrainState, Metrics]]:
     """The train step of one policy, loss and optimizer, as a pure function.
 
@@ -323,6 +390,8 @@ def make_train_step(
       tx: the optax optimizer.
       schedule: its learning-rate schedule (reported as the ``lr`` metric).
       labels: ``"trainable"`` / ``"frozen"`` per parameter (frozen ones leave the grad norm).
+      temperature: the logits are divided by it before the log-softmax (logprobs, entropy,
+        gate, loss): the temperature the batch's behaviour logprobs refer to.
 
     Returns:
       ``train_step(state, batch, old_logprobs) -> (state, metrics)``: ``old_logprobs`` f32[R, T]
@@ -333,7 +402,7 @@ def make_train_step(
     """
     accumulate = functools.partial(
         _accumulate,
-        score=_scorer(model, runtime, config),
+        score=_scorer(model, runtime, config, temperature),
         runtime=runtime,
         loss=config.loss,
         bounds=bounds,

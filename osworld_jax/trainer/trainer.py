@@ -77,6 +77,8 @@ class Trainer:
       config: the trainer config.
       bounds: the owner / group id bounds and the norm length every batch is trained under
         (fixed: the step compiles once per padded batch shape).
+      temperature: the temperature of every logprob the trainer computes (that of the
+        behaviour logprobs).
       model: the policy's architecture.
       runtime: how the policy computes.
       mesh: the device mesh (a 1-device mesh by default).
@@ -96,6 +98,7 @@ class Trainer:
         policy: Policy,
         *,
         bounds: BatchBounds,
+        temperature: float = 1.0,
         mesh: Mesh | None = None,
         rules: ShardingRules | None = None,
     ):
@@ -107,10 +110,15 @@ class Trainer:
             parameters come from ``init_state(params=...)`` or ``init_state(init_fn=...)``);
             its ``config`` and ``runtime`` define the model the step runs.
           bounds: owner / group id bounds and the ``seq-mean-token-sum-norm`` constant.
+          temperature: the temperature the batches' behaviour logprobs refer to (a run derives
+            it from the sampling config: ``ExperimentConfig.logprob_temperature``); every
+            logprob the trainer computes (gate, loss, metrics, `logprobs`) is at it. > 0.
           mesh: the device mesh with axes data/fsdp/expert/tensor (default: 1 device).
           rules: parameter sharding rules and the batch axes (default ``ShardingRules()``).
         """
-        self.config, self.bounds = config, bounds
+        if not temperature > 0:
+            raise TrainerError(f"Trainer: temperature must be > 0, got {temperature}")
+        self.config, self.bounds, self.temperature = config, bounds, float(temperature)
         self.model, self.runtime = policy.config, policy.runtime
         self._policy_type = type(policy)
         self.mesh = mesh if mesh is not None else make_mesh()
@@ -161,6 +169,7 @@ class Trainer:
             tx=self.tx,
             schedule=self.schedule,
             labels=labels,
+            temperature=self.temperature,
         )
         self._train_step = jax.jit(
             step,
@@ -169,12 +178,12 @@ class Trainer:
             donate_argnums=0,
         )
         self._logprobs = jax.jit(
-            make_logprobs(self.model, self.runtime, config),
+            make_logprobs(self.model, self.runtime, config, self.temperature),
             in_shardings=(self.param_shardings, self._rows),
             out_shardings=self._rows,
         )
         self._gradients = jax.jit(
-            make_gradients(self.model, self.runtime, config, bounds),
+            make_gradients(self.model, self.runtime, config, bounds, self.temperature),
             in_shardings=(self.param_shardings, self._rows),
             out_shardings=(self._replicated, self.param_shardings),
         )

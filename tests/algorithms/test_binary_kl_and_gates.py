@@ -260,3 +260,65 @@ def test_gate_traced_once_per_shape():
     for _ in range(3):
         b = jnp.asarray(-rng.random((3, 5)), jnp.float32)
         f(b, b + 0.01, jnp.asarray(rng.random((3, 5)) > 0.3, jnp.float32))
+
+
+# --- the gate's direction and the owner level (issue 14 item 3) -----------------------------
+
+
+def test_gate_direction_is_kl_of_behaviour_from_train():
+    # Behaviour mu = 0.01, train pi = 0.03 on one loss token (threshold 0.01):
+    # KL(mu || pi) = 0.01 ln(0.01 / 0.03) + 0.99 ln(0.99 / 0.97)
+    #             = 0.01 (-1.0986123) + 0.99 (0.0204089) = -0.0109861 + 0.0202048 = 0.0092187
+    #   <= 0.01: kept;
+    # KL(pi || mu) = 0.03 ln 3 + 0.97 ln(0.97 / 0.99) = 0.0329584 - 0.0197966 = 0.0131618
+    #   > 0.01: a gate with the arguments swapped would reject the row.
+    mu, pi = math.log(0.01), math.log(0.03)
+    forward_kl = float(binary_kl(jnp.float32(mu), jnp.float32(pi)))
+    reverse_kl = float(binary_kl(jnp.float32(pi), jnp.float32(mu)))
+    assert forward_kl == pytest.approx(0.0092187, rel=1e-4)
+    assert reverse_kl == pytest.approx(0.0131618, rel=1e-4)
+    beh, train, mask = jnp.full((1, 1), mu), jnp.full((1, 1), pi), jnp.ones((1, 1))
+    for level in ("sequence", "token", "owner"):
+        keep, w = flash_reinforce_gate(
+            beh, train, mask, threshold=0.01, level=level, owner_ids=jnp.zeros(1, int), num_owners=1
+        )
+        assert bool(np.all(keep)), level  # KL(mu || pi) = 0.0092 <= 0.01
+        np.testing.assert_allclose(w, [[3.0]], rtol=1e-5)  # exp(pi - mu) = 0.03 / 0.01
+    # The same numbers with the roles swapped are rejected: the direction is pinned.
+    keep, w = flash_reinforce_gate(train, beh, mask, threshold=0.01, level="sequence")
+    assert not bool(keep[0]) and float(w[0, 0]) == 0.0
+
+
+def test_owner_level_pools_an_owners_segments():
+    # Owner 0 has rows 0 and 1 (two segments), owner 1 has row 2. Per-token binary KL:
+    # row 0: mu 0.5 vs pi 0.25 -> KL(0.5 || 0.25) = 0.5 ln(4/3) = 0.1438410 on 1 loss token;
+    # row 1: identical -> 0 on 3 loss tokens; row 2: mu 0.48 vs pi 0.5 -> 0.000800 (kept alone).
+    # Sequence level (threshold 0.05): row 0 rejected (0.1438), rows 1, 2 kept.
+    # Owner level: owner 0 pools 4 tokens: 0.1438410 / 4 = 0.0359602 <= 0.05: rows 0 AND 1
+    # kept; at threshold 0.03 owner 0 is rejected as a whole (rows 0 and 1), owner 1 kept.
+    h = math.log(0.5)
+    beh = jnp.array([[h, 0, 0, 0], [h, h, h, 0], [math.log(0.48), 0, 0, 0]])
+    train = jnp.array([[math.log(0.25), 0, 0, 0], [h, h, h, 0], [h, 0, 0, 0]])
+    mask = jnp.array([[1.0, 0, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0]])
+    owners = jnp.array([0, 0, 1])
+    kw = dict(owner_ids=owners, num_owners=2)
+    seq, _ = flash_reinforce_gate(beh, train, mask, threshold=0.05, level="sequence")
+    np.testing.assert_array_equal(seq, [False, True, True])
+    own, w = flash_reinforce_gate(beh, train, mask, threshold=0.05, level="owner", **kw)
+    np.testing.assert_array_equal(own, [True, True, True])
+    np.testing.assert_allclose(w[0, 0], 0.5, rtol=1e-5)  # exp(pi - mu) = 0.25 / 0.5, kept
+    own, w = flash_reinforce_gate(beh, train, mask, threshold=0.03, level="owner", **kw)
+    np.testing.assert_array_equal(own, [False, False, True])
+    assert float(jnp.abs(w[:2]).sum()) == 0.0
+    # A non-finite behaviour logprob in one segment rejects the whole owner.
+    bad = beh.at[1, 2].set(jnp.nan)
+    own, _ = flash_reinforce_gate(bad, train, mask, threshold=1.0, level="owner", **kw)
+    np.testing.assert_array_equal(own, [False, False, True])
+    # Ratio band at owner level: |mean over the owner's tokens of (pi - mu)| =
+    # |ln(0.25/0.5)| / 4 = 0.1732868: rejected at 0.1, kept at 0.2 (row 0 alone: 0.693).
+    own, _ = ratio_band_gate(beh, train, mask, threshold=0.1, level="owner", **kw)
+    np.testing.assert_array_equal(own, [False, False, True])
+    own, _ = ratio_band_gate(beh, train, mask, threshold=0.2, level="owner", **kw)
+    np.testing.assert_array_equal(own, [True, True, True])
+    with pytest.raises(ConfigError, match="owner_ids"):
+        flash_reinforce_gate(beh, train, mask, level="owner")

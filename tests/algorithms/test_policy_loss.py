@@ -141,7 +141,7 @@ def test_bad_configuration_raises():
 
 # --- the gradient rule on random inputs ------------------------------------------------------
 R, T, NO, NG, NORM = 6, 5, 4, 3, 9
-jit_gate = jax.jit(flash_reinforce_gate, static_argnames=("threshold", "level"))
+jit_gate = jax.jit(flash_reinforce_gate, static_argnames=("threshold", "level", "num_owners"))
 
 
 def denominators(mask, mode, owners, groups):
@@ -177,10 +177,13 @@ def loss_inputs(draw):
 
 
 @SETTINGS
-@given(loss_inputs(), st.sampled_from([m.value for m in LossAggMode]), st.booleans())
-def test_gradient_is_minus_coef_times_advantage_over_denominator(inputs, mode, token_level):
+@given(
+    loss_inputs(),
+    st.sampled_from([m.value for m in LossAggMode]),
+    st.sampled_from(["sequence", "token", "owner"]),
+)
+def test_gradient_is_minus_coef_times_advantage_over_denominator(inputs, mode, level):
     lp, beh, adv, mask, owners, groups = inputs
-    level = "token" if token_level else "sequence"
     kw = dict(
         agg_mode=mode,
         gate_level=level,
@@ -191,12 +194,31 @@ def test_gradient_is_minus_coef_times_advantage_over_denominator(inputs, mode, t
         norm_length=NORM,
     )
     _, grad = loss_and_grad(jnp.asarray(lp), beh, adv, mask, **kw)
-    keep, _ = jit_gate(beh, lp, mask, level=level)
-    keep = np.asarray(keep) if token_level else np.asarray(keep)[:, None]
+    keep, _ = jit_gate(beh, lp, mask, level=level, owner_ids=jnp.asarray(owners), num_owners=NO)
+    keep = np.asarray(keep) if level == "token" else np.asarray(keep)[:, None]
     coef = keep * mask * np.exp(lp.astype(np.float64) - beh)
     den = denominators(mask, mode, owners, groups)
     want = np.where(mask > 0, -coef * adv / np.maximum(den, 1), 0.0)
     np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-5, atol=1e-7)
+
+
+def test_owner_level_rejected_fraction_counts_owners():
+    # Rows 0, 1 belong to owner 0, row 2 to owner 1. Row 0's token: mu 0.25 vs pi 0.5,
+    # KL(0.25 || 0.5) = 0.1308; row 1's: identical (KL 0); pooled over owner 0: 0.0654 > 0.01:
+    # owner 0 (both rows) rejected, owner 1 kept -> 1 of 2 owners, 2 of 3 rows' tokens.
+    lp = jnp.full((3, 1), math.log(0.5))
+    beh = jnp.log(jnp.array([[0.25], [0.5], [0.5]]))
+    adv, mask = jnp.ones((3, 1)), jnp.ones((3, 1))
+    owners = jnp.array([0, 0, 1])
+    kw = dict(agg_mode="token-mean", owner_ids=owners, num_owners=2)
+    (loss, m), grad = loss_and_grad(lp, beh, adv, mask, gate_level="owner", **kw)
+    assert float(m["gate_rejected_fraction"]) == pytest.approx(0.5)
+    assert float(m["gate_rejected_token_fraction"]) == pytest.approx(2 / 3)
+    # token-mean over 3 tokens; only row 2 keeps coef exp(0) = 1: d loss / d lp = -1/3 there.
+    chex.assert_trees_all_close(grad, jnp.array([[0.0], [0.0], [-1 / 3]]), atol=1e-7)
+    assert float(loss) == pytest.approx(-1 / 3, rel=1e-6)
+    with pytest.raises(ConfigError, match="owner_ids"):
+        loss_and_grad(lp, beh, adv, mask, gate_level="owner", agg_mode="token-mean")
 
 
 def test_jit_traced_once_and_equal_to_eager():

@@ -109,7 +109,9 @@ def test_config_validation():
 
 
 def test_fragment_starts_two_sglang_servers(tmp_path):
-    exp = config.load_experiment([CONFIGS / "osworld_b8n8_r3.gin", CONFIGS / "sglang_servers.gin"])
+    exp = config.load_experiment(
+        [CONFIGS / "osworld_flash_b8n8_r3_dr_grpo.gin", CONFIGS / "sglang_servers.gin"]
+    )
     assert exp.server.launch == "sglang" and exp.server.sglang.num_servers == 2
     group = server_group(exp, "/ckpt", tmp_path)
     assert group.urls == ("http://127.0.0.1:30000", "http://127.0.0.1:30001")
