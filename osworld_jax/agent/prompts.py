@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from osworld_jax.agent.config import AgentConfig
-from osworld_jax.env.actions import ACTION_SPACES
+from osworld_jax.env.actions import ActionSpace
+from osworld_jax.registry import check_choice
 
 if TYPE_CHECKING:
     from osworld_jax.agent.template import AgentTokenizer
@@ -67,7 +68,7 @@ def system_prompt(config: AgentConfig, action_space: str = "pyautogui") -> str:
     """
     if config.system_prompt is not None:
         return config.system_prompt
-    ACTION_SPACES.validate(action_space, "action_space")
+    check_choice(action_space, ActionSpace, "action_space", "action space")
     body = _PYAUTOGUI if action_space == "pyautogui" else _COMPUTER_13
     return body.format(w=config.screen_width, h=config.screen_height, special=_SPECIAL_ACTIONS)
 

@@ -21,9 +21,9 @@ import json
 import re
 import string
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
-from osworld_jax.registry import Registry
+from osworld_jax.registry import check_choice
 
 
 class ActionKind(enum.StrEnum):
@@ -37,9 +37,8 @@ class ActionKind(enum.StrEnum):
 
 
 SPECIAL = (ActionKind.WAIT, ActionKind.DONE, ActionKind.FAIL)
-ACTION_SPACES: Registry[str] = Registry("action space")
-ACTION_SPACES.add("pyautogui", "pyautogui")
-ACTION_SPACES.add("computer_13", "computer_13")
+#: How model text is written: pyautogui code, or OSWorld's computer_13 JSON actions.
+ActionSpace = Literal["pyautogui", "computer_13"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -358,7 +357,7 @@ def parse_action(text: str, action_space: str = "pyautogui") -> Action:
     Raises:
       ConfigError: an unknown ``action_space`` (a configuration error, not model output).
     """
-    ACTION_SPACES.validate(action_space, "action_space")
+    check_choice(action_space, ActionSpace, "action_space", "action space")
     body = _THINK.sub("", text or "")
     if not body.strip():
         return _fail(text, "empty output")

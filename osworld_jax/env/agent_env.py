@@ -18,7 +18,7 @@ import inspect
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
-from osworld_jax.env.actions import ACTION_SPACES, Action, parse_action
+from osworld_jax.env.actions import Action, ActionSpace, parse_action
 from osworld_jax.env.backend import (
     Observation,
     Sandbox,
@@ -31,6 +31,7 @@ from osworld_jax.env.backend import (
 from osworld_jax.env.protocol import is_transient
 from osworld_jax.env.tasks import Task
 from osworld_jax.errors import ConfigError, InfraError
+from osworld_jax.registry import check_choice
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,7 +52,7 @@ class AgentEnvConfig:
     """
 
     max_turns: int = 15
-    action_space: str = "pyautogui"
+    action_space: ActionSpace = "pyautogui"
     create_timeout_s: float = 600.0
     fork_timeout_s: float = 600.0
     step_timeout_s: float = 120.0
@@ -68,7 +69,7 @@ class AgentEnvConfig:
             raise ConfigError(
                 f"AgentEnvConfig.eval_attempts must be >= 1, got {self.eval_attempts}"
             )
-        ACTION_SPACES.validate(self.action_space, "AgentEnvConfig.action_space")
+        check_choice(self.action_space, ActionSpace, "AgentEnvConfig.action_space", "action space")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from osworld_jax.model.errors import ModelConfigError
 
@@ -304,6 +305,12 @@ def _parse_rope(d: Mapping[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...
     return float(theta), tuple(sorted(scaling.items()))
 
 
+#: Parameter and compute dtypes of the policy.
+ComputeDtype = Literal["float32", "bfloat16"]
+#: Attention kernels: XLA's (any rows) or cuDNN's fused causal attention (one-segment rows).
+Attention = Literal["xla", "cudnn"]
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelRuntimeConfig:
     """How the policy computes (not what it computes).
@@ -339,13 +346,13 @@ class ModelRuntimeConfig:
     """
 
     expert_backend: str = "auto"
-    dtype: str = "float32"
+    dtype: ComputeDtype = "float32"
     remat: str = "none"
     scan_layers: bool = False
     router_aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0
     activation_batch_axes: tuple[str, ...] = ("data", "fsdp", "expert")
-    attention: str = "xla"
+    attention: Attention = "xla"
     attention_chunk: int = 0
     vision_attention_chunk: int = 1024
 
@@ -358,7 +365,7 @@ class ModelRuntimeConfig:
             REMAT_POLICIES.validate(self.remat, "ModelRuntimeConfig.remat")
         except Exception as e:
             raise ModelConfigError(str(e)) from None
-        if self.attention not in ("xla", "cudnn"):
+        if self.attention not in typing.get_args(Attention):
             raise ModelConfigError(
                 f"ModelRuntimeConfig.attention: {self.attention!r}; choose 'xla' or 'cudnn'"
             )
@@ -367,7 +374,7 @@ class ModelRuntimeConfig:
                 raise ModelConfigError(
                     f"ModelRuntimeConfig.{key}: {getattr(self, key)} must be >= 0"
                 )
-        if self.dtype not in ("float32", "bfloat16"):
+        if self.dtype not in typing.get_args(ComputeDtype):
             raise ModelConfigError(
                 f"ModelRuntimeConfig.dtype: {self.dtype!r}; choose 'float32' or 'bfloat16'"
             )

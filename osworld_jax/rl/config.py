@@ -19,11 +19,12 @@ from osworld_jax.env.osworld_adapter import OSWorldBackendConfig
 from osworld_jax.env.remote import RemoteBackendConfig
 from osworld_jax.errors import ConfigError
 from osworld_jax.model.config import ModelRuntimeConfig, Qwen3MoeConfig
+from osworld_jax.registry import check_choice
 from osworld_jax.rollout.config import (
     GREEDY_EPS,
-    SERVER_LAUNCHERS,
     RolloutConfig,
     SamplingParams,
+    ServerLauncher,
     SGLangLaunchConfig,
     logprob_temperature,
 )
@@ -155,7 +156,7 @@ class ServerConfig:
         osworld_jax.rollout.serve`` on the run's model) or ``sglang`` (start real SGLang
         servers, ``python -m sglang.launch_server``, configured by ``sglang``); started
         servers replace ``RolloutConfig.urls`` and stop when the run ends (see
-        `SERVER_LAUNCHERS`).
+        `ServerLauncher`).
       host: the started servers' bind address.
       port: the first started server's port (server ``i`` gets ``port + i``; 0: free ports).
       max_running_requests: each started server's concurrent-request cap (its decode batch).
@@ -171,7 +172,7 @@ class ServerConfig:
       sglang: how ``launch = 'sglang'`` starts SGLang (interpreter, count, parallelism, GPUs).
     """
 
-    launch: str = "none"
+    launch: ServerLauncher = "none"
     host: str = "127.0.0.1"
     port: int = 0
     max_running_requests: int = 64
@@ -182,7 +183,7 @@ class ServerConfig:
     sglang: SGLangLaunchConfig = field(default_factory=SGLangLaunchConfig)
 
     def __post_init__(self) -> None:
-        SERVER_LAUNCHERS.validate(self.launch, "ServerConfig.launch")
+        check_choice(self.launch, ServerLauncher, "ServerConfig.launch", "server launcher")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"ServerConfig.port must be in [0, 65536), got {self.port}")
         if self.max_running_requests < 1:

@@ -5,10 +5,10 @@ See docs/INTERFACES.md and ../shared/SGLANG_API.md (the wire contract).
 
 from osworld_jax.rollout.client import ServerState, SGLangClient
 from osworld_jax.rollout.config import (
-    LOAD_BALANCERS,
-    SERVER_LAUNCHERS,
+    LoadBalancer,
     RolloutConfig,
     SamplingParams,
+    ServerLauncher,
     SGLangLaunchConfig,
     logprob_temperature,
 )
@@ -38,8 +38,8 @@ from osworld_jax.rollout.wire import (
 )
 
 __all__ = [
-    "LOAD_BALANCERS",
-    "SERVER_LAUNCHERS",
+    "LoadBalancer",
+    "ServerLauncher",
     "AbortBudgetExceeded",
     "EmbeddedServer",
     "EngineError",

@@ -5,21 +5,19 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from osworld_jax.errors import ConfigError
-from osworld_jax.registry import Registry
+from osworld_jax.registry import check_choice
 
 #: Server-selection policies of `SGLangClient` (names only; the client implements them).
-LOAD_BALANCERS: Registry[str] = Registry("load balancer")
-LOAD_BALANCERS.add("least_outstanding", "pick the healthy server with the fewest requests")
-LOAD_BALANCERS.add("round_robin", "cycle through the healthy servers")
+#: How the client picks a server: the healthy one with the fewest requests in flight, or in turn.
+LoadBalancer = Literal["least_outstanding", "round_robin"]
 
-#: How the RL loop gets its rollout servers (``ServerConfig.launch``).
-SERVER_LAUNCHERS: Registry[str] = Registry("server launcher")
-SERVER_LAUNCHERS.add("none", "use the running servers at RolloutConfig.urls")
-SERVER_LAUNCHERS.add("embedded", "start python -m osworld_jax.rollout.serve (CPU or GPU)")
-SERVER_LAUNCHERS.add("sglang", "start python -m sglang.launch_server (CUDA GPUs; the sglang extra)")
+#: How the RL loop gets its rollout servers (``ServerConfig.launch``): the running ones at
+#: ``RolloutConfig.urls``, ``python -m osworld_jax.rollout.serve`` (CPU or GPU), or
+#: ``python -m sglang.launch_server`` (CUDA GPUs; the sglang extra).
+ServerLauncher = Literal["none", "embedded", "sglang"]
 
 #: SGLang treats ``0 <= temperature < GREEDY_EPS`` as greedy (``_SAMPLING_EPS``).
 GREEDY_EPS = 1e-6
@@ -148,7 +146,7 @@ class RolloutConfig:
       urls: base URLs of the SGLang (or embedded) servers, e.g. ``http://127.0.0.1:30000``; or
         the single URL of an SGLang router fronting many servers (the router then balances and
         forwards refits; every reply's weight version is still checked; see docs/SCALE.md).
-      load_balancer: ``least_outstanding`` or ``round_robin`` (see ``LOAD_BALANCERS``).
+      load_balancer: ``least_outstanding`` or ``round_robin`` (`LoadBalancer`).
       request_timeout_s: wall-clock limit of one ``/generate`` call.
       connect_timeout_s: limit on opening a connection.
       control_timeout_s: limit of one control call (health, pause, flush, model_info).
@@ -170,7 +168,7 @@ class RolloutConfig:
     """
 
     urls: tuple[str, ...] = ("http://127.0.0.1:30000",)
-    load_balancer: str = "least_outstanding"
+    load_balancer: LoadBalancer = "least_outstanding"
     request_timeout_s: float = 900.0
     connect_timeout_s: float = 10.0
     control_timeout_s: float = 30.0
@@ -198,7 +196,7 @@ class RolloutConfig:
             if not u.startswith(("http://", "https://")):
                 raise ConfigError(f"RolloutConfig.urls: {u!r} is not an http(s) URL")
         object.__setattr__(self, "urls", tuple(u.rstrip("/") for u in urls))
-        LOAD_BALANCERS.validate(self.load_balancer, "RolloutConfig.load_balancer")
+        check_choice(self.load_balancer, LoadBalancer, "RolloutConfig.load_balancer")
         for name in (
             "request_timeout_s",
             "connect_timeout_s",

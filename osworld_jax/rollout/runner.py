@@ -295,7 +295,10 @@ class ModelRunner:
         expert_backend: str = "auto",
         min_bucket: int = 16,
     ) -> None:
-        self.runtime = ModelRuntimeConfig(expert_backend=expert_backend, dtype=dtype)
+        self.runtime = ModelRuntimeConfig(
+            expert_backend=expert_backend,
+            dtype=dtype,  # type: ignore[arg-type]  # validated
+        )
         policy = load_hf_checkpoint(model_path, runtime=self.runtime)
         self.config: Qwen3MoeConfig = policy.config
         self.params = policy.params()

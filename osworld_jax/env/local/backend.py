@@ -49,9 +49,10 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import typing
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from osworld_jax.env.actions import Action
 from osworld_jax.env.backend import (
@@ -106,6 +107,10 @@ DEFAULT_OPENERS: tuple[tuple[str, str], ...] = (
     (".pptx", "libreoffice --impress"),
     (".odp", "libreoffice --impress"),
 )
+
+
+#: How a jail's processes and memory are limited (see ``LocalBackendConfig.cgroup``).
+Cgroup = Literal["auto", "v2", "v1", "none"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -177,7 +182,7 @@ class LocalBackendConfig:
     cache_dir: str | None = None
     host_uid: int = 65534
     host_uid_range: tuple[int, int] = (1_000_000_000, 1_500_000_000)
-    cgroup: str = "auto"
+    cgroup: Cgroup = "auto"
     max_processes: int | None = 1024
     memory_bytes: int | None = 4 << 30
     home_bytes: int = 2 << 30
@@ -206,7 +211,7 @@ class LocalBackendConfig:
                 raise ValueError(f"LocalBackendConfig.{name} must be > 0")
         if self.warm_pool < 0:
             raise ValueError(f"LocalBackendConfig.warm_pool must be >= 0, got {self.warm_pool}")
-        if self.cgroup not in ("auto", "v2", "v1", "none"):
+        if self.cgroup not in typing.get_args(Cgroup):
             raise ValueError(
                 f"LocalBackendConfig.cgroup must be 'auto', 'v2', 'v1' or 'none', got "
                 f"{self.cgroup!r}"

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 from urllib.parse import urlsplit
 
 from osworld_jax.errors import ConfigError
+from osworld_jax.registry import check_choice
 
-USE_FORK_CHOICES = ("auto", "never")
+#: ``auto``: the service's ``/fork`` when it has one, else snapshots; ``never``: snapshots.
+UseFork = Literal["auto", "never"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -86,7 +89,7 @@ class RemoteBackendConfig:
     max_retries: int = 8
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 30.0
-    use_fork: str = "auto"
+    use_fork: UseFork = "auto"
     fork_rerun_step_types: tuple[str, ...] = (
         "launch",
         "open",
@@ -110,11 +113,7 @@ class RemoteBackendConfig:
             raise ConfigError("RemoteBackendConfig.ca_bundle: a PEM CA bundle path is required")
         if not self.token_env:
             raise ConfigError("RemoteBackendConfig.token_env: an environment variable name")
-        if self.use_fork not in USE_FORK_CHOICES:
-            raise ConfigError(
-                f"RemoteBackendConfig.use_fork must be one of {USE_FORK_CHOICES}, "
-                f"got {self.use_fork!r}"
-            )
+        check_choice(self.use_fork, UseFork, "RemoteBackendConfig.use_fork")
         for name in (
             "boot_timeout_s",
             "snapshot_timeout_s",
