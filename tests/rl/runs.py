@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 MARKER = "OSWORLD_JAX_TEST_RUN"  # inherited by every process a run starts
 
 QUICK = [
-    "AgentEnvConfig.backend = 'memory'",
+    "ExperimentConfig.sandbox = 'memory'",
     "AgentEnvConfig.max_turns = 1",
     "SamplingParams.max_new_tokens = 1",
     "AgentConfig.a11y_max_chars = 0",

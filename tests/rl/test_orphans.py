@@ -27,7 +27,7 @@ from tests.rl.runs import (
     train_cmd,
 )
 
-LOCAL = ["AgentEnvConfig.backend = 'local'", "RLConfig.num_owners = 2"]
+LOCAL = ["ExperimentConfig.sandbox = @LocalBackendConfig()", "RLConfig.num_owners = 2"]
 
 
 def _descendants(root: int) -> dict[int, tuple[int, str]]:
