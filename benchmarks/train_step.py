@@ -352,10 +352,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def _memory_report(trainer, batch, args) -> None:
     """Compiles the step on abstract state (no run) and prints XLA's memory analysis, in GiB."""
-    fn = trainer._train_step
+    fn, device_batch = trainer.jitted_step(batch)
     t0 = time.perf_counter()
     with jax.set_mesh(trainer.mesh):
-        compiled = fn.lower(trainer.abstract_state, trainer._device_batch(batch), None).compile()
+        compiled = fn.lower(trainer.abstract_state, device_batch, None).compile()
     ma = compiled.memory_analysis()
     gib = {
         k: getattr(ma, f"{k}_size_in_bytes") / 2**30

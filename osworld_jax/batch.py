@@ -20,12 +20,18 @@ class Batch(NamedTuple):
       loss_mask: f32[R, T] 1 only on model-generated, non-media tokens.
       behavior_logprobs: f32[R, T] rollout engine logprob of ``tokens[r, t]`` (0 elsewhere).
       advantages: f32[R, T] the owner's advantage on its trainable tokens (0 elsewhere).
-      positions: i32[R, T] position ids.
+      positions: i32[R, T] position ids, or for a Qwen3-VL policy the M-RoPE i32[3, R, T]
+        (``mrope_positions``: temporal, height, width; text tokens have three equal rows).
       segment_ids: i32[R, T] 1.. on real tokens, 0 on padding.
       owner_ids: i32[R] logical owner in ``[0, num_owners)``.
       group_ids: i32[R] prompt group in ``[0, num_groups)``.
       row_weight: f32[R] 0 for padding rows and failed owners, else 1.
       routed_experts: i32[R, T, L, K] engine route when token t was the input; -1 = none.
+      pixel_values: f32[R, Np, P] row r's image patches back to back (its images in token
+        order, each the image processor's patches), zero-padded to a patch bucket; None
+        without images. Row r's images fill row r's ``<|image_pad|>`` runs in order.
+      image_grid_thw: i32[R, m, 3] the (t, h, w) patch grid of row r's k-th image in slot k;
+        t = 0 marks an unused slot. None without images.
     """
 
     tokens: np.ndarray
@@ -38,6 +44,13 @@ class Batch(NamedTuple):
     group_ids: np.ndarray
     row_weight: np.ndarray
     routed_experts: np.ndarray
+    pixel_values: np.ndarray | None = None
+    image_grid_thw: np.ndarray | None = None
+
+    @property
+    def num_image_slots(self) -> int:
+        """``m`` of ``image_grid_thw`` (0 without images)."""
+        return 0 if self.image_grid_thw is None else int(self.image_grid_thw.shape[1])
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,12 +90,13 @@ class BatchBounds:
 def check_batch(batch: Batch) -> None:
     """Raises ``ValueError`` naming the field when shapes or dtypes break the contract."""
     r, t = batch.tokens.shape
+    pos_shape = (3, r, t) if np.ndim(batch.positions) == 3 else (r, t)
     expect = {
         "tokens": ((r, t), np.int32),
         "loss_mask": ((r, t), np.float32),
         "behavior_logprobs": ((r, t), np.float32),
         "advantages": ((r, t), np.float32),
-        "positions": ((r, t), np.int32),
+        "positions": (pos_shape, np.int32),
         "segment_ids": ((r, t), np.int32),
         "owner_ids": ((r,), np.int32),
         "group_ids": ((r,), np.int32),
@@ -98,3 +112,27 @@ def check_batch(batch: Batch) -> None:
     re_ = batch.routed_experts
     if re_.ndim != 4 or re_.shape[:2] != (r, t) or np.dtype(re_.dtype) != np.int32:
         raise ValueError(f"Batch.routed_experts: expected int32[{r}, {t}, L, K], got {re_.shape}")
+    pv, grid = batch.pixel_values, batch.image_grid_thw
+    if (pv is None) != (grid is None):
+        raise ValueError("Batch.pixel_values and Batch.image_grid_thw: give both or neither")
+    if pv is None or grid is None:
+        return
+    if pv.ndim != 3 or pv.shape[0] != r or np.dtype(pv.dtype) != np.float32:
+        raise ValueError(
+            f"Batch.pixel_values: expected float32[{r}, Np, P], got "
+            f"{np.dtype(pv.dtype).name}{list(pv.shape)}"
+        )
+    if grid.ndim != 3 or grid.shape[0] != r or grid.shape[2] != 3 or grid.dtype != np.int32:
+        raise ValueError(
+            f"Batch.image_grid_thw: expected int32[{r}, m, 3], got "
+            f"{np.dtype(grid.dtype).name}{list(grid.shape)}"
+        )
+    if np.ndim(batch.positions) != 3:
+        raise ValueError("Batch.positions: images need the M-RoPE positions int32[3, R, T]")
+    patches = np.prod(grid.astype(np.int64), axis=-1).sum(axis=1)  # [R]
+    over = np.flatnonzero(patches > pv.shape[1])
+    if over.size:
+        raise ValueError(
+            f"Batch.image_grid_thw: row {int(over[0])}'s images need {int(patches[over[0]])} "
+            f"patches, pixel_values holds {pv.shape[1]} per row"
+        )

@@ -5,6 +5,7 @@ See docs/INTERFACES.md. NumPy only: no jax import.
 
 from osworld_jax.agent.batching import (
     GroupSelection,
+    VisionPacking,
     bucket_length,
     pack_batch,
     select_groups,
@@ -16,7 +17,7 @@ from osworld_jax.agent.config import (
     GroupPolicyConfig,
     OnDroppedGroup,
 )
-from osworld_jax.agent.context import ContextManager
+from osworld_jax.agent.context import ContextManager, Screenshot
 from osworld_jax.agent.errors import (
     AgentCallError,
     ChatTemplateError,
@@ -53,8 +54,10 @@ __all__ = [
     "OwnerAgent",
     "OwnerRollout",
     "PackingError",
+    "Screenshot",
     "Segment",
     "SegmentIntegrityError",
+    "VisionPacking",
     "bucket_length",
     "build_segments",
     "pack_batch",

@@ -5,7 +5,10 @@ One logical owner has one reward and one advantage, however many segments (rows)
 feeds those to the jitted estimator (``osworld_jax.algorithms.compute_advantages``) and hands
 the advantages back to `pack_batch`, which fans each one out to every trainable token of every
 row of its owner (``owner_ids`` lets ``aggregate_loss`` treat the owner's rows as one sequence).
-NumPy only.
+
+Screenshots (`VisionPacking`): the segments' PNGs are processed with the model's own image
+processor (the algorithm the server ran on the same bytes) into per-row patches, and positions
+become the M-RoPE ``i32[3, R, T]`` of ``mrope_positions``. NumPy + Pillow only (no jax).
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from osworld_jax.agent.errors import GroupPolicyError, PackingError
 from osworld_jax.agent.owner import OwnerRollout
 from osworld_jax.agent.segments import Segment
 from osworld_jax.batch import Batch, check_batch
+from osworld_jax.model.mrope import mrope_positions
+from osworld_jax.model.processor import ImageProcessor
+from osworld_jax.model.vl_config import Qwen3VLMoeConfig
 from osworld_jax.registry import check_choice
 
 
@@ -147,6 +153,105 @@ def _num_rows(n: int, dp_size: int, row_buckets: Sequence[int] | None) -> int:
     return -(-r // dp_size) * dp_size
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class VisionPacking:
+    """How `pack_batch` lays out the segments' screenshots for a Qwen3-VL-MoE policy.
+
+    Attributes:
+      processor: the model's image processor (``ImageProcessor.from_pretrained(model_dir)``),
+        the same algorithm the server ran on the same PNG bytes.
+      config: the model's `Qwen3VLMoeConfig` (image token id, merge size: M-RoPE positions).
+      patch_buckets: allowed per-row patch counts, ascending (the train step compiles once per
+        bucket): the smallest that holds a batch's largest row is used; beyond the largest,
+        the next power of two. Empty: powers of two (at least ``merge_size^2``).
+      image_slots: the least number of image slots per row (the ``m`` of ``image_grid_thw
+        [R, m, 3]``); more images in a row round it up to a power of two.
+    """
+
+    processor: ImageProcessor
+    config: Qwen3VLMoeConfig
+    patch_buckets: tuple[int, ...] = ()
+    image_slots: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "patch_buckets", tuple(int(b) for b in self.patch_buckets))
+        m2 = self.config.vision.spatial_merge_size**2
+        if any(b % m2 for b in self.patch_buckets):
+            raise PackingError(
+                f"VisionPacking.patch_buckets {self.patch_buckets}: each must be a multiple of "
+                f"merge_size^2 = {m2}"
+            )
+        if self.image_slots < 1:
+            raise PackingError(f"VisionPacking.image_slots must be >= 1, got {self.image_slots}")
+
+    def patch_bucket(self, patches: int) -> int:
+        """The padded per-row patch count for a largest row of ``patches``."""
+        for b in sorted(self.patch_buckets):
+            if b >= patches:
+                return b
+        m2 = self.config.vision.spatial_merge_size**2
+        return 1 << (max(patches, m2) - 1).bit_length()
+
+
+def _row_vision(
+    rows: list[list[Segment]], vision: VisionPacking
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """(pixel_values f32[R, Np, P], image_grid_thw i32[R, m, 3]) of the rows, or None (no image).
+
+    Row r holds the patches of its segments' images back to back (in token order); each
+    distinct PNG is processed once.
+    """
+    done: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+    per_row: list[list[tuple[np.ndarray, np.ndarray]]] = []
+    for segs in rows:
+        items = []
+        for seg in segs:
+            for png in seg.images:
+                if png not in done:
+                    pixels, grid = vision.processor(png)
+                    done[png] = (pixels, grid[0])
+                items.append(done[png])
+        per_row.append(items)
+    if not done:
+        return None
+    most = max(len(x) for x in per_row)
+    slots = max(vision.image_slots, 1 << max(most - 1, 0).bit_length())
+    patches = vision.patch_bucket(max(sum(p.shape[0] for p, _ in x) for x in per_row))
+    dim = vision.processor.patch_dim
+    pixel_values = np.zeros((len(rows), patches, dim), np.float32)
+    grid_thw = np.zeros((len(rows), slots, 3), np.int32)
+    for r, items in enumerate(per_row):
+        at = 0
+        for k, (pixels, grid) in enumerate(items):
+            pixel_values[r, at : at + pixels.shape[0]] = pixels
+            grid_thw[r, k] = grid
+            at += pixels.shape[0]
+    return pixel_values, grid_thw
+
+
+def _row_segments(
+    rows: list[tuple[int, int, Segment | None]], t: int, pack_segments: bool
+) -> list[tuple[int, int, list[Segment]]]:
+    """Groups consecutive segments of one owner into rows of at most ``t`` tokens (if packing)."""
+    out: list[tuple[int, int, list[Segment]]] = []
+    for i, g, seg in rows:
+        if seg is None:
+            out.append((i, g, []))
+            continue
+        last = out[-1] if out else None
+        if (
+            pack_segments
+            and last is not None
+            and last[0] == i
+            and last[2]
+            and sum(s.length for s in last[2]) + seg.length <= t
+        ):
+            last[2].append(seg)
+        else:
+            out.append((i, g, [seg]))
+    return out
+
+
 def pack_batch(
     selection: GroupSelection,
     advantages: Sequence[float] | np.ndarray,
@@ -157,14 +262,24 @@ def pack_batch(
     length_buckets: Sequence[int] | None = None,
     min_length: int = 128,
     row_buckets: Sequence[int] | None = None,
+    pack_segments: bool = False,
+    vision: VisionPacking | None = None,
 ) -> Batch:
-    """Packs the selected owners' segments into padded rows (one segment per row).
+    """Packs the selected owners' segments into padded rows.
 
-    Row order: owners in selection order, each owner's segments in order; a failed owner is one
-    fully masked placeholder row (row weight 0); padding rows (row weight 0, owner 0, group 0)
-    bring R to a multiple of ``dp_size`` (after ``row_buckets``). ``owner_ids[r]`` is the
-    owner's index in ``selection.owners`` (< N); ``group_ids[r]`` its ``selection.group_index``
+    Row order: owners in selection order, each owner's segments in order, one per row (with
+    ``pack_segments``: consecutive segments of one owner share a row while they fit in T,
+    ``segment_ids`` 1, 2, ... and positions restarting at each); a failed owner is one fully
+    masked placeholder row (row weight 0); padding rows (row weight 0, owner 0, group 0) bring
+    R to a multiple of ``dp_size`` (after ``row_buckets``). ``owner_ids[r]`` is the owner's
+    index in ``selection.owners`` (< N); ``group_ids[r]`` its ``selection.group_index``
     (< ``num_groups``). ``advantages[t] = advantage[owner] * loss_mask[t]``.
+
+    With ``vision``: ``positions`` are the M-RoPE i32[3, R, T] (`mrope_positions`; text-only
+    rows get three equal rows) and, when any segment has screenshots, ``pixel_values``
+    f32[R, Np, P] holds row r's image patches back to back (the images of its segments in token
+    order, padded to a patch bucket) with ``image_grid_thw`` i32[R, m, 3] (slot k = row r's
+    k-th image; t = 0: unused). Image tokens keep loss mask 0 (they are prompt tokens).
 
     Args:
       selection: the step's owners and groups (``select_groups`` or ``GroupSelection.of``).
@@ -175,6 +290,8 @@ def pack_batch(
       length_buckets: allowed T values (else next power of two >= max(len, ``min_length``)).
       min_length: the smallest power-of-two T.
       row_buckets: allowed R values before rounding to ``dp_size`` (bounds recompiles).
+      pack_segments: put consecutive segments of one owner into one row when they fit.
+      vision: the image layout of a Qwen3-VL policy (None: a text model).
 
     Returns:
       The `Batch` (checked against the contract).
@@ -185,14 +302,15 @@ def pack_batch(
         raise PackingError(f"{adv.size} advantages for {len(owners)} owners")
     if dp_size < 1:
         raise PackingError(f"dp_size must be >= 1, got {dp_size}")
-    rows: list[tuple[int, int, Segment | None]] = []  # (owner index, group index, segment)
+    flat: list[tuple[int, int, Segment | None]] = []  # (owner index, group index, segment)
     for i, o in enumerate(owners):
         if o.failed or not o.segments:
-            rows.append((i, int(group_index[i]), None))
+            flat.append((i, int(group_index[i]), None))
         else:
-            rows.extend((i, int(group_index[i]), s) for s in o.segments)
-    longest = max((s.length for _, _, s in rows if s is not None), default=1)
+            flat.extend((i, int(group_index[i]), s) for s in o.segments)
+    longest = max((s.length for _, _, s in flat if s is not None), default=1)
     t = bucket_length(longest, length_buckets, min_length)
+    rows = _row_segments(flat, t, pack_segments)
     r = _num_rows(len(rows), dp_size, row_buckets)
     tokens = np.zeros((r, t), np.int32)
     loss_mask = np.zeros((r, t), np.float32)
@@ -204,25 +322,35 @@ def pack_batch(
     group_ids = np.zeros((r,), np.int32)
     row_weight = np.zeros((r,), np.float32)
     routes = np.full((r, t, num_layers, top_k), -1, np.int32)
-    for row, (i, g, seg) in enumerate(rows):
+    for row, (i, g, segs) in enumerate(rows):
         owner_ids[row] = i
         group_ids[row] = g
-        if seg is None:
-            continue
-        n = seg.length
-        tokens[row, :n] = seg.tokens
-        loss_mask[row, :n] = seg.loss_mask
-        behavior[row, :n] = seg.behavior_logprobs
-        advantages_rt[row, :n] = adv[i] * seg.loss_mask
-        segment_ids[row, :n] = 1
-        row_weight[row] = 1.0
-        if seg.routed_experts is not None:
-            if seg.routed_experts.shape[1:] != (num_layers, top_k):
-                raise PackingError(
-                    f"owner {i}: routed_experts [L, K] = {seg.routed_experts.shape[1:]}, "
-                    f"expected ({num_layers}, {top_k})"
-                )
-            routes[row, :n] = seg.routed_experts
+        at = 0
+        for k, seg in enumerate(segs):
+            n = seg.length
+            span = slice(at, at + n)
+            tokens[row, span] = seg.tokens
+            loss_mask[row, span] = seg.loss_mask
+            behavior[row, span] = seg.behavior_logprobs
+            advantages_rt[row, span] = adv[i] * seg.loss_mask
+            segment_ids[row, span] = k + 1
+            positions[row, span] = np.arange(n)
+            row_weight[row] = 1.0
+            if seg.routed_experts is not None:
+                if seg.routed_experts.shape[1:] != (num_layers, top_k):
+                    raise PackingError(
+                        f"owner {i}: routed_experts [L, K] = {seg.routed_experts.shape[1:]}, "
+                        f"expected ({num_layers}, {top_k})"
+                    )
+                routes[row, span] = seg.routed_experts
+            at += n
+        positions[row, at:] = np.arange(t - at) + (positions[row, at - 1] + 1 if at else 0)
+    pixel_values = image_grid_thw = None
+    if vision is not None:
+        images = _row_vision([segs for _, _, segs in rows] + [[]] * (r - len(rows)), vision)
+        if images is not None:
+            pixel_values, image_grid_thw = images
+        positions = mrope_positions(tokens, image_grid_thw, vision.config, segment_ids=segment_ids)
     batch = Batch(
         tokens=tokens,
         loss_mask=loss_mask,
@@ -234,6 +362,8 @@ def pack_batch(
         group_ids=group_ids,
         row_weight=row_weight,
         routed_experts=routes,
+        pixel_values=pixel_values,
+        image_grid_thw=image_grid_thw,
     )
     check_batch(batch)
     return batch

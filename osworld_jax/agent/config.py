@@ -90,12 +90,18 @@ class AgentConfig:
         0 drops it.
       a11y_max_tokens: then cut to this many tokens (at line boundaries); 0 means no token cap.
       terminal_max_chars: the terminal text keeps its last this-many characters; 0 drops it.
-      image_tokens: a screenshot becomes ``<|vision_start|>`` + this many ``<|image_pad|>`` +
-        ``<|vision_end|>``; 0 drops screenshots from the prompt.
+      max_screenshots: the prompt shows the last this-many screenshots; an older one becomes a
+        short text placeholder, and that rewrite is a declared compaction (reason
+        ``screenshots``). 0 drops screenshots. Screenshots are shown only to a model whose
+        directory has an image processor (``preprocessor_config.json``, a Qwen3-VL model); its
+        processor alone decides how many ``<|image_pad|>`` tokens each one takes.
       image_start_token: the media span's opening special token.
-      image_pad_token: the media placeholder special token.
+      image_pad_token: the media placeholder special token (one per image token).
       image_end_token: the media span's closing special token.
-      extra_media_tokens: further special tokens that count as media (masked when generated).
+      extra_media_tokens: further special tokens that count as media. Every media token the
+        model generates is masked out of the loss (with the rest of its reply, whose context
+        changes) and kept in the history as the ids of its text, so that later prompts hold no
+        placeholder without an image.
       incremental_routes: ask the server for routed experts only from the first position the
         current segment has no route for (``routed_experts_start_len``), instead of the whole
         prompt every call (same rows, far less transfer and memory on long contexts).
@@ -108,7 +114,7 @@ class AgentConfig:
     a11y_max_chars: int = 20000
     a11y_max_tokens: int = 0
     terminal_max_chars: int = 4000
-    image_tokens: int = 0
+    max_screenshots: int = 3
     image_start_token: str = "<|vision_start|>"
     image_pad_token: str = "<|image_pad|>"
     image_end_token: str = "<|vision_end|>"
@@ -121,7 +127,7 @@ class AgentConfig:
             "a11y_max_chars",
             "a11y_max_tokens",
             "terminal_max_chars",
-            "image_tokens",
+            "max_screenshots",
         ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"AgentConfig.{name} must be >= 0, got {getattr(self, name)}")

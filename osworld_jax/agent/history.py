@@ -13,9 +13,13 @@ class CallRecord:
     """One model call, exactly as the server saw and answered it.
 
     Attributes:
-      prompt_ids: i32[P] the input ids sent.
-      output_ids: i32[O] the generated ids.
-      output_logprobs: f32[O] the engine's logprob of each generated id.
+      prompt_ids: i32[P] the input ids sent (image placeholders expanded: one
+        ``<|image_pad|>`` per image token).
+      output_ids: i32[O] the generated ids as the context keeps them: a generated media token
+        (``<|image_pad|>``, ...) is replaced by the ids of its text, so that no placeholder
+        without an image reaches a later prompt.
+      output_logprobs: f32[O] the engine's logprob of each generated id (0 from the first
+        replaced media token on).
       routed_experts: i32[P + O - 1 - S, L, K]: row j is the route when token ``S + j`` of
         (prompt + output) was the input (the last generated token has none), or None when routes
         were not requested.
@@ -25,6 +29,11 @@ class CallRecord:
       text: the decoded reply the env received.
       routed_experts_start: S, the first position with a route row (the agent asks only for the
         positions its segment has no route for yet).
+      images: the PNG screenshots of the prompt's images, in placeholder order (sent as
+        SGLang's ``image_data``).
+      trainable: the leading output ids that are exactly what the model generated in this
+        context (the rest follow a replaced media token: their context changed, so they get
+        loss mask 0 and their route rows are -1); None: all of them.
     """
 
     prompt_ids: np.ndarray
@@ -36,8 +45,11 @@ class CallRecord:
     rid: str = ""
     text: str = ""
     routed_experts_start: int = 0
+    images: tuple[bytes, ...] = ()
+    trainable: int | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "images", tuple(self.images))
         object.__setattr__(self, "prompt_ids", np.asarray(self.prompt_ids, np.int32).reshape(-1))
         object.__setattr__(self, "output_ids", np.asarray(self.output_ids, np.int32).reshape(-1))
         object.__setattr__(
@@ -58,13 +70,16 @@ class Compaction:
 
     Attributes:
       before_call: index of the first call made with the rewritten context.
-      reason: ``every_k_actions`` or ``budget``.
+      reason: ``every_k_actions``, ``budget``, or ``screenshots`` (the new observation's
+        screenshot would pass ``AgentConfig.max_screenshots``: the oldest one shown becomes a
+        text placeholder).
       dropped_observations: observations replaced by the compact action history (cumulative over
         the episode: every observation before the first kept one).
       kept_observations: observations kept verbatim (the current one included).
       tokens_before: length of the context the rewrite replaced (what the next prompt would have
         extended).
       tokens_after: length of the rewritten prompt.
+      screenshots: screenshots the rewritten prompt shows.
     """
 
     before_call: int
@@ -73,6 +88,7 @@ class Compaction:
     kept_observations: int
     tokens_before: int
     tokens_after: int
+    screenshots: int = 0
 
 
 @dataclass(kw_only=True)
@@ -83,12 +99,15 @@ class History:
       owner_id: the logical owner.
       group_id: the owner's prompt group.
       media_token_ids: ids of media placeholder tokens (masked out of the loss when generated).
+      image_token_id: the ``<|image_pad|>`` id when prompts carry images (segments check that
+        their images fill their placeholder runs), else None.
       events: calls and compactions in the order they happened.
     """
 
     owner_id: int
     group_id: int
     media_token_ids: frozenset[int] = frozenset()
+    image_token_id: int | None = None
     events: list[CallRecord | Compaction] = field(default_factory=list)
 
     @property

@@ -32,8 +32,13 @@ class GenerateClient(Protocol):
         *,
         rid: str,
         routed_experts_start_len: int = 0,
+        image_data: list[str] | None = None,
     ) -> Generation:
-        """Returns a ``Generation`` (output ids, logprobs, routed experts, finish reason, ...)."""
+        """Returns a ``Generation`` (output ids, logprobs, routed experts, finish reason, ...).
+
+        ``image_data`` (only passed when the prompt has images): base64 PNGs filling the
+        prompt's image placeholders in order (SGLang's ``image_data``).
+        """
         ...
 
 
@@ -99,7 +104,10 @@ class OwnerAgent:
         self.sampling = sampling
         self.context = ContextManager(tokenizer, config, action_space=action_space)
         self.history = History(
-            owner_id=owner_id, group_id=group_id, media_token_ids=self.context.media_token_ids()
+            owner_id=owner_id,
+            group_id=group_id,
+            media_token_ids=self.context.media_token_ids(),
+            image_token_id=self.context.image_token_id,
         )
         self._rid_prefix = rid_prefix or uuid.uuid4().hex[:12]
         self.result: OwnerResult | None = None
@@ -124,12 +132,15 @@ class OwnerAgent:
         sampling = self.sampling.replace(max_new_tokens=min(self.sampling.max_new_tokens, room))
         rid = f"{self._rid_prefix}-g{self.group_id}-o{self.owner_id}-c{call_index}"
         start = 0
-        if self.config.incremental_routes and self.context.extended_prefix:
-            # The previous output's last token was never an input: its route comes with this call.
-            start = self.context.extended_prefix - 1
+        if self.config.incremental_routes:
+            # The previous output's last token was never an input: its route comes with this
+            # call (and so do those of a reply whose generated media tokens became text).
+            start = self.context.routed_prefix
+        images = self.context.prompt_images
+        extra = {"image_data": [im.image_data for im in images]} if images else {}
         try:
             gen = await self.client.generate(
-                prompt.tolist(), sampling, rid=rid, routed_experts_start_len=start
+                prompt.tolist(), sampling, rid=rid, routed_experts_start_len=start, **extra
             )
         except InfraError:
             self.context.abandon_prompt()
@@ -141,7 +152,7 @@ class OwnerAgent:
             ) from e
         record = self._record(prompt, gen, rid, call_index)
         self.history.record_call(record)
-        self.context.record_reply(record.output_ids, record.text)
+        self.context.record_reply(record.output_ids, record.text, trainable=record.trainable)
         return record.text
 
     def _record(self, prompt: np.ndarray, gen: Generation, rid: str, call_index: int) -> CallRecord:
@@ -168,9 +179,22 @@ class OwnerAgent:
                     f"routed_experts shape {tuple(routes.shape)}, expected [{rows}, L, K] "
                     f"(prompt + output - 1 - start {start} rows)"
                 )
+        # Generated media tokens stay in the history as text (a later prompt must not hold a
+        # placeholder without an image); from the first one on the reply is not trainable and
+        # its routes are unknown (the server routes that part again in the next call).
+        kept, j = self.context.media_as_text(out)
+        trainable = None
+        if j < out.size:
+            trainable = j
+            lps = np.concatenate([lps[:j], np.zeros(kept.size - j, np.float32)])
+            if routes is not None:
+                valid = max(prompt.size + j - start, 0)
+                full = np.full((prompt.size + kept.size - 1 - start, *routes.shape[1:]), -1)
+                full[:valid] = routes[:valid]
+                routes = full.astype(np.int32)
         return CallRecord(
             prompt_ids=prompt,
-            output_ids=out,
+            output_ids=kept,
             output_logprobs=lps,
             routed_experts=routes,
             finish_reason=reason,
@@ -178,6 +202,8 @@ class OwnerAgent:
             rid=rid,
             text=str(gen.text),
             routed_experts_start=start,
+            images=tuple(im.png for im in self.context.prompt_images),
+            trainable=trainable,
         )
 
     async def on_episode_end(self, result: OwnerResult) -> None:

@@ -119,15 +119,8 @@ def trim_tokens(text: str, max_tokens: int, tokenizer: AgentTokenizer) -> str:
     return trim_lines(text, max(len(prefix.rsplit("\n", 1)[0]), 1))
 
 
-def media_span(config: AgentConfig) -> str:
-    """``<|vision_start|>`` + k x ``<|image_pad|>`` + ``<|vision_end|>`` ("" when k = 0)."""
-    if config.image_tokens == 0:
-        return ""
-    return (
-        config.image_start_token
-        + config.image_pad_token * config.image_tokens
-        + (config.image_end_token)
-    )
+#: Where a screenshot the prompt no longer shows was (``max_screenshots`` older ones drop).
+SCREENSHOT_DROPPED = "(removed: the prompt shows only the last {k} screenshot(s))"
 
 
 def render_observation(
@@ -136,23 +129,27 @@ def render_observation(
     tokenizer: AgentTokenizer,
     *,
     a11y_max_chars: int | None = None,
+    with_screenshot: bool = False,
 ) -> str:
-    """An observation as the text of a user turn (without the instruction).
+    """The text of an observation's user turn: accessibility tree and terminal output.
+
+    The screenshot is not text: the context manager puts it (or its placeholder) in front of
+    this text as an image content part of the turn.
 
     Args:
       obs: the observation.
-      config: prompting config (budgets, media span).
+      config: prompting config (budgets).
       tokenizer: for the token budget of the a11y tree and the special-token list.
       a11y_max_chars: overrides ``config.a11y_max_chars`` (a compaction shrinks it on overflow).
+      with_screenshot: a screenshot accompanies the text (then an observation without text
+        renders as "" instead of "(no observation available)").
 
     Returns:
-      The screenshot placeholder span, the trimmed accessibility tree and the terminal tail.
+      The trimmed accessibility tree and the terminal tail.
     """
     budget = config.a11y_max_chars if a11y_max_chars is None else a11y_max_chars
     special = tokenizer.special_tokens
     parts: list[str] = []
-    if obs.screenshot is not None and config.image_tokens > 0:
-        parts.append("Screenshot: " + media_span(config))
     a11y = trim_lines(neutralize_special(obs.a11y_tree.strip(), special), budget)
     a11y = trim_tokens(a11y, config.a11y_max_tokens, tokenizer)
     if a11y:
@@ -162,7 +159,7 @@ def render_observation(
         if len(terminal) > config.terminal_max_chars:
             terminal = "[...]\n" + terminal[-config.terminal_max_chars :]
         parts.append("Terminal output:\n" + neutralize_special(terminal, special))
-    if not parts:
+    if not parts and not with_screenshot:
         parts.append("(no observation available)")
     return "\n\n".join(parts)
 

@@ -2,7 +2,9 @@
 
 Consecutive calls whose prompt extends the previous prompt + output token-exactly form one segment:
 its tokens are the last call's prompt + output, and every call's generated span sits at its own
-positions. A declared compaction seals the segment; an undeclared prefix break is fatal.
+positions. A declared compaction seals the segment; an undeclared prefix break is fatal. A
+segment carries the screenshots of its last call's prompt (each call's images extend the
+previous call's, as its tokens do), one per run of ``<|image_pad|>`` tokens, in order.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ class Segment:
       owner_id: the logical owner.
       group_id: the owner's prompt group.
       tokens: i32[n] the last call's prompt + output.
-      loss_mask: f32[n] 1 on generated non-media tokens, else 0.
+      loss_mask: f32[n] 1 on generated non-media tokens (up to a reply's first generated media
+        token), else 0.
       behavior_logprobs: f32[n] the engine's logprob of ``tokens[t]`` where generated, else 0.
       routed_experts: i32[n, L, K] the route when ``tokens[t]`` was the input, -1 where none
         was recorded (always the last token); None when no call of the segment returned routes.
       call_indices: the owner's call indices in this segment.
       weight_versions: the policy version of each of those calls.
+      images: the PNG screenshots of the segment, in the order of its image-token runs.
     """
 
     owner_id: int
@@ -40,6 +44,7 @@ class Segment:
     routed_experts: np.ndarray | None
     call_indices: tuple[int, ...]
     weight_versions: tuple[str, ...]
+    images: tuple[bytes, ...] = ()
 
     @property
     def length(self) -> int:
@@ -92,7 +97,10 @@ def _build_one(calls: Sequence[tuple[int, CallRecord]], history: History, owner_
     for _, call in calls:
         start = call.prompt_ids.size
         stop = start + call.output_ids.size
-        loss_mask[start:stop] = np.where(np.isin(call.output_ids, media), 0.0, 1.0)
+        mask = np.where(np.isin(call.output_ids, media), 0.0, 1.0)
+        if call.trainable is not None:
+            mask[call.trainable :] = 0.0
+        loss_mask[start:stop] = mask
         logprobs[start:stop] = call.output_logprobs
         if routes is not None and call.routed_experts is not None:
             # Row j is the route when token start + j was the input. A later call that re-routed
@@ -108,7 +116,28 @@ def _build_one(calls: Sequence[tuple[int, CallRecord]], history: History, owner_
         routed_experts=routes,
         call_indices=tuple(i for i, _ in calls),
         weight_versions=tuple(c.weight_version for _, c in calls),
+        images=last.images,
     )
+
+
+def image_runs(tokens: np.ndarray, image_token_id: int) -> int:
+    """Number of maximal runs of ``image_token_id`` in ``tokens`` (one per image)."""
+    hit = np.asarray(tokens) == image_token_id
+    return int(np.count_nonzero(hit[1:] & ~hit[:-1]) + (hit.size > 0 and hit[0]))
+
+
+def _check_images(call: CallRecord, history: History, owner_id: int, call_index: int) -> None:
+    if history.image_token_id is None:
+        return
+    runs = image_runs(call.prompt_ids, history.image_token_id)
+    if runs != len(call.images):
+        raise SegmentIntegrityError(
+            owner_id,
+            call_index,
+            0,
+            f"the prompt has {runs} image-token runs but the call carries {len(call.images)} "
+            "screenshots",
+        )
 
 
 def build_segments(history: History, *, owner_id: int | None = None) -> list[Segment]:
@@ -142,6 +171,7 @@ def build_segments(history: History, *, owner_id: int | None = None) -> list[Seg
             continue
         call = event
         _check_routes(call, owner, call_index)
+        _check_images(call, history, owner, call_index)
         if current and sealed:
             segments.append(_build_one(current, history, owner))
             current = []
@@ -157,6 +187,14 @@ def build_segments(history: History, *, owner_id: int | None = None) -> list[Seg
                     pos,
                     f"expected token {int(context[pos])}, got {got}; previous prompt+output has "
                     f"{context.size} tokens, this prompt {call.prompt_ids.size}",
+                )
+            if call.images[: len(prev.images)] != prev.images:
+                raise SegmentIntegrityError(
+                    owner,
+                    call_index,
+                    0,
+                    f"the prompt's {len(call.images)} screenshots do not start with the previous "
+                    f"call's {len(prev.images)} (only a declared compaction may change them)",
                 )
         current.append((call_index, call))
         sealed = False

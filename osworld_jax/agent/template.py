@@ -1,6 +1,7 @@
 """Chat templates and the tokenizer the agent speaks through.
 
-The model's own ``chat_template`` (``tokenizer_config.json`` or ``chat_template.jinja``) is rendered
+The model's own ``chat_template`` (``tokenizer_config.json``, ``chat_template.jinja`` or a
+processor's ``chat_template.json``) is rendered
 with jinja2 in an immutable sandbox, with the same environment HF ``transformers`` uses
 (``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, ``raise_exception``, ``tojson``,
 ``strftime_now``), so a prompt renders exactly as ``apply_chat_template(..., tokenize=False)``
@@ -22,6 +23,7 @@ import numpy as np
 import tokenizers
 
 from osworld_jax.agent.errors import ChatTemplateError
+from osworld_jax.model.processor import PREPROCESSOR_FILE, ImageProcessor
 
 #: ChatML, as the Qwen2.5 / Qwen3 (non-thinking) templates render plain string messages.
 QWEN_CHAT_TEMPLATE = (
@@ -99,8 +101,10 @@ class ChatTemplate:
         """The template of a HF model directory.
 
         Looks at ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of named
-        templates of which ``default`` is taken), then ``chat_template.jinja``; falls back to the
-        built-in Qwen template when ``allow_builtin`` (else raises ``ChatTemplateError``).
+        templates of which ``default`` is taken), then ``chat_template.jinja``, then the
+        processor file ``chat_template.json`` (``{"chat_template": ...}``, as Qwen-VL models
+        ship it); falls back to the built-in Qwen template when ``allow_builtin`` (else raises
+        ``ChatTemplateError``).
         """
         path = Path(path)
         cfg_path = path / "tokenizer_config.json"
@@ -124,6 +128,13 @@ class ChatTemplate:
         if not isinstance(source, str) and (path / "chat_template.jinja").exists():
             source = (path / "chat_template.jinja").read_text()
             name = str(path / "chat_template.jinja")
+        if not isinstance(source, str) and (path / "chat_template.json").exists():
+            json_path = path / "chat_template.json"
+            try:
+                source = json.loads(json_path.read_text()).get("chat_template")
+            except (json.JSONDecodeError, AttributeError) as e:
+                raise ChatTemplateError(f"{json_path}: not a JSON object: {e}") from e
+            name = f"{json_path}:chat_template"
         if not isinstance(source, str):
             if not allow_builtin:
                 raise ChatTemplateError(f"{path}: no chat_template in tokenizer_config.json")
@@ -148,31 +159,44 @@ class ChatTemplate:
 
 
 class AgentTokenizer:
-    """A ``tokenizers.Tokenizer`` plus the model's chat template: everything text <-> ids.
+    """A ``tokenizers.Tokenizer``, the chat template and the image processor of one model.
 
     Encoding never adds special tokens of its own (no BOS): prompts are ids of rendered text.
 
     Attributes:
       tokenizer: the underlying fast tokenizer.
       template: the chat template.
+      image_processor: the model's image processor (``preprocessor_config.json``; it alone
+        decides how many image tokens a screenshot takes), or None for a text model.
     """
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, template: ChatTemplate) -> None:
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        template: ChatTemplate,
+        image_processor: ImageProcessor | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.template = template
+        self.image_processor = image_processor
         self._special = tuple(
             t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special
         )
 
     @classmethod
     def from_model_dir(cls, path: str | Path, *, allow_builtin: bool = True) -> AgentTokenizer:
-        """Loads ``tokenizer.json`` and the chat template of a HF model directory."""
+        """Loads ``tokenizer.json``, the chat template and (when present) the image processor
+        (``preprocessor_config.json``) of a HF model directory."""  # noqa: D205, D209
         path = Path(path)
         tok_path = path / "tokenizer.json"
         if not tok_path.exists():
             raise ChatTemplateError(f"{tok_path}: missing (a fast tokenizer file is required)")
         tok = tokenizers.Tokenizer.from_file(str(tok_path))
-        return cls(tok, ChatTemplate.from_model_dir(path, allow_builtin=allow_builtin))
+        processor = None
+        if (path / PREPROCESSOR_FILE).is_file():
+            processor = ImageProcessor.from_pretrained(path)
+        template = ChatTemplate.from_model_dir(path, allow_builtin=allow_builtin)
+        return cls(tok, template, processor)
 
     @property
     def special_tokens(self) -> tuple[str, ...]:

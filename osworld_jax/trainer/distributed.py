@@ -437,22 +437,36 @@ def collective(name: str) -> Callable[[_F], _F]:
 
 # ---------------------------------------------------------------------- host batches
 
-_HEADER = 4  # R, T, L, K
+_HEADER = 8  # R, T, L, K, rank of positions, and Np, P, m of the images (0: none)
 
 
-def _empty_batch(r: int, t: int, layers: int, k: int) -> Batch:
+def _header(batch: Batch) -> np.ndarray:
+    pv, grid = batch.pixel_values, batch.image_grid_thw
+    images = (0, 0, 0) if pv is None or grid is None else (pv.shape[1], pv.shape[2], grid.shape[1])
+    return np.array([*batch.routed_experts.shape, np.ndim(batch.positions), *images], np.int64)
+
+
+def _empty_batch(header: np.ndarray) -> Batch:
+    r, t, layers, k, rank, patches, dim, slots = (int(v) for v in header)
     rt = (r, t)
+    images = {}
+    if patches:
+        images = dict(
+            pixel_values=np.zeros((r, patches, dim), np.float32),
+            image_grid_thw=np.zeros((r, slots, 3), np.int32),
+        )
     return Batch(
         tokens=np.zeros(rt, np.int32),
         loss_mask=np.zeros(rt, np.float32),
         behavior_logprobs=np.zeros(rt, np.float32),
         advantages=np.zeros(rt, np.float32),
-        positions=np.broadcast_to(np.arange(t, dtype=np.int32), rt).copy(),
+        positions=np.zeros((3, *rt) if rank == 3 else rt, np.int32),
         segment_ids=np.zeros(rt, np.int32),
         owner_ids=np.zeros((r,), np.int32),
         group_ids=np.zeros((r,), np.int32),
         row_weight=np.zeros((r,), np.float32),
         routed_experts=np.full((r, t, layers, k), -1, np.int32),
+        **images,
     )
 
 
@@ -472,14 +486,13 @@ def broadcast_host_batch(batch: Batch | None) -> Batch:
     if is_primary():
         assert batch is not None
         check_batch(batch)
-        header = np.array(batch.routed_experts.shape, np.int64)
+        header = _header(batch)
     else:
         header = np.zeros((_HEADER,), np.int64)
     header = np.asarray(multihost_utils.broadcast_one_to_all(header))
-    r, t, layers, k = (int(v) for v in header)
-    local = batch if is_primary() and batch is not None else _empty_batch(r, t, layers, k)
-    out = multihost_utils.broadcast_one_to_all(tuple(local))
-    return Batch._make(np.asarray(x) for x in out)
+    local = batch if is_primary() and batch is not None else _empty_batch(header)
+    out = multihost_utils.broadcast_one_to_all(local)
+    return jax.tree.map(np.asarray, out)
 
 
 # ---------------------------------------------------------------------- parameters, export

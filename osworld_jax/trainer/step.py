@@ -25,6 +25,11 @@ full batch; each micro-batch then calls ``policy_loss`` in ``token-mean`` mode (
 coefficients and PPO clipping are unchanged), which makes each micro-batch loss exactly its share
 ``sum_{rt in micro} W_rt l_rt`` and the accumulated gradient exactly the full-batch gradient.
 Micro-batch ``i`` takes rows ``i, i + M, i + 2M, ...`` so every data shard holds an equal share.
+
+Images (a Qwen3-VL policy): the batch's ``pixel_values`` [R, Np, P] and ``image_grid_thw``
+[R, m, 3] are per row, so a micro-batch takes its rows' images with them; positions are the
+M-RoPE [3, R, T] (split along their row axis, 1). The vision tower runs inside the same forward;
+R3 replays the routes of image tokens like those of any other token.
 """
 
 from __future__ import annotations
@@ -54,6 +59,18 @@ Metrics = dict[str, jax.Array]
 def split_micro(x: jax.Array, m: int) -> jax.Array:
     """``[R, ...] -> [M, R / M, ...]``; micro-batch i holds rows ``i, i + M, ...``."""
     return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+
+
+def split_batch(batch: DeviceBatch, m: int) -> DeviceBatch:
+    """`split_micro` of every field of ``batch``; M-RoPE positions [3, R, T] -> [M, 3, R/M, T]."""
+    split = functools.partial(split_micro, m=m)
+    positions = batch.positions
+    if positions.ndim == 3:
+        positions = jnp.swapaxes(split(jnp.swapaxes(positions, 0, 1)), 1, 2)
+    else:
+        positions = split(positions)
+    rest = jax.tree.map(split, batch._replace(positions=None))
+    return rest._replace(positions=positions)
 
 
 def merge_micro(x: jax.Array) -> jax.Array:
@@ -189,8 +206,9 @@ def score_rows(
     """Token logprobs, entropy, router losses and R3 agreement of some rows.
 
     The model room's pure ``forward`` on ``batch`` (routes replayed from
-    ``batch.routed_experts`` when ``config.router_replay``), then the chunked log-softmax head
-    at ``temperature`` (the one the behaviour logprobs refer to).
+    ``batch.routed_experts`` when ``config.router_replay``; the rows' images through the vision
+    tower when the batch has ``pixel_values``), then the chunked log-softmax head at
+    ``temperature`` (the one the behaviour logprobs refer to).
     """
     params = compute_params(params, runtime)
     out = forward(
@@ -202,6 +220,8 @@ def score_rows(
         segment_ids=batch.segment_ids,
         replay_experts=batch.routed_experts if config.router_replay else None,
         return_logits=False,
+        pixel_values=batch.pixel_values,
+        image_grid_thw=batch.image_grid_thw,
     )
     lp, ent = token_logprobs(
         out.hidden,
@@ -246,7 +266,7 @@ def _accumulate(
             compute, batch, old_logprobs, mask, score=score, loss=loss, bounds=bounds, m=m
         )
     old = None if old_logprobs is None else split(old_logprobs)
-    micro = (jax.tree.map(split, batch), split(weights), old)
+    micro = (split_batch(batch, m), split(weights), old)
 
     def micro_loss(p: Params, mb: DeviceBatch, w: jax.Array, o: jax.Array | None) -> Any:
         s = score(p, mb)
@@ -301,7 +321,7 @@ def _gate_owners_first(
       ``(batch with rejected owners' advantages 0, pi_old f32[R, T], loss with gate 'none')``.
     """
     if old_logprobs is None:
-        micro = jax.tree.map(functools.partial(split_micro, m=m), batch)
+        micro = split_batch(batch, m)
         lps = jax.lax.map(lambda mb: score(compute, mb).logprobs, micro)
         old_logprobs = jax.lax.stop_gradient(merge_micro(lps))
     keep, _ = GATES.get(loss.gate)(
@@ -339,7 +359,7 @@ def make_logprobs(
     m = config.num_micro_batches
 
     def logprobs(params: Params, batch: DeviceBatch) -> jax.Array:
-        micro = jax.tree.map(functools.partial(split_micro, m=m), batch)
+        micro = split_batch(batch, m)
         return merge_micro(jax.lax.map(lambda mb: score(params, mb).logprobs, micro))
 
     return logprobs

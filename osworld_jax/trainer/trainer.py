@@ -6,8 +6,10 @@ the step with explicit in/out shardings and donation, uploads batches, and owns 
 and HF export.
 
 Sharding: parameters follow the model room's `ShardingRules`; optimizer moments follow their
-parameters; batch rows are split over the rules' ``batch_axes``; the jitted functions run under
-``jax.set_mesh(mesh)`` so the model's activation constraints apply.
+parameters; batch rows are split over the rules' ``batch_axes`` (axis 0 of every field, axis 1
+of the M-RoPE positions [3, R, T]; a row's images travel with it); the jitted functions run
+under ``jax.set_mesh(mesh)`` so the model's activation constraints apply. The step is jitted
+once per batch layout (text, or with images) and compiles once per padded shape.
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ class Trainer:
         self.data_parallel = int(np.prod([self.mesh.shape[a] for a in batch_axes]))
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
         self._rows = NamedSharding(self.mesh, PartitionSpec(batch_axes or None))
+        self._rows_axis1 = NamedSharding(self.mesh, PartitionSpec(None, batch_axes or None))
 
         self._abstract_params = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, _master_dtype(x.dtype, config.master_dtype)),
@@ -161,7 +164,7 @@ class Trainer:
             abstract,
             self.state_shardings,
         )
-        step = make_train_step(
+        self._step_fn = make_train_step(
             model=self.model,
             runtime=self.runtime,
             config=config,
@@ -171,22 +174,11 @@ class Trainer:
             labels=labels,
             temperature=self.temperature,
         )
-        self._train_step = jax.jit(
-            step,
-            in_shardings=(self.state_shardings, self._rows, self._rows),
-            out_shardings=(self.state_shardings, self._replicated),
-            donate_argnums=0,
+        self._logprobs_fn = make_logprobs(self.model, self.runtime, config, self.temperature)
+        self._gradients_fn = make_gradients(
+            self.model, self.runtime, config, bounds, self.temperature
         )
-        self._logprobs = jax.jit(
-            make_logprobs(self.model, self.runtime, config, self.temperature),
-            in_shardings=(self.param_shardings, self._rows),
-            out_shardings=self._rows,
-        )
-        self._gradients = jax.jit(
-            make_gradients(self.model, self.runtime, config, bounds, self.temperature),
-            in_shardings=(self.param_shardings, self._rows),
-            out_shardings=(self._replicated, self.param_shardings),
-        )
+        self._jitted: dict[tuple[str, ...], tuple[Any, Any, Any]] = {}
         self._checked_shapes: set[tuple[int, ...]] = set()
         self._checkpointer: Checkpointer | None = None
 
@@ -257,23 +249,71 @@ class Trainer:
 
     # ------------------------------------------------------------------ the jitted functions
 
+    def batch_shardings(self, batch: Batch) -> Batch:
+        """A `Batch` of the shardings its fields take (None where the field is None).
+
+        Rows are split over the batch axes: axis 0 of every field, axis 1 of the M-RoPE
+        positions [3, R, T].
+        """
+        fields: dict[str, Any] = {}
+        for name in Batch._fields:
+            value = getattr(batch, name)
+            if value is None:
+                fields[name] = None
+            elif name == "positions" and np.ndim(value) == 3:
+                fields[name] = self._rows_axis1
+            else:
+                fields[name] = self._rows
+        return Batch(**fields)
+
+    def _functions(self, shardings: Batch) -> tuple[Any, Any, Any]:
+        """(train_step, logprobs, gradients) jitted for one batch layout (cached)."""
+        key = tuple(
+            "-" if sh is None else ("1" if sh is self._rows_axis1 else "0") for sh in shardings
+        )
+        if key not in self._jitted:
+            self._jitted[key] = (
+                jax.jit(
+                    self._step_fn,
+                    in_shardings=(self.state_shardings, shardings, self._rows),
+                    out_shardings=(self.state_shardings, self._replicated),
+                    donate_argnums=0,
+                ),
+                jax.jit(
+                    self._logprobs_fn,
+                    in_shardings=(self.param_shardings, shardings),
+                    out_shardings=self._rows,
+                ),
+                jax.jit(
+                    self._gradients_fn,
+                    in_shardings=(self.param_shardings, shardings),
+                    out_shardings=(self._replicated, self.param_shardings),
+                ),
+            )
+        return self._jitted[key]
+
+    def jitted_step(self, batch: Batch) -> tuple[Any, Any]:
+        """``(jitted train step for batch's layout, the uploaded batch)``, e.g. to lower it."""
+        device, shardings = self._device_batch(batch)
+        return self._functions(shardings)[0], device
+
     def logprobs(self, params: Params, batch: Batch) -> jax.Array:
         """Forward-only token logprobs f32[R, T] (aligned to ``batch.tokens``), e.g. pi_old.
 
         Uses the same micro-batching, chunking and router replay as the train step.
         """
-        batch = self._device_batch(batch)
+        batch, shardings = self._device_batch(batch)
         with jax.set_mesh(self.mesh), jax.transfer_guard("disallow"):
-            return self._logprobs(params, batch)
+            return self._functions(shardings)[1](params, batch)
 
     def gradients(self, params: Params, batch: Batch) -> tuple[jax.Array, Params]:
         """``(loss, d loss / d params)`` exactly as the train step computes them (no update).
 
         For diagnostics and tests: the same micro-batching, denominators and sharding.
         """
-        batch = self._device_batch(batch)
+        batch, shardings = self._device_batch(batch)
         with jax.set_mesh(self.mesh), jax.transfer_guard("disallow"):
-            return self._gradients(params, batch)
+            return self._functions(shardings)[2](params, batch)
 
     @collective("train_step")  # multi-host: bounded, named (trainer.distributed)
     def train_step(
@@ -305,14 +345,14 @@ class Trainer:
           NonFiniteError: the loss or gradient norm is NaN/Inf (names the step; the update
             was skipped, the returned-by-exception state is unchanged).
         """
-        batch = self._device_batch(batch)
+        batch, shardings = self._device_batch(batch)
         if batch.tokens.shape not in self._checked_shapes:
             self.check_memory(*batch.tokens.shape)  # before compiling the new bucket
             self._checked_shapes.add(batch.tokens.shape)
         if old_logprobs is not None:
             old_logprobs = jax.device_put(old_logprobs, self._rows)
         with jax.set_mesh(self.mesh), jax.transfer_guard("disallow"):
-            state, metrics = self._train_step(state, batch, old_logprobs)
+            state, metrics = self._functions(shardings)[0](state, batch, old_logprobs)
         host = {k: v.item() for k, v in jax.device_get(metrics).items()}
         finite = host.pop("finite")
         host["step"] = int(host["step"])
@@ -338,8 +378,11 @@ class Trainer:
             capacity=capacity,
         )
 
-    def _device_batch(self, batch: Batch) -> Any:
-        """Checks ``batch`` on the host and uploads it, rows split over the batch axes."""
+    def _device_batch(self, batch: Batch) -> tuple[Any, Batch]:
+        """Checks ``batch`` on the host and uploads it, rows split over the batch axes.
+
+        Returns the device batch and its `batch_shardings`.
+        """
         check_batch(batch)
         rows = batch.tokens.shape[0]
         need = self.config.num_micro_batches * self.data_parallel
@@ -357,7 +400,12 @@ class Trainer:
             batch = batch._replace(routed_experts=None)  # type: ignore[arg-type]
         elif isinstance(batch.routed_experts, np.ndarray):
             validate_replay(batch.routed_experts, self.model)  # raises RouterReplayError
-        return jax.device_put(batch, self._rows)
+        if batch.pixel_values is not None and not hasattr(self.model, "vision"):
+            raise TrainerError(
+                "Batch.pixel_values: the batch has images but the policy is a text model"
+            )
+        shardings = self.batch_shardings(batch)
+        return jax.device_put(batch, shardings), shardings
 
     # ------------------------------------------------------------------ checkpoints, export
 

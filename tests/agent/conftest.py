@@ -55,6 +55,41 @@ def agent_tokenizer(raw_tokenizer) -> AgentTokenizer:
     return AgentTokenizer(raw_tokenizer, ChatTemplate.builtin_qwen())
 
 
+@pytest.fixture(scope="session")
+def vl_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Qwen3-VL-MoE checkpoint: tokenizer, Qwen3-VL-shaped chat template and the
+    image processor (a 1920x1080 screenshot -> 288x512 pixels -> 144 image tokens)."""
+    from osworld_jax.model import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_vl"), kind="qwen3_vl_moe")
+
+
+@pytest.fixture(scope="session")
+def vl_tokenizer(vl_model_dir) -> AgentTokenizer:
+    return AgentTokenizer.from_model_dir(vl_model_dir)
+
+
+def screenshot_png(width: int, height: int, seed: int = 0) -> bytes:
+    """A PNG "screen": a gradient with a few seeded rectangles (distinct per seed)."""
+    import io
+
+    from PIL import Image, ImageDraw
+
+    x = np.linspace(0, 255, width, dtype=np.float32)[None, :, None]
+    y = np.linspace(0, 255, height, dtype=np.float32)[:, None, None]
+    rgb = np.concatenate([x + 0 * y, y + 0 * x, (x + y) / 2], axis=-1).astype(np.uint8)
+    im = Image.fromarray(rgb)
+    draw = ImageDraw.Draw(im)
+    rng = np.random.default_rng(seed)
+    for _ in range(4):
+        x0, y0 = int(rng.integers(0, width - 20)), int(rng.integers(0, height - 20))
+        color = tuple(int(c) for c in rng.integers(0, 255, 3))
+        draw.rectangle([x0, y0, x0 + 20, y0 + 20], fill=color)
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def write_model_dir(path: Path, tok: tokenizers.Tokenizer, chat_template=None) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
@@ -81,11 +116,15 @@ class ScriptedClient:
         self.top_k = top_k
         self.requests: list[tuple[list[int], object, str]] = []
         self.starts: list[int] = []
+        self.images: list[list[str] | None] = []
 
-    async def generate(self, input_ids, sampling, *, rid, routed_experts_start_len=0):
+    async def generate(
+        self, input_ids, sampling, *, rid, routed_experts_start_len=0, image_data=None
+    ):
         i = len(self.requests)
         self.requests.append((list(input_ids), sampling, rid))
         self.starts.append(routed_experts_start_len)
+        self.images.append(image_data)
         text = self.replies[i % len(self.replies)]
         if isinstance(text, BaseException):
             raise text

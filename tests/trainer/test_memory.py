@@ -78,4 +78,4 @@ def test_trainer_checks_before_compiling(monkeypatch):
     monkeypatch.setattr("osworld_jax.trainer.memory.device_capacity", lambda: 1024.0)
     with pytest.raises(TrainerError, match="would fit"):
         trainer.train_step(state, batch)
-    assert trainer._train_step._cache_size() == 0  # nothing was traced or compiled
+    assert not trainer._jitted  # nothing was jitted, traced or compiled

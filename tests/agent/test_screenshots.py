@@ -1,0 +1,247 @@
+"""Screenshots in the prompt: processor-owned image tokens, the last K shown, media as text.
+
+The model is the tiny random Qwen3-VL-MoE checkpoint (its tokenizer, its Qwen3-VL-shaped chat
+template and its image processor: a 1920x1080 screenshot is resized to 288x512, 18 x 32
+patches of 16 px, merged 2 x 2: 144 image tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import numpy as np
+import pytest
+
+from osworld_jax.agent import (
+    AgentCallError,
+    AgentConfig,
+    CompactionConfig,
+    OwnerAgent,
+    SegmentIntegrityError,
+    build_segments,
+)
+from osworld_jax.agent.segments import image_runs
+from osworld_jax.env.backend import Observation
+from osworld_jax.errors import InfraError
+from osworld_jax.rollout import SamplingParams
+
+from .conftest import ScriptedClient, screenshot_png
+
+INSTRUCTION = "Close the dialog."
+
+
+def obs(i: int, *, size=(1920, 1080), screenshot=True) -> Observation:
+    return Observation(
+        screenshot=screenshot_png(*size, seed=i) if screenshot else None,
+        a11y_tree=f"<button name='OK {i}'/>",
+        terminal="",
+        instruction=INSTRUCTION,
+    )
+
+
+def run(tok, config, observations, replies=("WAIT",), layers=2):
+    client = ScriptedClient(tok, list(replies), layers=layers)
+    agent = OwnerAgent(
+        client, tok, config, owner_id=0, group_id=0, sampling=SamplingParams(max_new_tokens=32)
+    )
+
+    async def go():
+        return [await agent.act(o) for o in observations]
+
+    asyncio.run(go())
+    return agent, client
+
+
+def hf_prompt_ids(model_dir, messages, images):
+    """What HF's Qwen-VL processor gives: the checkpoint's template rendered by transformers,
+    each ``<|image_pad|>`` expanded to ``prod(grid) / merge^2`` of transformers' own image
+    processor (Qwen3VLProcessor's expansion), tokenized by transformers."""
+    import io
+    import json
+
+    from PIL import Image
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    hf_tok = AutoTokenizer.from_pretrained(model_dir)
+    pre = json.loads((model_dir / "preprocessor_config.json").read_text())
+    size = pre["size"]
+    proc = Qwen2VLImageProcessorPil(
+        patch_size=pre["patch_size"],
+        temporal_patch_size=pre["temporal_patch_size"],
+        merge_size=pre["merge_size"],
+        size={"shortest_edge": size["shortest_edge"], "longest_edge": size["longest_edge"]},
+        image_mean=pre["image_mean"],
+        image_std=pre["image_std"],
+    )
+    text = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    for png in images:
+        grid = proc(Image.open(io.BytesIO(png)), return_tensors="np")["image_grid_thw"][0]
+        n = int(np.prod(grid)) // pre["merge_size"] ** 2
+        text = text.replace("<|image_pad|>", "<|placeholder|>" * n, 1)
+    text = text.replace("<|placeholder|>", "<|image_pad|>")
+    return np.asarray(hf_tok(text, add_special_tokens=False)["input_ids"])
+
+
+def test_screenshot_tokens_are_the_processors_and_match_hf(vl_tokenizer, vl_model_dir):
+    # Two turns, screenshots of 1920x1080 and 1280x720: the prompt equals what transformers'
+    # template + image processor give for the same messages; 144 tokens for 1920x1080
+    # (288x512 px -> 18x32 patches / 4), and the client got the PNGs as base64 image_data.
+    from osworld_jax.agent import system_prompt
+
+    tok = vl_tokenizer
+    config = AgentConfig(max_screenshots=3)
+    o0, o1 = obs(0), obs(1, size=(1280, 720))
+    agent, client = run(tok, config, [o0, o1], replies=["WAIT"])
+    call0, call1 = agent.history.calls
+    pad = tok.token_id("<|image_pad|>")
+    assert int((call0.prompt_ids == pad).sum()) == 144
+    assert (
+        tok.image_processor.num_image_tokens(720, 1280)
+        == int((call1.prompt_ids == pad).sum()) - 144
+    )
+    assert client.images[0] == [base64.b64encode(o0.screenshot).decode()]
+    assert client.images[1] == [
+        base64.b64encode(p).decode() for p in (o0.screenshot, o1.screenshot)
+    ]
+    assert call1.images == (o0.screenshot, o1.screenshot)
+
+    def user(o, prefix=""):
+        return [
+            {"type": "text", "text": prefix + "Screenshot: "},
+            {"type": "image"},
+            {"type": "text", "text": f"\n\nAccessibility tree:\n{o.a11y_tree}"},
+        ]
+
+    messages = [
+        {"role": "system", "content": system_prompt(config)},
+        {"role": "user", "content": user(o0, f"Task instruction: {INSTRUCTION}\n\n")},
+        {"role": "assistant", "content": "WAIT"},
+        {"role": "user", "content": user(o1)},
+    ]
+    want = hf_prompt_ids(vl_model_dir, messages, [o0.screenshot, o1.screenshot])
+    np.testing.assert_array_equal(call1.prompt_ids, want)
+    (seg,) = build_segments(agent.history)
+    assert seg.images == (o0.screenshot, o1.screenshot)
+    assert image_runs(seg.tokens, pad) == 2
+    assert not seg.loss_mask[seg.tokens == pad].any()  # image tokens are never trained on
+
+
+def test_the_prompt_keeps_the_last_k_screenshots_a_declared_compaction(vl_tokenizer):
+    # K = 2 over 4 turns: calls 0, 1 extend each other (1, 2 images); call 2's screenshot would
+    # be the third: the context is re-rendered with screenshot 0 as a text placeholder
+    # (compaction "screenshots", a new segment), likewise call 3 drops screenshot 1.
+    tok = vl_tokenizer
+    observations = [obs(i) for i in range(4)]
+    agent, client = run(tok, AgentConfig(max_screenshots=2), observations)
+    comps = agent.history.compactions
+    assert [(c.before_call, c.reason, c.screenshots) for c in comps] == [
+        (2, "screenshots", 2),
+        (3, "screenshots", 2),
+    ]
+    assert [c.dropped_observations for c in comps] == [0, 0]  # observations are all kept
+    segs = build_segments(agent.history)
+    assert [s.call_indices for s in segs] == [(0, 1), (2,), (3,)]
+    shots = [o.screenshot for o in observations]
+    assert [s.images for s in segs] == [tuple(shots[:2]), tuple(shots[1:3]), tuple(shots[2:4])]
+    for seg in segs:
+        assert image_runs(seg.tokens, tok.token_id("<|image_pad|>")) == 2
+    text = tok.decode(agent.history.calls[3].prompt_ids, skip_special_tokens=False)
+    assert text.count("Screenshot: (removed: the prompt shows only the last 2 screenshot(s))") == 2
+    assert text.count("<|vision_start|>") == 2
+    assert "OK 0" in text and "OK 3" in text  # the observations' text stays
+    assert client.starts[2] == 0 and client.starts[3] == 0  # a rebuild asks for every route
+    assert [len(x) for x in client.images] == [1, 2, 2, 2]
+
+
+def test_no_screenshots_for_a_text_model_or_k_zero(vl_tokenizer, agent_tokenizer):
+    # A text model (no image processor) and max_screenshots = 0 both drop the screenshot and
+    # send no image_data; the segment has no images.
+    for tok, config in [
+        (agent_tokenizer, AgentConfig()),
+        (vl_tokenizer, AgentConfig(max_screenshots=0)),
+    ]:
+        agent, client = run(tok, config, [obs(0), obs(1)])
+        assert client.images == [None, None]
+        (seg,) = build_segments(agent.history)
+        assert seg.images == ()
+        assert tok.token_id("<|image_pad|>") not in seg.tokens.tolist()
+        assert "Screenshot" not in tok.decode(seg.tokens, skip_special_tokens=False)
+
+
+def test_a_turn_without_screenshot_and_a_screenshot_without_text(vl_tokenizer):
+    o0 = Observation(
+        screenshot=screenshot_png(640, 480), a11y_tree="", terminal="", instruction="i"
+    )
+    o1 = obs(1, screenshot=False)
+    agent, client = run(vl_tokenizer, AgentConfig(), [o0, o1])
+    text = vl_tokenizer.decode(agent.history.calls[1].prompt_ids, skip_special_tokens=False)
+    assert "(no observation available)" not in text.split("<|im_start|>user")[1]
+    assert client.images[1] == client.images[0]  # turn 1 adds no image
+    assert len(build_segments(agent.history)) == 1
+
+
+def test_an_undecodable_screenshot_fails_the_owner(vl_tokenizer):
+    bad = Observation(screenshot=b"\x89PNG not really", a11y_tree="x", terminal="", instruction="i")
+    with pytest.raises(AgentCallError, match="not a usable image") as e:
+        run(vl_tokenizer, AgentConfig(), [bad])
+    assert isinstance(e.value, InfraError)
+
+
+def test_generated_media_tokens_stay_as_text_and_leave_the_loss(vl_tokenizer):
+    # Reply 0 is "ok<|image_pad|>go" + <|im_end|>: the context keeps "ok", the *text* of
+    # <|image_pad|> (neutralised, not the special id) and "go<|im_end|>"; only "ok" is trained
+    # on (the tokens after the media token were generated in a context the trainer never sees);
+    # their route rows are -1 and call 1 asks the server to route from there again.
+    tok = vl_tokenizer
+    pad = tok.token_id("<|image_pad|>")
+    agent, client = run(tok, AgentConfig(), [obs(0), obs(1)], replies=["ok<|image_pad|>go", "DONE"])
+    call0, call1 = agent.history.calls
+    raw = tok.encode("ok<|image_pad|>go").tolist() + [tok.token_id("<|im_end|>")]
+    j = raw.index(pad)
+    assert call0.trainable == j
+    kept = call0.output_ids.tolist()
+    assert kept[:j] == raw[:j] and pad not in kept
+    assert tok.decode(kept[j:], skip_special_tokens=False).startswith("<\u200b|image_pad|>go")
+    # Every <|image_pad|> of call 1's prompt belongs to its two screenshots.
+    assert int((call1.prompt_ids == pad).sum()) == 2 * 144
+    p = call0.prompt_ids.size
+    assert client.starts[1] == p + j
+    (seg,) = build_segments(agent.history)
+    np.testing.assert_array_equal(seg.loss_mask[p : p + j], 1.0)
+    assert not seg.loss_mask[p + j : call1.prompt_ids.size].any()
+    np.testing.assert_array_equal(seg.behavior_logprobs[p + j : call1.prompt_ids.size], 0.0)
+    # Routes: call 0 covered positions < p + j; call 1 re-routed from p + j on (the fake's route
+    # at position q for call c is (q + c) % 8).
+    np.testing.assert_array_equal(seg.routed_experts[: p + j, 0, 0], np.arange(p + j) % 8)
+    q = np.arange(p + j, call1.length - 1)
+    np.testing.assert_array_equal(seg.routed_experts[p + j : call1.length - 1, 0, 0], (q + 1) % 8)
+
+
+def test_segment_images_must_extend_and_fill_the_placeholders(vl_tokenizer):
+    import dataclasses
+
+    agent, _ = run(vl_tokenizer, AgentConfig(), [obs(0), obs(1)])
+    events = agent.history.events
+    swapped = dataclasses.replace(events[1], images=(events[1].images[1], events[1].images[0]))
+    agent.history.events[1] = swapped
+    with pytest.raises(SegmentIntegrityError, match="do not start with the previous"):
+        build_segments(agent.history)
+    agent.history.events[1] = dataclasses.replace(events[1], images=events[1].images[:1])
+    with pytest.raises(SegmentIntegrityError, match="2 image-token runs but the call carries 1"):
+        build_segments(agent.history)
+
+
+def test_budget_counts_image_tokens(vl_tokenizer):
+    # 144 image tokens per screenshot: with a 700-token prompt budget the third turn cannot be
+    # appended (budget compaction) and no prompt passes the budget.
+    config = AgentConfig(
+        max_screenshots=3,
+        compaction=CompactionConfig(max_context_tokens=764, reserved_generation_tokens=64),
+    )
+    agent, _ = run(vl_tokenizer, config, [obs(i) for i in range(4)])
+    assert any(c.reason == "budget" for c in agent.history.compactions)
+    assert all(c.prompt_ids.size <= 700 for c in agent.history.calls)
