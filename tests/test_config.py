@@ -89,7 +89,6 @@ def seed_recipe(size: str, alternative: str) -> ExperimentConfig:
         env=AgentEnvConfig(max_turns=15),
         sandbox=LocalBackendConfig(),
         agent=AgentConfig(
-            image_tokens=0,
             compaction=CompactionConfig(
                 max_context_tokens=32768, reserved_generation_tokens=2048, every_k_actions=5
             ),
