@@ -17,16 +17,21 @@
 # Reads one run directory written by `scripts/train.py` (`metrics.jsonl`, `rollouts.jsonl`)
 # and plots: reward and pass rate over steps, the FlashREINFORCE gate (rejected fraction, mean
 # binary KL, |train - rollout| logprob, R3 route agreement), advantage histograms, per-task pass
-# rates and the per-stage time breakdown. Set `OSWORLD_RUN_DIR` (or edit `RUN_DIR`) to choose
+# rates, the per-stage time breakdown, and for one owner the screenshots the model saw next to
+# the actions it took (`episodes/`, written for the first `RLConfig.episode_owners` owners). Set `OSWORLD_RUN_DIR` (or edit `RUN_DIR`) to choose
 # the run; the loaders live in `osworld_jax.rl.analysis`.
 
 # %%
 import os
 from pathlib import Path
 
+import json
+import textwrap
+
 import matplotlib.pyplot as plt
 import numpy as np
 
+from osworld_jax.env.actions import parse_action
 from osworld_jax.rl import analysis
 
 RUN_DIR = Path(os.environ.get("OSWORLD_RUN_DIR", "runs/latest"))
@@ -122,3 +127,36 @@ ax.set_xlabel("step")
 ax.set_ylabel("seconds")
 ax.legend(fontsize="small")
 plt.show()
+
+# %% [markdown]
+# ## What one owner saw and did
+#
+# The last recorded episode: at each model call, the screenshots its prompt showed (oldest to
+# newest; the prompt keeps the last `AgentConfig.max_screenshots`, older ones became a text
+# placeholder) next to the reply and the action the environment parsed from it.
+
+# %%
+episodes = analysis.load_episodes(RUN_DIR)
+experiment = json.loads((RUN_DIR / "experiment.json").read_text())
+space = experiment["env"]["action_space"]
+print(f"{len(episodes)} recorded episodes")
+if episodes:
+    ep = episodes[-1]
+    calls = ep["calls"]
+    width = max([len(c["images"]) for c in calls] + [0]) + 1
+    fig, axes = plt.subplots(
+        len(calls), width, figsize=(4 * width, 2.6 * len(calls)), squeeze=False
+    )
+    fig.suptitle(f"step {ep['step']}, owner {ep['owner']}, {ep['task_id']}: reward {ep['reward']}")
+    for row, call in zip(axes, calls, strict=True):
+        for ax in row:
+            ax.axis("off")
+        for ax, name in zip(row, call["images"], strict=False):
+            ax.imshow(analysis.episode_image(RUN_DIR, name))
+        row[0].set_title(f"call {call['call']}: {len(call['images'])} screenshot(s)", fontsize=9)
+        action = parse_action(call["reply"], space)
+        text = f"action: {action.kind.value}\n\nreply ({call['finish_reason']}):\n"
+        text += textwrap.fill(repr(call["reply"])[:400], 48)
+        row[-1].text(0, 1, text, va="top", family="monospace", fontsize=7)
+    plt.tight_layout()
+    plt.show()

@@ -33,6 +33,7 @@ RECIPES = ["default.gin", *SEED_RECIPES]
 BASES = ["osworld_flash_b8n8_r3.gin", "osworld_flash_b17n16_r3.gin"]
 FRAGMENTS = ["grpo.gin", "dr_grpo.gin", "reinforce_baseline.gin", "flash_reinforce.gin"]
 FRAGMENTS += ["sglang_servers.gin"]  # tests/rl/test_servers.py
+FRAGMENTS += ["text_only.gin"]
 # The recipe test swaps the real model and servers for tiny, embedded ones.
 TINY = [
     "ModelSourceConfig.path = 'tiny'",
@@ -63,7 +64,7 @@ def seed_recipe(size: str, alternative: str) -> ExperimentConfig:
     b8 = size == "b8n8"
     urls = tuple(f"http://sglang-{i}:30000" for i in range(2 if b8 else 4))
     return ExperimentConfig(
-        model=ModelSourceConfig(path="/checkpoints/qwen3-30b-a3b-osworld-sft"),
+        model=ModelSourceConfig(path="/checkpoints/Qwen3-VL-30B-A3B-Instruct"),
         runtime=ModelRuntimeConfig(
             dtype="bfloat16", expert_backend="auto", remat="full", scan_layers=True
         ),
@@ -89,6 +90,7 @@ def seed_recipe(size: str, alternative: str) -> ExperimentConfig:
         env=AgentEnvConfig(max_turns=15),
         sandbox=LocalBackendConfig(),
         agent=AgentConfig(
+            max_screenshots=3,
             compaction=CompactionConfig(
                 max_context_tokens=32768, reserved_generation_tokens=2048, every_k_actions=5
             ),
@@ -147,6 +149,11 @@ def test_default_values():
     assert (default.rl.num_prompts, default.rl.num_owners) == (2, 4)
     assert default.data.task_set == "bundled" and default.backend == "local"
     assert isinstance(default.sandbox, LocalBackendConfig)
+    # The default run sees the screen: the tiny Qwen3-VL-MoE, the last 3 screenshots.
+    assert default.model.tiny_kind == "qwen3_vl_moe" and default.agent.max_screenshots == 3
+    text = config.load_experiment(["default.gin", "text_only.gin"])
+    assert text.model.tiny_kind == "qwen3_moe" and text.agent.max_screenshots == 0
+    assert dataclasses.replace(text, model=default.model, agent=default.agent) == default
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ import numpy as np
 from osworld_jax.rl.metrics import STAGES, read_metrics
 
 ROLLOUTS_FILE = "rollouts.jsonl"
+EPISODES_DIR = "episodes"
 
 
 def metrics_dir(run_dir: str | Path) -> Path:
@@ -46,6 +47,26 @@ def load_rollouts(run_dir: str | Path) -> list[dict[str, Any]]:
     if not p.is_file():
         return []
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def load_episodes(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The recorded episodes (``episodes/step_*_owner_*.json``), ordered by step and owner.
+
+    Each has ``step``, ``owner``, ``task_id``, ``reward``, ``failed``, ``compactions`` and
+    ``calls``: per model call the screenshots its prompt showed (paths relative to the episodes
+    directory, see `episode_image`), the reply text and the finish reason.
+    """
+    root = metrics_dir(run_dir) / EPISODES_DIR
+    records = [json.loads(p.read_text()) for p in root.glob("step_*_owner_*.json")]
+    return sorted(records, key=lambda r: (r["step"], r["owner"]))
+
+
+def episode_image(run_dir: str | Path, name: str) -> np.ndarray:
+    """A screenshot of an episode as uint8 [H, W, 3] (``name`` as listed in its call)."""
+    from PIL import Image
+
+    with Image.open(metrics_dir(run_dir) / EPISODES_DIR / name) as im:
+        return np.asarray(im.convert("RGB"))
 
 
 def per_task_pass_rate(

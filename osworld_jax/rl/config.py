@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from osworld_jax.agent.config import AgentConfig, GroupPolicyConfig
 from osworld_jax.algorithms import ESTIMATORS
@@ -88,6 +88,9 @@ class RLConfig:
       mesh: the trainer's device mesh (default: one device).
       length_buckets: allowed padded row lengths of the device batch (ascending; the smallest
         that fits is used, so few shapes are compiled). Empty: round up to a multiple of 128.
+      episode_owners: the first this-many owners of every step write their episode (the
+        screenshots each call showed, the replies, reward) under ``<metrics_dir>/episodes/``
+        for the analysis notebook; 0 writes none.
     """
 
     num_prompts: int = 2
@@ -103,8 +106,11 @@ class RLConfig:
     norm_length: int | None = None
     mesh: MeshConfig = field(default_factory=MeshConfig)
     length_buckets: tuple[int, ...] = ()
+    episode_owners: int = 1
 
     def __post_init__(self) -> None:
+        if self.episode_owners < 0:
+            raise ConfigError(f"RLConfig.episode_owners must be >= 0, got {self.episode_owners}")
         for name in ("num_prompts", "num_owners", "steps", "weights_keep"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"RLConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -131,20 +137,28 @@ class ModelSourceConfig:
     """Which HF checkpoint the run starts from.
 
     Attributes:
-      path: an HF Qwen3-MoE checkpoint directory (``config.json``, safetensors, tokenizer), or
-        ``"tiny"``: build a random tiny model with the offline tokenizer into
-        ``<run_dir>/base_model`` (``osworld_jax.model.make_tiny_checkpoint``).
+      path: an HF checkpoint directory (``config.json``, safetensors, tokenizer): Qwen3-MoE, or
+        Qwen3-VL-MoE (e.g. Qwen3-VL-30B-A3B-Instruct; with ``preprocessor_config.json`` the
+        agent shows it screenshots), or ``"tiny"``: build a random tiny model with the offline
+        tokenizer into ``<run_dir>/base_model`` (``osworld_jax.model.make_tiny_checkpoint``).
+      tiny_kind: the tiny model's kind: ``qwen3_moe`` (text) or ``qwen3_vl_moe`` (a tiny ViT
+        and Qwen3-VL's processor with a CPU-sized pixel budget: 144 image tokens per 1920x1080
+        screenshot).
       tiny_seed: init seed of the tiny model.
       tiny_overrides: ``Qwen3MoeConfig`` keys overriding the tiny model's defaults.
     """
 
     path: str = "tiny"
+    tiny_kind: Literal["qwen3_moe", "qwen3_vl_moe"] = "qwen3_moe"
     tiny_seed: int = 0
     tiny_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.path:
             raise ConfigError("ModelSourceConfig.path: empty; name an HF checkpoint dir or 'tiny'")
+        check_choice(
+            self.tiny_kind, Literal["qwen3_moe", "qwen3_vl_moe"], "ModelSourceConfig.tiny_kind"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -86,5 +86,6 @@ def train(
                 m = stages.step_metrics(rollouts, selection, adv, batch, tm, rl.success_reward)
                 log.log(step, {**m, **t.metrics(), **raw.timing()})
                 run.write_owner_records(stages.owner_records(step, rollouts, selection, adv))
+                run.write_episodes(step, raw, rollouts)
         history, summary = (log.history, log.summary()) if log is not None else ([], "")
     return TrainResult(Path(run_dir), run.start_step + 1, last_step, history, summary)

@@ -30,7 +30,7 @@ from osworld_jax.env.local.limits import remove_tree
 from osworld_jax.errors import ConfigError
 from osworld_jax.model import Qwen3MoeConfig, load_hf_checkpoint, make_mesh
 from osworld_jax.rl import stages
-from osworld_jax.rl.analysis import ROLLOUTS_FILE
+from osworld_jax.rl.analysis import EPISODES_DIR, ROLLOUTS_FILE
 from osworld_jax.rl.config import ExperimentConfig, SandboxConfig
 from osworld_jax.rl.lease import RunLease
 from osworld_jax.rl.metrics import MetricsLogger
@@ -186,6 +186,7 @@ class RunResources(RolloutResources):
             dp_size=self.trainer.data_parallel * exp.trainer.num_micro_batches,
             length_buckets=rl.length_buckets or None,
             row_buckets=[owners * k for k in range(1, 9)],
+            vision=stages.vision_packing(model_config, self.model_path, exp.agent),
         )
         self.weights_dir = self.run_dir / WEIGHTS
         self.weights_dir.mkdir(exist_ok=True, parents=True)
@@ -293,6 +294,20 @@ class RunResources(RolloutResources):
     def save(self, step: int, *, force: bool = False) -> bool:
         """Checkpoints the train state with the task stream's position (on the cadence)."""
         return self.trainer.save(self.state, step, self.stream.get_state(), force=force)
+
+    def write_episodes(
+        self, step: int, raw: stages.RawRollouts, rollouts: stages.StepRollouts
+    ) -> None:
+        """Writes the first ``episode_owners`` episodes (see `stages.episode_files`)."""
+        files = stages.episode_files(step, raw, rollouts, self.experiment.rl.episode_owners)
+        root = self.metrics_dir / EPISODES_DIR
+        for name, data in files.items():
+            path = root / name
+            if path.exists():  # an image already written by an earlier step
+                continue
+            with writing(path):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(data)
 
     def write_owner_records(self, records: list[dict[str, Any]]) -> None:
         """Appends per-owner records to ``rollouts.jsonl``."""

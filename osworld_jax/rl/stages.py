@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import json
 import shutil
 import time
 from collections.abc import Sequence
@@ -25,13 +26,20 @@ from osworld_jax.agent import (
     GroupSelection,
     OwnerAgent,
     OwnerRollout,
+    VisionPacking,
 )
 from osworld_jax.algorithms import compute_advantages
 from osworld_jax.batch import Batch, BatchBounds
 from osworld_jax.data import TaskRef
 from osworld_jax.env import capabilities, load_task
-from osworld_jax.errors import InfraError, OsworldJaxError
-from osworld_jax.model import make_tiny_checkpoint
+from osworld_jax.errors import ConfigError, InfraError, OsworldJaxError
+from osworld_jax.model import (
+    ImageProcessor,
+    Qwen3MoeConfig,
+    Qwen3VLMoeConfig,
+    make_tiny_checkpoint,
+)
+from osworld_jax.model.processor import PREPROCESSOR_FILE
 from osworld_jax.rl.config import ModelSourceConfig, RLConfig
 from osworld_jax.rl.rundir import writing
 from osworld_jax.rollout import SamplingParams, SGLangClient
@@ -71,9 +79,39 @@ def prepare_model(config: ModelSourceConfig, run_dir: Path) -> Path:
         tmp = run_dir / "base_model.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         with writing(tmp):  # a full disk names the directory
-            make_tiny_checkpoint(tmp, seed=config.tiny_seed, **config.tiny_overrides)
+            make_tiny_checkpoint(
+                tmp, seed=config.tiny_seed, kind=config.tiny_kind, **config.tiny_overrides
+            )
         tmp.rename(path)
     return path
+
+
+def vision_packing(
+    model: Qwen3MoeConfig, model_path: Path, agent: AgentConfig
+) -> VisionPacking | None:
+    """How the run packs screenshots: None for a text model (or ``max_screenshots = 0``).
+
+    The processor is the checkpoint's own (``preprocessor_config.json``). Patch buckets: one per
+    possible image count of a row, ``k x`` the patches of one ``screen_width x screen_height``
+    screenshot for ``k = 1 .. max_screenshots`` (a row is one segment, which shows at most that
+    many), so the train step compiles at most once per count.
+    """
+    if not isinstance(model, Qwen3VLMoeConfig) or agent.max_screenshots == 0:
+        return None
+    if not (model_path / PREPROCESSOR_FILE).is_file():
+        raise ConfigError(
+            f"{model_path}: a qwen3_vl_moe checkpoint without {PREPROCESSOR_FILE} (the image "
+            "processor decides how many tokens a screenshot takes)"
+        )
+    processor = ImageProcessor.from_pretrained(model_path)
+    one = int(np.prod(processor.grid_thw(agent.screen_height, agent.screen_width)))
+    k = agent.max_screenshots
+    return VisionPacking(
+        processor=processor,
+        config=model,
+        patch_buckets=tuple(one * i for i in range(1, k + 1)),
+        image_slots=k,
+    )
 
 
 class RunnableFilter:
@@ -339,6 +377,10 @@ def step_metrics(
         "advantage/mean": float(adv.mean()) if adv.size else 0.0,
         "advantage/abs_mean": float(np.abs(adv).mean()) if adv.size else 0.0,
     }
+    grid = batch.image_grid_thw
+    m["batch/images"] = 0.0 if grid is None else float((np.asarray(grid)[..., 0] > 0).sum())
+    if grid is not None:
+        m["batch/image_patches"] = float(np.prod(np.asarray(grid, np.int64), axis=-1).sum())
     renames = {
         "gate_rejected_fraction": "gate/rejected_fraction",
         "binary_kl_mean": "gate/binary_kl_mean",
@@ -349,6 +391,52 @@ def step_metrics(
         if k != "step":
             m[renames.get(k, f"train/{k}")] = float(v)
     return m
+
+
+def episode_files(
+    step: int, raw: RawRollouts, rollouts: StepRollouts, owners: int
+) -> dict[str, bytes]:
+    """The episodes of the step's first ``owners`` owners, as files relative to ``episodes/``.
+
+    ``step_{step:08d}_owner_{o}.json`` holds the task, reward and, per model call, the
+    screenshots its prompt showed (``images/<sha256>.png``, each PNG written once), the reply
+    text and the finish reason; declared compactions are listed with the call they precede.
+    """
+    files: dict[str, bytes] = {}
+    for o in rollouts.owners[:owners]:
+        agent = raw.agents.get(o.owner_id)
+        if agent is None:
+            continue
+        calls = []
+        for i, call in enumerate(agent.history.calls):
+            names = []
+            for png in call.images:
+                name = f"images/{hashlib.sha256(png).hexdigest()[:20]}.png"
+                files.setdefault(name, png)
+                names.append(name)
+            calls.append(
+                {
+                    "call": i,
+                    "images": names,
+                    "reply": call.text,
+                    "finish_reason": call.finish_reason.get("type"),
+                    "prompt_tokens": int(call.prompt_ids.size),
+                    "output_tokens": int(call.output_ids.size),
+                }
+            )
+        record = {
+            "step": step,
+            "owner": o.owner_id,
+            "task_id": rollouts.tasks[o.group_id].task_id,
+            "reward": o.reward,
+            "failed": o.failed,
+            "error": o.error,
+            "calls": calls,
+            "compactions": [dataclasses.asdict(c) for c in agent.history.compactions],
+        }
+        name = f"step_{step:08d}_owner_{o.owner_id}.json"
+        files[name] = json.dumps(record, indent=1).encode()
+    return files
 
 
 def owner_records(

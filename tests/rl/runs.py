@@ -20,6 +20,9 @@ REPO = Path(__file__).resolve().parents[2]
 MARKER = "OSWORLD_JAX_TEST_RUN"  # inherited by every process a run starts
 
 QUICK = [
+    # The text model (configs/text_only.gin's bindings): these runs test the loop, not pixels.
+    "ModelSourceConfig.tiny_kind = 'qwen3_moe'",
+    "AgentConfig.max_screenshots = 0",
     "ExperimentConfig.sandbox = 'memory'",
     "AgentEnvConfig.max_turns = 1",
     "SamplingParams.max_new_tokens = 1",

@@ -23,6 +23,9 @@ REPO = Path(__file__).resolve().parents[2]
 # than the recipes' 5e-6, via gin, so that a random tiny model learns in a few CPU minutes.
 LEARNING_STEPS = 18
 LEARN = [
+    # The text model (configs/text_only.gin's bindings): these runs test the loop, not pixels.
+    "ModelSourceConfig.tiny_kind = 'qwen3_moe'",
+    "AgentConfig.max_screenshots = 0",
     f"ExperimentConfig.sandbox = '{learnable.BACKEND}'",
     "AgentEnvConfig.max_turns = 1",
     "SamplingParams.max_new_tokens = 1",
@@ -54,6 +57,40 @@ def learning_run(tmp_path_factory):
     return run_dir, result
 
 
+@pytest.fixture(scope="module")
+def screenshot_run(tmp_path_factory):
+    """The default run (configs/default.gin: the tiny Qwen3-VL-MoE, screenshots of jailed local
+    desktops, the embedded server) for 2 steps."""
+    run_dir = tmp_path_factory.mktemp("screenshots") / "run"
+    exp = config.load_experiment(["default.gin"], ["RLConfig.progress_bar = False"])
+    config.write_operative_config(run_dir, exp)
+    t0 = time.monotonic()
+    result = train(exp, run_dir, steps=2)
+    print(f"default run with screenshots, 2 steps: {time.monotonic() - t0:.0f}s")
+    return run_dir, result
+
+
+@pytest.mark.slow
+def test_the_default_loop_trains_on_screenshots(screenshot_run):
+    # Every step's batch holds the owners' screenshots (8 owners, >= 1 turn each); the trainer
+    # reproduces the server's logprobs of the sampled tokens (float32) and replays its routes,
+    # image tokens included, on 100% of (token, MoE layer) pairs.
+    run_dir, result = screenshot_run
+    assert [h["step"] for h in result.history] == [1, 2]
+    for h in result.history:
+        print({k: h[k] for k in ("logprob/train_rollout_abs_diff", "r3/route_agreement")})
+        assert h["logprob/train_rollout_abs_diff"] <= 1e-5
+        assert h["r3/route_agreement"] == 1.0
+        assert h["batch/images"] >= 8 and h["owners/failed"] == 0
+        assert h["gate/rejected_fraction"] == 0.0
+    from osworld_jax.rl import analysis
+
+    episodes = analysis.load_episodes(run_dir)
+    assert [(e["step"], e["owner"]) for e in episodes] == [(1, 0), (2, 0)]
+    shot = analysis.episode_image(run_dir, episodes[0]["calls"][0]["images"][-1])
+    assert shot.shape == (1080, 1920, 3)  # the jailed desktop's real screen
+
+
 @pytest.mark.slow
 def test_the_loop_learns(learning_run):
     _, result = learning_run
@@ -71,11 +108,11 @@ def test_the_loop_learns(learning_run):
 
 
 @pytest.mark.slow
-def test_analysis_notebook_executes(learning_run, monkeypatch):
+def test_analysis_notebook_executes(screenshot_run, monkeypatch):
     import jupytext
     import nbclient
 
-    run_dir, _ = learning_run
+    run_dir, _ = screenshot_run
     monkeypatch.setenv("OSWORLD_RUN_DIR", str(run_dir))
     monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend
     nb = jupytext.read(REPO / "notebooks" / "analysis.py")
@@ -85,7 +122,8 @@ def test_analysis_notebook_executes(learning_run, monkeypatch):
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
     images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
-    assert len(images) >= 5
+    assert len(images) >= 6  # the last one: an owner's screenshots next to its actions
+    assert "recorded episodes" in str(nb.cells[-1].outputs)
     committed = json.loads((REPO / "notebooks" / "analysis.ipynb").read_text())
     assert all(not c.get("outputs") for c in committed["cells"])  # committed without outputs
     assert [
