@@ -38,7 +38,8 @@ for step in ${STEPS:-gemm step}; do
   parts)  # expert layers under a scan (composed / twin variants, checks) + logprob softmax passes
     run parts 150 python3 benchmarks/train_parts.py --part all ;;
   peers)  # HF transformers peers (PEERS: eager,compile by default; ours skipped)
-    run peers 300 $TS --hf-peers "${PEERS:-eager,compile}" --no-ours ;;
+    run peers 300 $TS --hf-peers "${PEERS:-eager,compile}" --no-ours \
+      ${PEER_TIMEOUT:+--peer-timeout $PEER_TIMEOUT} ;;
   prof)  # bf16 params + moments, profiled step + optimized HLO of the train step
     export XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*train_step.*"
     run prof 200 $TS --master-dtype bfloat16 --profile /tmp/prof
@@ -58,6 +59,7 @@ for step in ${STEPS:-gemm step}; do
   unroll) run unroll 200 $TS --master-dtype bfloat16 --unroll ;;
   f32) run f32 180 $TS ;;  # the default trainer config: float32 masters
   f32dots) run f32dots 180 $TS --remat dots ;;
+  dots) run dots 200 $TS --master-dtype bfloat16 --remat dots ;;  # bf16 states, remat dots
   mem*)  # memory-only compiles: mem-<remat>-<master>[-issue] (issue: 64 rows x 320, 8 micro)
     IFS=- read -r _ remat master extra <<<"$step"
     shape=""

@@ -2,6 +2,8 @@
 
     python benchmarks/train_step.py --config tiny           # CPU smoke benchmark
     python benchmarks/train_step.py --config bench-moe      # GPU: Qwen3-30B-A3B shape, 8 layers
+    python benchmarks/train_step.py --config tiny-vl        # CPU smoke: tiny ViT + screenshots
+    python benchmarks/train_step.py --config bench-vl       # GPU: bench-moe + Qwen3-VL's ViT
 
 Random token ids and random weights (created on device under jit with out_shardings); the full
 RL train step: forward with router replay (random valid routes), chunked token logprobs,
@@ -19,6 +21,29 @@ MFU (model FLOPs utilisation), the formula used below:
 - the second term is causal attention (QK^T and AV, forward + backward: 12 per
   ``L * B * S^2 * n_heads * head_dim``, halved by the causal mask);
 - ``peak_flops`` = 790e12 by default (``--peak-flops``).
+
+Vision configs (``tiny-vl``, ``bench-vl``: the text model of ``tiny`` / ``bench-moe`` plus a
+ViT; ``bench-vl``'s is Qwen3-VL-30B-A3B's, 27 blocks, hidden 1152, MLP 4304, 16 heads, patch 16,
+merge 2, DeepStack after blocks 8, 16, 24). Each row holds ``images`` copies of a real
+1920x1080 desktop screenshot (``tests/model/assets/desktop_1920x1080.png``) processed by
+Qwen3-VL's image processor at its default size limits (1088 x 1920 px -> 68 x 120 = 8,160
+patches -> 2,040 image tokens each; ``tiny-vl``: a CPU-sized pixel budget), each as
+``<|vision_start|>`` + pads + ``<|vision_end|>`` followed by an equal share of random text; the
+image spans have loss mask 0, R3 replays random routes on every token (image tokens included),
+positions are the M-RoPE of ``mrope_positions``. The vision tower is trained (not frozen). MFU
+adds the ViT's FLOPs to the text formula above (whose ``N_active`` excludes the ViT):
+
+    vision = 3 * [ 2 N (P Hv)                                  patch embedding
+                 + 2 N depth (4 Hv^2 + 2 Hv I)                 qkv, proj, fc1, fc2
+                 + depth * sum_i 4 n_i^2 Hv                    attention within each image
+                 + 2 (N / m^2) (1 + D) ((m^2 Hv)^2 + m^2 Hv Ho) ]  final + D DeepStack mergers
+
+with N patches in the batch (n_i of image i), P = 3 * 2 * 16^2 values per patch, Hv the ViT
+width, I its MLP width, m the merge size, Ho the LM width, 3 = forward + backward (norms,
+position interpolation and rotary are left out). Attention counts only pairs within one image:
+work a kernel spends on masked pairs is not model FLOPs. The HF peer for the vision configs is
+``Qwen3VLMoeForConditionalGeneration`` (the same config through ``to_hf_dict``, the same token
+ids, pixels and grids; labels -100 on the image spans).
 
 Peers (``--hf-peers``): HF transformers ``Qwen3MoeForCausalLM`` with the same config, bf16,
 random weights, ``experts_implementation="grouped_mm"``, sdpa attention: forward (CE loss over
@@ -39,15 +64,31 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 from flax import nnx
 
 from osworld_jax.batch import Batch, BatchBounds
-from osworld_jax.model import ModelRuntimeConfig, Policy, Qwen3MoeConfig, make_mesh
+from osworld_jax.model import (
+    ImageProcessor,
+    ModelRuntimeConfig,
+    Policy,
+    Qwen3MoeConfig,
+    Qwen3VLMoeConfig,
+    VisionConfig,
+    make_mesh,
+    mrope_positions,
+)
 from osworld_jax.model.params import param_specs
+from osworld_jax.model.processor import QWEN3_VL_PREPROCESSOR
 from osworld_jax.trainer import OptimizerConfig, Trainer, TrainerConfig
+
+REPO = Path(__file__).resolve().parents[1]
+SCREENSHOT = REPO / "tests" / "model" / "assets" / "desktop_1920x1080.png"
+VL_ASSET = REPO / "osworld_jax" / "model" / "assets" / "qwen3_vl_30b_a3b_instruct" / "config.json"
+VISION_GROUPS = ("vision", "vision_blocks", "deepstack")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +98,32 @@ class Bench:
     batch: int
     seq: int
     logprob_chunk: int
+    images: int = 0  # screenshots per row (vision configs)
+    preprocessor: dict | None = None  # preprocessor_config.json keys (vision configs)
+
+
+def with_vision(text: Qwen3MoeConfig, vision: VisionConfig) -> Qwen3VLMoeConfig:
+    """``text`` plus a ViT, with Qwen3-VL's vision token ids (clamped into a small vocab)."""
+    fields = {f.name: getattr(text, f.name) for f in dataclasses.fields(Qwen3MoeConfig)}
+    ids = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652)
+    ids["vision_end_token_id"] = 151653
+    if text.vocab_size <= 151656:  # tiny: the last four ids of the vocabulary
+        v = text.vocab_size
+        ids = dict(
+            vision_start_token_id=v - 4, vision_end_token_id=v - 3, image_token_id=v - 2,
+            video_token_id=v - 1,
+        )  # fmt: skip
+    half = text.head_dim // 2
+    section = (24, 20, 20) if half == 64 else (half - 2 * (half // 4), half // 4, half // 4)
+    return Qwen3VLMoeConfig(
+        **{**fields, "norm_topk_prob": True}, vision=vision, mrope_section=section, **ids
+    )
+
+
+def qwen3_vl_vision(out_hidden_size: int) -> VisionConfig:
+    """Qwen3-VL-30B-A3B-Instruct's published vision tower (``vision_config``)."""
+    published = json.loads(VL_ASSET.read_text())["vision_config"]
+    return VisionConfig.from_hf_dict({**published, "out_hidden_size": out_hidden_size})
 
 
 CONFIGS = {
@@ -111,10 +178,45 @@ CONFIGS = {
 }
 
 
+# The text models of tiny / bench-moe with a vision tower and screenshots in every row.
+CONFIGS["tiny-vl"] = dataclasses.replace(
+    CONFIGS["tiny"],
+    model=with_vision(
+        CONFIGS["tiny"].model,
+        VisionConfig(
+            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
+            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,
+            num_position_embeddings=64, deepstack_visual_indexes=(0,),
+        ),
+    ),
+    batch=2,
+    seq=512,
+    images=2,
+    # 1920x1080 within 192^2 px -> 128 x 256 -> 8 x 16 patches -> 32 image tokens.
+    preprocessor={**QWEN3_VL_PREPROCESSOR, "size": {"shortest_edge": 4096, "longest_edge": 36864}},
+)  # fmt: skip
+# bench-moe + Qwen3-VL-30B-A3B's ViT: one row of 16,384 tokens (bench-moe's tokens per step)
+# holding 4 screenshots (4 x 2,042 tokens) and 8,216 text tokens. remat 'full': without it the
+# ViT's residuals over 32,640 patches (~4.5 GiB per block in XLA's CPU memory analysis, 27
+# blocks) and bench-moe's 65 GiB do not fit one H200 (``--remat`` overrides).
+CONFIGS["bench-vl"] = dataclasses.replace(
+    CONFIGS["bench-moe"],
+    model=with_vision(CONFIGS["bench-moe"].model, qwen3_vl_vision(2048)),
+    runtime=dataclasses.replace(CONFIGS["bench-moe"].runtime, remat="full"),
+    batch=1,
+    seq=16384,
+    images=4,
+    preprocessor=QWEN3_VL_PREPROCESSOR,
+)
+
+
 def active_params(config: Qwen3MoeConfig) -> tuple[int, int]:
-    """``(total parameters, active parameters per token)`` (see the module docstring)."""
+    """``(total parameters, active parameters per token)`` of the language model (see the
+    module docstring; a vision tower is counted by `vision_flops`)."""  # noqa: D205, D209
     total = active = 0
     for key, spec in param_specs(config).items():
+        if key.split(".")[0] in VISION_GROUPS:
+            continue
         n = math.prod(spec.shape)
         total += n
         if key == "top.embed" and not config.tie_word_embeddings:
@@ -132,6 +234,77 @@ def model_flops(config: Qwen3MoeConfig, batch: int, seq: int) -> float:
     attn = 12 * config.num_hidden_layers * batch * seq**2 * config.num_attention_heads
     attn = attn * config.head_dim / 2
     return dense + attn
+
+
+def vision_flops(vision: VisionConfig, patches_per_image: list[int]) -> float:
+    """FLOPs of the ViT's forward + backward over these images (module docstring formula)."""
+    n = sum(patches_per_image)
+    hv, m2 = vision.hidden_size, vision.spatial_merge_size**2
+    per_patch = vision.patch_dim * hv + vision.depth * (
+        4 * hv * hv + 2 * hv * vision.intermediate_size
+    )
+    attention = vision.depth * sum(4 * k * k * hv for k in patches_per_image)
+    mergers = (1 + len(vision.deepstack_visual_indexes)) * (
+        (m2 * hv) ** 2 + m2 * hv * vision.out_hidden_size
+    )
+    return 3 * (2 * n * per_patch + attention + 2 * (n // m2) * mergers)
+
+
+def step_flops(bench: Bench, model: Qwen3MoeConfig, batch: Batch) -> float:
+    """Model FLOPs of one step on ``batch``: the text formula plus the ViT's."""
+    b, s = batch.tokens.shape
+    flops = model_flops(model, b, s)
+    if batch.image_grid_thw is not None and isinstance(model, Qwen3VLMoeConfig):
+        grids = np.asarray(batch.image_grid_thw).reshape(-1, 3)
+        flops += vision_flops(model.vision, [int(np.prod(g)) for g in grids if g[0] > 0])
+    return flops
+
+
+def screenshot_batch(
+    config: Qwen3VLMoeConfig, processor: ImageProcessor, batch: int, seq: int, images: int
+) -> Batch:
+    """`random_batch` with ``images`` copies of the 1920x1080 desktop screenshot per row.
+
+    Each image is ``<|vision_start|>`` + its pads + ``<|vision_end|>`` (loss mask 0), followed
+    by an equal share of the row's random text; pixels and grids per row, M-RoPE positions.
+    """
+    pixels, grid = processor(SCREENSHOT.read_bytes())
+    pads = int(np.prod(grid[0])) // config.vision.spatial_merge_size**2
+    span = pads + 2
+    text = (seq - 1 - images * span) // images
+    if text < 1:
+        raise SystemExit(f"--seq {seq}: {images} screenshots of {span} tokens do not fit")
+    base = random_batch(config, batch, seq)
+    tokens, loss_mask = base.tokens.copy(), base.loss_mask.copy()
+    special = [config.image_token_id, config.video_token_id]
+    special += [config.vision_start_token_id, config.vision_end_token_id]
+    tokens[np.isin(tokens, special)] = 1  # random text holds no vision token
+    for k in range(images):
+        at = 1 + k * (span + text)
+        tokens[:, at] = config.vision_start_token_id
+        tokens[:, at + 1 : at + 1 + pads] = config.image_token_id
+        tokens[:, at + 1 + pads] = config.vision_end_token_id
+        loss_mask[:, at : at + span] = 0.0
+    grids = np.broadcast_to(grid[0], (batch, images, 3)).astype(np.int32).copy()
+    return base._replace(
+        tokens=tokens,
+        loss_mask=loss_mask,
+        behavior_logprobs=np.where(loss_mask > 0, base.behavior_logprobs, 0.0).astype(np.float32),
+        advantages=(base.advantages * loss_mask).astype(np.float32),
+        positions=mrope_positions(tokens, grids, config),
+        pixel_values=np.broadcast_to(
+            np.tile(pixels, (images, 1)), (batch, images * len(pixels), pixels.shape[1])
+        ).copy(),
+        image_grid_thw=grids,
+    )
+
+
+def bench_batch(bench: Bench, model: Qwen3MoeConfig, b: int, s: int, images: int) -> Batch:
+    """The benchmark's batch: random tokens, plus screenshots for a vision config."""
+    if not isinstance(model, Qwen3VLMoeConfig) or not images:
+        return random_batch(model, b, s)
+    processor = ImageProcessor.from_dict(bench.preprocessor or QWEN3_VL_PREPROCESSOR)
+    return screenshot_batch(model, processor, b, s, images)
 
 
 def random_batch(config: Qwen3MoeConfig, batch: int, seq: int, seed: int = 0) -> Batch:
@@ -164,6 +337,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=5, help="timed steps (after warmup)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps (the first compiles)")
     p.add_argument("--batch", type=int, help="override B (rows)")
+    p.add_argument("--images", type=int, help="override the screenshots per row (vision configs)")
     p.add_argument("--seq", type=int, help="override S (tokens per row)")
     p.add_argument("--layers", type=int, help="override the number of layers")
     p.add_argument("--expert-backend", help="override ModelRuntimeConfig.expert_backend")
@@ -184,6 +358,9 @@ def main(argv: list[str] | None = None) -> None:
         help="comma list of HF transformers peers to run first: eager,compile",
     )
     p.add_argument("--hf-child", default="", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--peer-timeout", type=float, help="seconds each HF peer may take (then a failed row)"
+    )
     p.add_argument("--no-ours", action="store_true", help="only the HF peers")
     p.add_argument(
         "--master-dtype",
@@ -270,13 +447,14 @@ def main(argv: list[str] | None = None) -> None:
 
     bounds = BatchBounds(num_owners=b, num_groups=1, norm_length=s)
     trainer = Trainer(config, nnx.eval_shape(init_fn), bounds=bounds, mesh=mesh)
-    batch = random_batch(model, b, s)
+    batch = bench_batch(bench, model, b, s, bench.images if args.images is None else args.images)
+    host_batch = batch
     if args.memory_only:
         _memory_report(trainer, batch, args)
         return None
     state = trainer.init_state(init_fn=init_fn)
     if not args.host_batch:
-        batch = trainer._device_batch(batch)  # checked and uploaded once, as every step would
+        batch = trainer._device_batch(batch)[0]  # checked and uploaded once, as every step would
 
     times = []
     ctx = jax.set_mesh(mesh) if args.mesh_context else contextlib.nullcontext()
@@ -300,7 +478,15 @@ def main(argv: list[str] | None = None) -> None:
 
     total, active = active_params(model)
     step = statistics.median(times)
-    flops = model_flops(model, b, s)
+    flops = step_flops(bench, model, host_batch)
+    images = (
+        ""
+        if host_batch.image_grid_thw is None
+        else (
+            f", {int((np.asarray(host_batch.image_grid_thw)[..., 0] > 0).sum())} screenshots of "
+            f"{int(np.prod(host_batch.image_grid_thw[0, 0]))} patches"
+        )
+    )
     rows = [
         (
             "config",
@@ -312,7 +498,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{jax.device_count()} x {jax.devices()[0].device_kind}, mesh {dict(mesh.shape)}",
         ),
         ("params (total / active)", f"{total / 1e6:,.3f}M / {active / 1e6:,.3f}M"),
-        ("batch B x S", f"{b} x {s} = {b * s} tokens"),
+        ("batch B x S", f"{b} x {s} = {b * s} tokens{images}"),
         ("first step (compile + run)", f"{compile_s:.2f} s"),
         (
             "step time (median)",
@@ -391,11 +577,16 @@ def _print_table(rows: list[dict], peak_flops: float = 790e12) -> None:
 def _run_hf_peer(args: argparse.Namespace, mode: str) -> dict:
     """Runs one HF peer in a subprocess (before this process initialises the GPU)."""
     cmd = [sys.executable, __file__, "--hf-child", mode, "--config", args.config]
-    for flag in ("batch", "seq", "layers", "steps", "warmup"):
+    for flag in ("batch", "seq", "layers", "steps", "warmup", "images"):
         value = getattr(args, flag)
         if value is not None:
             cmd += [f"--{flag}", str(value)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.peer_timeout)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        sys.stdout.write(out[-3000:])
+        return dict(name=f"HF {mode}", error=f"no result within --peer-timeout {e.timeout} s")
     sys.stdout.write(proc.stdout[-3000:])
     for line in proc.stdout.splitlines():
         if line.startswith("HF_RESULT "):
@@ -406,32 +597,58 @@ def _run_hf_peer(args: argparse.Namespace, mode: str) -> dict:
 
 def _hf_child(args: argparse.Namespace) -> None:
     """One HF transformers train step loop (see the module docstring), results as JSON."""
+    import inspect
+
     import torch
-    from transformers import Qwen3MoeConfig as HFConfig
-    from transformers import Qwen3MoeForCausalLM
 
     bench = CONFIGS[args.config]
     model_cfg = bench.model
     if args.layers:
         model_cfg = model_cfg.replace(num_hidden_layers=args.layers)
     b, s = args.batch or bench.batch, args.seq or bench.seq
+    images = bench.images if args.images is None else args.images
+    batch = bench_batch(bench, model_cfg, b, s, images)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke check of the peer
+    vl = isinstance(model_cfg, Qwen3VLMoeConfig)
+    if vl:
+        from transformers import Qwen3VLMoeConfig as HFConfig
+        from transformers import Qwen3VLMoeForConditionalGeneration as HFModel
+    else:
+        from transformers import Qwen3MoeConfig as HFConfig  # type: ignore[assignment]
+        from transformers import Qwen3MoeForCausalLM as HFModel  # type: ignore[assignment]
     hf_cfg = HFConfig(**model_cfg.to_hf_dict())
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen3MoeForCausalLM._from_config(
-            hf_cfg, torch_dtype=torch.bfloat16, attn_implementation="sdpa"
-        )
-    if hasattr(model, "set_experts_implementation"):
+    with torch.device(device):
+        model = HFModel._from_config(hf_cfg, torch_dtype=torch.bfloat16, attn_implementation="sdpa")
+    if hasattr(model, "set_experts_implementation") and device == "cuda":
         model.set_experts_implementation("grouped_mm")
     experts_impl = getattr(model.config, "_experts_implementation", "?")
     model.train()
     if args.hf_child == "compile":
         model.forward = torch.compile(model.forward)
-    opt = torch.optim.AdamW(model.parameters(), lr=5e-6, weight_decay=0.01, fused=True)
-    ids = torch.randint(0, model_cfg.vocab_size, (b, s), device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-6, weight_decay=0.01, fused=device == "cuda")
+    ids = torch.as_tensor(batch.tokens, dtype=torch.long, device=device)
+    inputs = dict(input_ids=ids, labels=ids)
+    if vl:  # the same pixels and grids (flat, HF's layout); no loss on the image spans
+        labels = ids.masked_fill(torch.as_tensor(batch.loss_mask == 0, device=device), -100)
+        inputs = dict(
+            input_ids=ids,
+            labels=labels,
+            pixel_values=torch.as_tensor(
+                batch.pixel_values.reshape(-1, batch.pixel_values.shape[-1]), device=device
+            ),
+            image_grid_thw=torch.as_tensor(batch.image_grid_thw.reshape(-1, 3), device=device),
+        )
+        if "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+            kind = (batch.tokens == model_cfg.image_token_id).astype(np.int64)
+            inputs["mm_token_type_ids"] = torch.as_tensor(kind, device=device)
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
 
     def step() -> float:
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(**inputs).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -440,19 +657,20 @@ def _hf_child(args: argparse.Namespace) -> None:
 
     times = []
     for i in range(args.warmup + args.steps + (1 if args.hf_child == "compile" else 0)):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         loss = step()
-        torch.cuda.synchronize()
+        sync()
         if i >= args.warmup + (1 if args.hf_child == "compile" else 0):
             times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
     result = dict(
         name=f"HF transformers {args.hf_child} (experts={experts_impl}, sdpa)",
         step_s=step_s,
         tokens=b * s,
-        flops=model_flops(model_cfg, b, s),
-        peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+        flops=step_flops(bench, model_cfg, batch),
+        peak_gib=peak,
         loss=loss,
         times=times,
     )

@@ -86,3 +86,25 @@ def test_benchmark_active_params_and_flops_by_hand():
     b, s = 4, 4096
     expect = 6 * active * b * s + 12 * 8 * b * s**2 * 32 * 128 / 2
     assert bench.model_flops(cfg, b, s) == expect
+
+
+def test_benchmark_vision_flops_by_hand():
+    bench = _bench_module()
+    vl = bench.CONFIGS["bench-vl"]
+    # The text model is bench-moe's: the ViT is not in N_active.
+    assert bench.active_params(vl.model) == bench.active_params(bench.CONFIGS["bench-moe"].model)
+    # One 1920x1080 screenshot at Qwen3-VL's limits: 1088 x 1920 px -> 68 x 120 = 8160 patches.
+    # Per patch: embed 1536 * 1152 = 1,769,472; 27 blocks x (4 * 1152^2 + 2 * 1152 * 4304 =
+    #   15,224,832) = 411,070,464 -> 412,839,936 weights, 2 FLOPs each.
+    # Attention: 27 x 4 x 8160^2 x 1152 = 8,284,314,009,600 per image.
+    # Mergers (final + 3 DeepStack) per merged token (8160 / 4 = 2040): 4 x (4608^2 + 4608 x
+    #   2048) = 122,683,392 weights.
+    fwd = 2 * 8160 * 412_839_936 + 8_284_314_009_600 + 2 * 2040 * 122_683_392
+    assert fwd == 15_522_410_004_480
+    assert bench.vision_flops(vl.model.vision, [8160] * 4) == 4 * 3 * fwd  # 186.3 TFLOP
+    batch = bench.bench_batch(vl, vl.model, vl.batch, vl.seq, vl.images)
+    assert batch.tokens.shape == (1, 16384) and batch.pixel_values.shape == (1, 4 * 8160, 1536)
+    assert (batch.tokens == vl.model.image_token_id).sum() == 4 * 2040
+    assert batch.positions.shape == (3, 1, 16384)
+    text = bench.model_flops(vl.model, 1, 16384)
+    assert bench.step_flops(vl, vl.model, batch) == text + 4 * 3 * fwd
