@@ -452,7 +452,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.memory_only:
         _memory_report(trainer, batch, args)
         return None
+    t_init = time.perf_counter()
     state = trainer.init_state(init_fn=init_fn)
+    jax.block_until_ready(state)
+    print(f"init_state: {time.perf_counter() - t_init:.1f} s", flush=True)
     if not args.host_batch:
         batch = trainer._device_batch(batch)[0]  # checked and uploaded once, as every step would
 
@@ -463,6 +466,8 @@ def main(argv: list[str] | None = None) -> None:
             t0 = time.perf_counter()
             state, metrics = trainer.train_step(state, batch)  # host metrics: synced
             dt = time.perf_counter() - t0
+            # Progress as it comes: a run cut short by its time limit still says how far it got.
+            print(f"step {i}: {dt:.3f} s{' (compile + run)' if i == 0 else ''}", flush=True)
             if i >= args.warmup:
                 times.append(dt)
             elif i == 0:
