@@ -343,6 +343,11 @@ class ModelRuntimeConfig:
         divide the batch); keeps GSPMD from resharding activations onto parameter axes.
       vision_attention_chunk: query block size of the ViT attention (0: one block). Bounds its
         f32 score buffer to [heads, chunk, N patches] (blocks are rematerialised).
+      expert_parallel: when the call runs under a mesh whose ``expert`` axis is > 1, send each
+        token to the devices holding its experts and run the grouped GEMMs on local experts
+        only (`osworld_jax.model.expert_parallel`: all-gather dispatch, reduce-scatter
+        combine; dropless). False: every device gathers all experts' weights and runs its own
+        tokens (the FSDP layout of the experts).
     """
 
     expert_backend: str = "auto"
@@ -355,6 +360,7 @@ class ModelRuntimeConfig:
     attention: Attention = "xla"
     attention_chunk: int = 0
     vision_attention_chunk: int = 1024
+    expert_parallel: bool = True
 
     def __post_init__(self) -> None:
         from osworld_jax.model.moe import EXPERT_BACKENDS

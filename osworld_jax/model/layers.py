@@ -15,6 +15,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from osworld_jax.model import moe
 from osworld_jax.model.config import ModelRuntimeConfig, Qwen3MoeConfig
+from osworld_jax.model.expert_parallel import expert_parallel, expert_parallel_size
 from osworld_jax.model.rope import apply_rope
 
 _NEG = float(jnp.finfo(jnp.float32).min)
@@ -241,9 +242,8 @@ def decoder_layer(
             y, mlp_p["router"], top_k=k, norm_topk_prob=config.norm_topk_prob, replay=replay_rows
         )
         agreeing, replayed = moe.replay_agreement(routing, replay_rows, valid.reshape(-1))
-        expert_fn = moe.EXPERT_BACKENDS.get(runtime.expert_backend)
-        out = expert_fn(
-            y, routing.experts, routing.weights.astype(y.dtype), *_experts(mlp_p)
+        out = _expert_mlp(
+            runtime, y, routing.experts, routing.weights.astype(y.dtype), *_experts(mlp_p)
         )  # [T, H]
         count, prob_sum, z_sum = moe.router_stats(routing, valid.reshape(-1))
         routed = routing.experts.reshape(b, s, k).astype(jnp.int32)
@@ -254,6 +254,16 @@ def decoder_layer(
         routed = jnp.full((b, s, k), -1, jnp.int32)
     x = constrain_batch(x + out.reshape(b, s, h).astype(x.dtype), runtime.activation_batch_axes)
     return x, LayerOut(routed, count, prob_sum, z_sum, cache, agreeing, replayed)
+
+
+def _expert_mlp(runtime: ModelRuntimeConfig, x: jax.Array, *args: jax.Array) -> jax.Array:
+    """The runtime's expert backend, expert-parallel under a mesh with ``expert`` > 1."""
+    if not (runtime.expert_parallel and expert_parallel_size() > 1):
+        return moe.EXPERT_BACKENDS.get(runtime.expert_backend)(x, *args)
+    name = runtime.expert_backend
+    if name == "auto":
+        name = moe.auto_expert_backend(x.dtype, expert_parallel=True)
+    return expert_parallel(moe.EXPERT_BACKENDS.get(name), x, *args)
 
 
 def _experts(p: dict[str, Any]) -> tuple[jax.Array, jax.Array, jax.Array]:

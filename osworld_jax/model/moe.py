@@ -10,8 +10,11 @@ A row of all -1 routes live. Rows are validated on the host (`osworld_jax.model.
 
 Expert backends (registry `EXPERT_BACKENDS`) all compute
 ``y_t = sum_k w_tk * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with ``e = experts[t, k]``; no
-token is ever dropped. ``"auto"`` (the default) picks one per platform at trace time
-(`auto_expert_backend`): the Pallas grouped matmuls on a GPU, ``ragged_dot`` on TPU and CPU.
+token is ever dropped. An expert id of ``-1`` marks a (token, k) slot that is not computed by
+this call (it contributes zero): expert parallelism (`osworld_jax.model.expert_parallel`) calls
+a backend on one device's experts with the other devices' slots set to ``-1``. ``"auto"`` (the
+default) picks one per platform at trace time (`auto_expert_backend`): the Pallas grouped
+matmuls on a GPU, ``ragged_dot`` on TPU and CPU.
 """
 
 from __future__ import annotations
@@ -148,10 +151,16 @@ class _Permutation(NamedTuple):
 
 
 def _permute(experts: Int[Array, "T K"], num_experts: int) -> _Permutation:
+    """Stable sort of the T*K slots by expert; ``-1`` slots (not computed here) sort last.
+
+    ``group_sizes`` counts only the E real groups, so the grouped matmul leaves the trailing
+    ``-1`` rows out (``ragged_dot`` gives zero rows past the last group).
+    """
     flat = experts.reshape(-1)  # [T*K]
-    order = jnp.argsort(flat, stable=True)  # [T*K]
+    key = jnp.where(flat < 0, num_experts, flat)  # [T*K]
+    order = jnp.argsort(key, stable=True)  # [T*K]
     inverse = jnp.argsort(order)  # [T*K]
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
+    sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)  # [E]
     return _Permutation(order, inverse, sizes)
 
 
@@ -240,12 +249,17 @@ def pallas_gmm_mosaic_experts(x, experts, weights, gate, up, down):
     return grouped_matmul.gmm_experts(x, experts, weights, gate, up, down, config=config)
 
 
-def auto_expert_backend(dtype: jnp.dtype | str, platform: str | None = None) -> str:
+def auto_expert_backend(
+    dtype: jnp.dtype | str, platform: str | None = None, *, expert_parallel: bool = False
+) -> str:
     """The backend ``"auto"`` resolves to for ``dtype`` on ``platform`` (default: JAX's).
 
     - GPU: the Pallas grouped matmuls: ``"pallas_gmm_mosaic"`` (TMA + wgmma forward, the
       measured-best kernel per part, `grouped_matmul.MOSAIC_CONFIG`) on Hopper (compute
-      capability 9.x) with 16-bit weights, else ``"pallas_gmm"`` (Triton, any CUDA GPU/dtype);
+      capability 9.x) with 16-bit weights, else ``"pallas_gmm"`` (Triton, any CUDA GPU/dtype).
+      Under expert parallelism always ``"pallas_gmm"``: a device's row buffer is sized for the
+      worst case (every token of the group on its experts) and the Triton kernels skip the
+      unused tiles, while the persistent Mosaic forward/dx kernels compute them (zeros);
     - TPU: ``"ragged"`` (``ragged_dot`` lowers to the TPU's grouped matmul);
     - CPU: ``"ragged"`` (XLA's masked fallback; fine at test sizes).
     """
@@ -253,7 +267,7 @@ def auto_expert_backend(dtype: jnp.dtype | str, platform: str | None = None) -> 
     if platform in ("gpu", "cuda", "rocm"):
         kind = str(getattr(jax.devices()[0], "compute_capability", ""))
         hopper = platform != "rocm" and kind.startswith("9")
-        if hopper and jnp.dtype(dtype).itemsize == 2:
+        if hopper and jnp.dtype(dtype).itemsize == 2 and not expert_parallel:
             return "pallas_gmm_mosaic"
         return "pallas_gmm"
     return "ragged"

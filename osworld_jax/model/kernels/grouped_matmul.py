@@ -109,24 +109,41 @@ def padded_rows(num_rows: int, num_experts: int, align: int) -> int:
 
 
 def tile_plan(experts: Int[Array, "T K"], num_experts: int, align: int) -> TilePlan:
-    """Sorts the T*K routed slots by expert, each group padded to a multiple of ``align``."""
+    """Sorts the T*K routed slots by expert, each group padded to a multiple of ``align``.
+
+    A slot whose expert is ``-1`` is not computed here (expert parallelism: its expert lives on
+    another device): it gets no row (``dest >= Mp``, out of range; `_rows` reads zero there).
+    A token's K experts are distinct (top-k; replayed rows are checked on the host), so at most
+    ``min(K, E)`` of its slots are computed: ``Mp = padded_rows(T min(K, E), E, align)``, which
+    is ``padded_rows(T K, ...)`` whenever ``E >= K`` (always, without expert parallelism).
+    """
+    num_tokens, top_k = experts.shape
     flat = experts.reshape(-1).astype(jnp.int32)  # [T*K]
     n = flat.shape[0]
-    mp = padded_rows(n, num_experts, align)
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E]
+    mp = padded_rows(num_tokens * min(top_k, num_experts), num_experts, align)
+    key = jnp.where(flat < 0, num_experts, flat)  # [T*K]; -1 -> the uncomputed group E
+    counts = jnp.bincount(key, length=num_experts + 1).astype(jnp.int32)  # [E+1]
+    sizes = counts[:num_experts]  # [E]
     tiles = (sizes + align - 1) // align  # [E]
     tile_end = jnp.cumsum(tiles)  # [E]
     tile_start = tile_end - tiles  # [E]
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # [T*K] sorted -> slot
-    sorted_e = flat[order]  # [T*K]
-    rank = jnp.arange(n, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[sorted_e]  # [T*K]
-    dest_sorted = tile_start[sorted_e] * align + rank  # [T*K]
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)  # [T*K] sorted -> slot
+    sorted_e = key[order]  # [T*K]
+    rank = jnp.arange(n, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[sorted_e]  # [T*K]
+    start = jnp.concatenate([tile_start * align, jnp.full((1,), mp, jnp.int32)])  # [E+1]
+    dest_sorted = start[sorted_e] + rank  # [T*K]; uncomputed slots: Mp, Mp + 1, ...
     dest = jnp.zeros((n,), jnp.int32).at[order].set(dest_sorted, unique_indices=True)
-    row_slot = jnp.full((mp,), n, jnp.int32).at[dest_sorted].set(order, unique_indices=True)
+    row_slot = jnp.full((mp,), n, jnp.int32)
+    row_slot = row_slot.at[dest_sorted].set(order, mode="drop", unique_indices=True)  # [Mp]
     tile_ids = jnp.arange(mp // align, dtype=jnp.int32)  # [Mp/a]
     owner = jnp.searchsorted(tile_end, tile_ids, side="right").astype(jnp.int32)
     tile_expert = jnp.where(owner < num_experts, owner, -1)  # [Mp/a]
     return TilePlan(dest, row_slot, tile_expert, tile_start.astype(jnp.int32), tiles)
+
+
+def _rows(a: jax.Array, index: jax.Array) -> jax.Array:
+    """``a[index]`` along axis 0, zero where ``index`` is out of range (uncomputed slots)."""
+    return jnp.take(a, index, axis=0, mode="fill", fill_value=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,7 +165,7 @@ def _dispatch_fwd(x, row_slot, dest, top_k):
 
 def _dispatch_bwd(top_k, res, dxs):
     row_slot, dest = res
-    g = dxs[dest].reshape(-1, top_k, dxs.shape[-1])  # [T, K, H]
+    g = _rows(dxs, dest).reshape(-1, top_k, dxs.shape[-1])  # [T, K, H]
     dx = jnp.sum(g.astype(jnp.float32), axis=1).astype(dxs.dtype)  # [T, H]
     return dx, None, None
 
@@ -162,7 +179,7 @@ def combine(
 ) -> Float[Array, "T H"]:
     """``y[t] = sum_k weights[t, k] ys[dest[t K + k]]`` (f32 accumulation, ``ys.dtype`` out)."""
     t, k = weights.shape
-    g = ys[dest].reshape(t, k, ys.shape[-1])  # [T, K, H]
+    g = _rows(ys, dest).reshape(t, k, ys.shape[-1])  # [T, K, H]
     y = jnp.einsum("tkh,tk->th", g, weights.astype(ys.dtype), preferred_element_type=jnp.float32)
     return y.astype(ys.dtype)
 
@@ -178,7 +195,7 @@ def _combine_bwd(res, dy):
     dy_ext = jnp.concatenate([dy, jnp.zeros((1, dy.shape[1]), dy.dtype)])  # [T+1, H]
     scale = w_ext[row_slot].astype(dy.dtype)[:, None]  # [Mp, 1]
     dys = (dy_ext[row_slot // k] * scale).astype(ys.dtype)  # [Mp, H]
-    g = ys[dest].reshape(t, k, ys.shape[-1])  # [T, K, H]
+    g = _rows(ys, dest).reshape(t, k, ys.shape[-1])  # [T, K, H]
     dw = jnp.einsum("tkh,th->tk", g, dy.astype(ys.dtype), preferred_element_type=jnp.float32)
     return dys, dw.astype(weights.dtype), None, None
 
@@ -205,11 +222,14 @@ def _dot(a: jax.Array, b: jax.Array, ca: int, cb: int) -> jax.Array:
 def _mm_kernel(te_ref, x_ref, w_ref, o_ref, *twin_ref, bm, bn, bk, nk, nn, trans_rhs):
     """Program (m, n): ``o[m, n] = x[m, :] @ w[te[m]][:, n]`` (``w[e]^T`` if trans_rhs).
 
-    With a second output ref (``twin``) the tile is stored into both.
+    With a second output ref (``twin``) the tile is stored into both. An unused tile
+    (``te[m] < 0``: past the last group, e.g. the worst-case rows of an expert-parallel
+    buffer) is stored as zeros without reading ``x`` or ``w``.
     """
     pid = pl.program_id(0)
     mi, ni = pid // nn, pid % nn
-    e = jnp.maximum(te_ref[mi], 0)  # unused tiles: zero rows times expert 0 = zeros
+    te = te_ref[mi]
+    e = jnp.maximum(te, 0)
     r0 = pl.multiple_of(mi * bm, bm)
     c0 = pl.multiple_of(ni * bn, bn)
 
@@ -222,9 +242,17 @@ def _mm_kernel(te_ref, x_ref, w_ref, o_ref, *twin_ref, bm, bn, bk, nk, nn, trans
         b = w_ref[e, pl.ds(k0, bk), pl.ds(c0, bn)]  # [bk, bn]
         return acc + _dot(a, b, 1, 0)
 
-    acc = jax.lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), jnp.float32))
-    for ref in (o_ref, *twin_ref):
-        ref[pl.ds(r0, bm), pl.ds(c0, bn)] = acc.astype(ref.dtype)
+    def store(acc):
+        for ref in (o_ref, *twin_ref):
+            ref[pl.ds(r0, bm), pl.ds(c0, bn)] = acc.astype(ref.dtype)
+
+    @pl.when(te >= 0)
+    def _():
+        store(jax.lax.fori_loop(0, nk, body, jnp.zeros((bm, bn), jnp.float32)))
+
+    @pl.when(te < 0)
+    def _():
+        store(jnp.zeros((bm, bn), jnp.float32))
 
 
 def _mm(x, w, tile_expert, cfg: GmmConfig, *, trans_rhs: bool, twin: bool = False):
@@ -450,8 +478,9 @@ def gmm_experts(
     config = DEFAULT_CONFIG if config is None else config
     mesh = jax.sharding.get_abstract_mesh()
     axes: tuple[str, ...] = ()
-    if not mesh.empty:
-        axes = tuple(a for a in _BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+    if not mesh.empty:  # axes already manual (inside a shard_map, e.g. expert parallelism)
+        free = [a for a in mesh.axis_names if a not in mesh.manual_axes]
+        axes = tuple(a for a in _BATCH_AXES if a in free and mesh.shape[a] > 1)
     size = 1
     for a in axes:
         size *= mesh.shape[a]
