@@ -229,6 +229,7 @@ def score_rows(
         batch.tokens,
         chunk=config.logprob_chunk,
         temperature=temperature,
+        batch_axes=runtime.activation_batch_axes,
     )
     aux = out.aux
     return Scores(lp, ent, aux["total"], aux["agreeing_routes"], aux["replayed_routes"])

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 from osworld_jax.trainer.logprobs import token_logprobs
 
@@ -132,3 +133,45 @@ def test_softmax_stats_is_one_reduction_and_matches_logsumexp_and_entropy():
     jaxpr = jax.make_jaxpr(softmax_stats)(z).jaxpr
     reductions = [e for e in jaxpr.eqns if e.primitive.name.startswith("reduce")]
     assert len(reductions) == 1 and len(reductions[0].invars) == 6, reductions
+
+
+def _collective_bytes(hlo: str, devices: int) -> dict[str, float]:
+    """Bytes one device sends per execution (benchmarks/comm_volume.py's HLO counter)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "comm_volume.py"
+    spec = importlib.util.spec_from_file_location("comm_volume", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("comm_volume", module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.hlo_collective_bytes(hlo, devices)
+
+
+@pytest.mark.parametrize("save_bytes", [0, None])
+def test_rows_split_over_the_mesh_sum_the_lm_head_gradient_once(save_bytes):
+    # 8 rows over data x fsdp x expert = 2 x 2 x 2, 4 chunks: equal to one device, and the
+    # compiled step all-reduces dW [H, V] once (2 x 7/8 x its bytes per device), not once per
+    # chunk inside the chunk loop (4x that), as the partitioner did on its own.
+    from osworld_jax.model import make_mesh
+
+    r, t, h, v, chunk = 8, 16, 16, 37, 4
+    hidden, w, tokens = _inputs(r, t, h, v, seed=3)
+    g = jax.random.normal(jax.random.key(9), tokens.shape)
+
+    def loss(a, b):
+        return jnp.sum(g * token_logprobs(a, b, tokens, chunk=chunk, save_bytes=save_bytes)[0])
+
+    fn = jax.jit(jax.value_and_grad(loss, (0, 1)))
+    one = fn(hidden, w)
+    mesh = make_mesh(data=2, fsdp=2, expert=2)
+    rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp", "expert")))
+    hidden = jax.device_put(hidden, rows)  # as the trainer lays out its batch
+    with jax.set_mesh(mesh):
+        eight = fn(hidden, w)
+        hlo = fn.lower(hidden, w).compile().as_text()
+    chex.assert_trees_all_close(one, eight, atol=1e-5, rtol=1e-5)
+    sent = _collective_bytes(hlo, 8).get("all-reduce", 0.0)
+    dw_once = 2 * 7 / 8 * h * v * 4
+    assert dw_once <= sent < dw_once + 64, (sent, dw_once)  # + the summed loss scalar
