@@ -15,7 +15,9 @@ does not fit fails at its first run. `estimate_step_memory` adds up, per device:
   MoE's padded expert rows (dispatched x, gate/up/SwiGLU outputs, expert outputs, the combine
   gather) under ``remat="none"``; the layer input only under ``"full"`` (plus one layer's
   worth, recomputed during its backward); the projections but not the expert rows under
-  ``"dots"``;
+  ``"dots"``. Under expert parallelism over ``n`` devices a device's expert rows are sized
+  for the worst case, all ``n`` devices' tokens on its ``E / n`` experts
+  (`osworld_jax.model.expert_parallel`): ``padded_rows(n T min(K, E/n), E/n)`` rows;
 - ``logprobs``: two float32 ``[rows, chunk, V]`` logit blocks, the float32 ``dW`` of the lm head,
   and the saved bf16 ``onehot - p`` when `logprobs.saves_probs` keeps it.
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -63,7 +66,9 @@ class StepMemory:
         return f"{self.total / GiB:.1f} GiB ({parts})"
 
 
-def _layer_bytes_per_token(model: Qwen3MoeConfig, runtime: ModelRuntimeConfig, tokens: int):
+def _layer_bytes_per_token(
+    model: Qwen3MoeConfig, runtime: ModelRuntimeConfig, tokens: int, expert_parallel: int = 1
+):
     """Bytes one layer keeps per token for its backward: (remat none, remat dots)."""
     c = jnp.dtype(runtime.dtype).itemsize
     h, d = model.hidden_size, model.head_dim
@@ -71,7 +76,8 @@ def _layer_bytes_per_token(model: Qwen3MoeConfig, runtime: ModelRuntimeConfig, t
     # x, normed x, q, k, v, normed+roped q/k, attention out, x + attn, post-norm y; router f32.
     attn = c * (4 * h + 3 * q + 4 * kv) + 4 * 3 * model.num_experts
     k = model.num_experts_per_tok
-    rows = padded_rows(tokens * k, model.num_experts, 128) / tokens  # padded rows per token
+    n, e_loc = expert_parallel, model.num_experts // expert_parallel
+    rows = padded_rows(n * tokens * min(k, e_loc), e_loc, 128) / tokens  # padded rows per token
     # dispatched x, expert outputs (H each); gate, up, SwiGLU out (I each); combine gather.
     moe = c * (rows * (2 * h + 3 * model.moe_intermediate_size) + k * h)
     mlp = c * 3 * model.intermediate_size
@@ -89,8 +95,9 @@ def estimate_step_memory(
     *,
     rows: int,
     seq: int,
-    param_shards: int = 1,
+    param_shards: float = 1,
     batch_shards: int = 1,
+    expert_parallel: int = 1,
 ) -> StepMemory:
     """Bytes per device of one train step of ``rows x seq`` tokens (module doc).
 
@@ -100,15 +107,18 @@ def estimate_step_memory(
       config: master dtype, micro-batches, logprob chunk.
       rows: batch rows of the optimizer step.
       seq: tokens per row.
-      param_shards: devices one parameter is split over (fsdp x expert x tensor).
+      param_shards: devices one parameter is split over (fsdp x expert x tensor), or the
+        ratio of all parameters to one device's share when parameters split differently.
       batch_shards: devices the batch rows are split over (the data-parallel size).
+      expert_parallel: devices the experts are split over with tokens dispatched to them (the
+        mesh's ``expert`` axis when ``ModelRuntimeConfig.expert_parallel``; 1: none).
     """
     c = jnp.dtype(runtime.dtype).itemsize
     m = c if config.master_dtype is None else jnp.dtype(config.master_dtype).itemsize
     n = sum(math.prod(s.shape) for s in param_specs(model).values()) / param_shards
     micro_rows = max(rows // (config.num_micro_batches * batch_shards), 1)
     tokens = micro_rows * seq
-    per_layer, attn = _layer_bytes_per_token(model, runtime, tokens)
+    per_layer, attn = _layer_bytes_per_token(model, runtime, tokens, expert_parallel)
     layers = model.num_hidden_layers
     h = model.hidden_size
     if runtime.remat == "none":
@@ -151,8 +161,9 @@ def check_step_fits(
     *,
     rows: int,
     seq: int,
-    param_shards: int = 1,
+    param_shards: float = 1,
     batch_shards: int = 1,
+    expert_parallel: int = 1,
     capacity: float | None = None,
 ) -> StepMemory:
     """Raises `TrainerError` (before any compile) when the estimate exceeds ``capacity``.
@@ -161,7 +172,13 @@ def check_step_fits(
     remat policy, bfloat16 masters, or more devices. ``capacity`` defaults to
     `device_capacity` (no check where the platform reports none, e.g. the CPU).
     """
-    kw = dict(rows=rows, seq=seq, param_shards=param_shards, batch_shards=batch_shards)
+    kw: dict[str, Any] = dict(
+        rows=rows,
+        seq=seq,
+        param_shards=param_shards,
+        batch_shards=batch_shards,
+        expert_parallel=expert_parallel,
+    )
     est = estimate_step_memory(model, runtime, config, **kw)
     capacity = device_capacity() if capacity is None else capacity
     if capacity is None or est.total <= capacity:

@@ -366,15 +366,23 @@ class Trainer:
         Raises `TrainerError` naming what to change when the estimate exceeds the device's
         memory (``capacity``: default the device allocator's limit; unknown on CPU: no check).
         """
-        shards = math.prod(self.mesh.shape.get(a, 1) for a in ("fsdp", "expert", "tensor"))
+        # The parameters' actual split (experts over `expert`, embed dims over `fsdp`, ...).
+        shapes = jax.tree.leaves(self._abstract_params)
+        shardings = jax.tree.leaves(self.param_shardings)
+        total = sum(math.prod(a.shape) for a in shapes)
+        local = sum(
+            math.prod(s.shard_shape(a.shape)) for a, s in zip(shapes, shardings, strict=True)
+        )
+        expert_parallel = self.mesh.shape.get("expert", 1) if self.runtime.expert_parallel else 1
         return check_step_fits(
             self.model,
             self.runtime,
             self.config,
             rows=rows,
             seq=seq,
-            param_shards=shards,
+            param_shards=total / local,
             batch_shards=self.data_parallel,
+            expert_parallel=expert_parallel,
             capacity=capacity,
         )
 
