@@ -212,3 +212,19 @@ def test_model_forward_and_grads_with_r3_replay_equal_one_device():
     chex.assert_trees_all_close(one, ep, atol=2e-5, rtol=2e-5)
     np.testing.assert_array_equal(ep[0][1][:2, :, 1:], replay[:2, :, 1:])  # replayed as given
     assert float(jnp.linalg.norm(ep[1]["moe"]["gate"])) > 0
+
+
+def test_auto_backend_under_expert_parallelism_is_the_triton_kernels(monkeypatch):
+    # A device's buffer is sized for the worst case: the Triton kernels skip its unused tiles,
+    # the persistent Mosaic forward/dx kernels would compute them.
+    from osworld_jax.model import moe
+
+    class _Hopper:
+        compute_capability = "9.0"
+        platform = "gpu"
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *a, **k: [_Hopper()])
+    assert moe.auto_expert_backend(jnp.bfloat16) == "pallas_gmm_mosaic"
+    assert moe.auto_expert_backend(jnp.bfloat16, expert_parallel=True) == "pallas_gmm"
+    assert moe.auto_expert_backend(jnp.float32, "cpu", expert_parallel=True) == "ragged"
