@@ -4,6 +4,7 @@
     python benchmarks/train_step.py --config bench-moe      # GPU: Qwen3-30B-A3B shape, 8 layers
     python benchmarks/train_step.py --config tiny-vl        # CPU smoke: tiny ViT + screenshots
     python benchmarks/train_step.py --config bench-vl       # GPU: bench-moe + Qwen3-VL's ViT
+    python benchmarks/train_step.py --config bench-moe --preset mesh_2gpu.gin   # 2 GPUs, B=8
 
 Random token ids and random weights (created on device under jit with out_shardings); the full
 RL train step: forward with router replay (random valid routes), chunked token logprobs,
@@ -345,6 +346,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--micro-batches", type=int, default=1)
     p.add_argument("--no-replay", action="store_true", help="route live instead of R3")
     p.add_argument("--mesh", default="", help="data,fsdp,expert,tensor (default: all devices fsdp)")
+    p.add_argument(
+        "--preset",
+        help="a mesh preset (configs/mesh_2gpu.gin, ...): its mesh, expert_parallel and overlap;"
+        " the global batch is B x the devices the rows split over (unless --batch)",
+    )
+    p.add_argument(
+        "--overlap",
+        help="XLA overlap flags (trainer.overlap: none | pipelined | collective_matmul); "
+        "overrides the preset's",
+    )
+    p.add_argument(
+        "--no-expert-parallel",
+        action="store_true",
+        help="ModelRuntimeConfig.expert_parallel=False (experts gathered like FSDP parameters)",
+    )
     p.add_argument("--peak-flops", type=float, default=790e12)
     p.add_argument("--attention", help="override ModelRuntimeConfig.attention (xla | cudnn)")
     p.add_argument(
@@ -426,6 +442,25 @@ def main(argv: list[str] | None = None) -> None:
         )
     b, s = args.batch or bench.batch, args.seq or bench.seq
 
+    overlap = args.overlap
+    if args.preset:  # before the backend starts: the overlap flags are read at start-up
+        from comm_volume import load_preset  # type: ignore[import-not-found]
+
+        path = Path(args.preset)
+        if not path.exists():
+            path = Path(__file__).resolve().parents[1] / "configs" / args.preset
+        axes, preset_runtime, preset_overlap = load_preset(path)
+        overlap = overlap or preset_overlap
+        runtime = dataclasses.replace(runtime, expert_parallel=preset_runtime.expert_parallel)
+        if not args.batch:
+            b = bench.batch * axes["data"] * axes["fsdp"] * axes["expert"]
+        args.mesh = ",".join(str(axes[a]) for a in ("data", "fsdp", "expert", "tensor"))
+    if overlap:
+        from osworld_jax.trainer.overlap import apply_overlap
+
+        print(f"overlap {overlap}: XLA_FLAGS={apply_overlap(overlap)}", flush=True)
+    if args.no_expert_parallel:
+        runtime = dataclasses.replace(runtime, expert_parallel=False)
     if args.mesh:
         data, fsdp, expert, tensor = (int(x) for x in args.mesh.split(","))
     else:

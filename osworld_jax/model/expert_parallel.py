@@ -20,7 +20,9 @@ No token is dropped and every shape is static: a device's buffer holds the worst
 skip its unused tiles, so compute follows the real load and only memory is sized for the
 worst case. The backward is the transpose: the gradient of the dispatch all-gather is a
 reduce-scatter, that of the combine an all-gather, and the expert-weight gradients stay on
-their devices (summed over ``data``/``fsdp`` only, where the rows differ).
+their devices (summed over ``data``/``fsdp`` only, where the rows differ). With ``fsdp > 1``
+the local experts' embed dim is split over ``fsdp`` as the parameters are: gathered inside
+the layer, their gradients reduce-scattered back (explicit, so never an all-reduce).
 
 Bytes per MoE layer and device (forward; the backward moves the same again), with ``b`` the
 activation bytes per element: all-gather ``(n - 1) T_loc H b`` in, reduce-scatter
@@ -46,6 +48,7 @@ from osworld_jax.model.errors import ModelConfigError
 
 EXPERT_AXIS = "expert"
 TENSOR_AXIS = "tensor"
+FSDP_AXIS = "fsdp"
 BATCH_AXES = ("data", "fsdp", "expert")
 
 
@@ -95,8 +98,12 @@ def expert_parallel(
         batch = ()  # rows replicated: every device holds every token
     tp = free.get(TENSOR_AXIS, 1)
     tensor = TENSOR_AXIS if tp > 1 and width % tp == 0 else None
+    fs = free.get(FSDP_AXIS, 1)
+    fsdp = FSDP_AXIS if fs > 1 and gate.shape[1] % fs == 0 else None
     rows = PartitionSpec(batch or None)
-    body = functools.partial(_local, expert_fn, gathered=EXPERT_AXIS in batch, tensor=tensor)
+    body = functools.partial(
+        _local, expert_fn, gathered=EXPERT_AXIS in batch, tensor=tensor, fsdp=fsdp
+    )
     return jax.shard_map(
         body,
         mesh=mesh,
@@ -104,9 +111,9 @@ def expert_parallel(
             rows,
             rows,
             rows,
-            PartitionSpec(EXPERT_AXIS, None, tensor),
-            PartitionSpec(EXPERT_AXIS, None, tensor),
-            PartitionSpec(EXPERT_AXIS, tensor, None),
+            PartitionSpec(EXPERT_AXIS, fsdp, tensor),
+            PartitionSpec(EXPERT_AXIS, fsdp, tensor),
+            PartitionSpec(EXPERT_AXIS, tensor, fsdp),
         ),
         out_specs=rows,
         axis_names=frozenset(free),
@@ -125,8 +132,13 @@ def _local(
     *,
     gathered: bool,
     tensor: str | None,
+    fsdp: str | None,
 ) -> jax.Array:
     """One device: dispatch (all-gather), its experts only, combine (reduce-scatter)."""
+    if fsdp is not None:  # FSDP: gather the local experts' embed dim; the backward's
+        # transpose is the reduce-scatter of their gradients over `fsdp`
+        gate, up = (jax.lax.all_gather(w, fsdp, axis=1, tiled=True) for w in (gate, up))
+        down = jax.lax.all_gather(down, fsdp, axis=2, tiled=True)
     if gathered:  # [T_loc, .] -> [n T_loc, .]: the expert group's tokens
         x, experts, weights = (
             jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True) for a in (x, experts, weights)

@@ -40,26 +40,37 @@ SandboxConfig = LocalBackendConfig | RemoteBackendConfig | OSWorldBackendConfig 
 class MeshConfig:
     """The trainer's device mesh: devices per axis (their product is the devices used).
 
+    Presets for 1/2/4/8 GPUs of one host: ``configs/mesh_{1,2,4,8}gpu.gin`` (docs/SCALE.md).
+
     Attributes:
       data: pure data parallelism (batch rows).
       fsdp: fully sharded data parallelism (batch rows and parameters).
-      expert: expert parallelism (experts, and batch rows).
+      expert: expert parallelism (experts, and batch rows; tokens go to their experts' devices
+        when ``ModelRuntimeConfig.expert_parallel``).
       tensor: tensor parallelism (heads, vocabulary, MLP widths).
+      overlap: XLA:GPU flags that overlap the step's collectives with compute
+        (`osworld_jax.trainer.overlap.OVERLAP_PRESETS`: "none", "pipelined",
+        "collective_matmul"); set in ``XLA_FLAGS`` before the backend starts (flags the user
+        set there win).
     """
 
     data: int = 1
     fsdp: int = 1
     expert: int = 1
     tensor: int = 1
+    overlap: Literal["none", "pipelined", "collective_matmul"] = "none"
 
     def __post_init__(self) -> None:
-        for name, value in dataclasses.asdict(self).items():
+        for name, value in self.axes().items():
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"MeshConfig.{name} must be an integer >= 1, got {value!r}")
+        from osworld_jax.trainer.overlap import overlap_flags
+
+        overlap_flags(self.overlap)  # an unknown preset raises, naming the choices
 
     def axes(self) -> dict[str, int]:
         """``{"data": d, "fsdp": f, "expert": e, "tensor": t}`` (``make_mesh`` keywords)."""
-        return dataclasses.asdict(self)
+        return dict(data=self.data, fsdp=self.fsdp, expert=self.expert, tensor=self.tensor)
 
 
 @dataclass(frozen=True, kw_only=True)

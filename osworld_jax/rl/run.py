@@ -40,6 +40,7 @@ from osworld_jax.rollout import SGLangClient
 from osworld_jax.trainer import Trainer
 from osworld_jax.trainer.checkpoint import CorruptCheckpointError, set_aside
 from osworld_jax.trainer.distributed import barrier, initialize_distributed, is_primary
+from osworld_jax.trainer.overlap import apply_overlap
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class RolloutResources(contextlib.ExitStack):
 
     def _open(self) -> None:
         exp = self.experiment
+        apply_overlap(exp.rl.mesh.overlap)  # XLA_FLAGS, read when the backend starts
         initialize_distributed(exp.distributed)  # multi-host: join the job (no-op alone)
         self.rolls_out = is_primary()  # multi-host: process 0 drives servers and sandboxes
         check_writable(self.run_dir)  # read-only or full: one line before anything starts

@@ -26,9 +26,9 @@ Two backward strategies, chosen from static shapes (``save_bytes``):
 Under a mesh (``jax.set_mesh``) whose batch axes split the rows, the head runs per device
 (``shard_map`` over those axes; the vocabulary stays with the partitioner): ``save_bytes`` is
 weighed against one device's rows, and the lm-head gradient ``dW`` is summed over the chunks
-on each device and then once over the devices. Left to the partitioner, the partial ``dW`` of
-every chunk was all-reduced inside the chunk loop (a float32 ``[H, V]`` per chunk: 4 x 1.24 GB
-per step for bench-moe's 4 chunks on 2 devices).
+on each device and then once over the devices (float32). Left to the partitioner, the partial
+``dW`` of every chunk was all-reduced inside the chunk loop (a float32 ``[H, V]`` per chunk: 4 x
+1.24 GB per step for bench-moe's 4 chunks on 2 devices).
 """
 
 from __future__ import annotations
@@ -127,13 +127,13 @@ def _forward_saving(hidden, w, targets, chunk, temperature):
     return jnp.concatenate(lps, axis=1), jnp.concatenate(ents, axis=1), tuple(qs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _chunked_logprobs(hidden, w, targets, chunk, save, temperature):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _chunked_logprobs(hidden, w, targets, chunk, save, temperature, axes=()):
     lp, ent, _ = _forward(hidden, w, targets, chunk, temperature)
     return lp, ent
 
 
-def _chunked_logprobs_fwd(hidden, w, targets, chunk, save, temperature):
+def _chunked_logprobs_fwd(hidden, w, targets, chunk, save, temperature, axes=()):
     if save:
         lp, ent, q = _forward_saving(hidden, w, targets, chunk, temperature)
         return (lp, ent), (hidden, w, None, q)
@@ -141,7 +141,12 @@ def _chunked_logprobs_fwd(hidden, w, targets, chunk, save, temperature):
     return (lp, ent), (hidden, w, targets, lse)
 
 
-def _chunked_logprobs_bwd(chunk, save, temperature, residuals, cotangents):
+def _chunked_logprobs_bwd(chunk, save, temperature, axes, residuals, cotangents):
+    """Cotangents of ``hidden`` and ``w`` (and none of ``targets``).
+
+    With ``axes`` (inside a ``shard_map`` over the rows) this device's float32 ``dW``, summed
+    over its chunks, is then summed over ``axes`` once.
+    """
     hidden, w, targets, saved = residuals
     g_lp, _ = cotangents  # the entropy output is a metric: its cotangent is ignored (see below)
     g_lp = g_lp.astype(jnp.float32)
@@ -155,6 +160,7 @@ def _chunked_logprobs_bwd(chunk, save, temperature, residuals, cotangents):
             dh = jnp.einsum("rcv,hv->rch", q, w, preferred_element_type=jnp.float32)
             dhs.append((g_lp[:, cols, None] * dh).astype(hidden.dtype))
             dw = dw + jnp.einsum("rch,rcv->hv", gh[:, cols], q, preferred_element_type=jnp.float32)
+        dw = jax.lax.psum(dw, axes) if axes else dw
         return jnp.concatenate(dhs, axis=1), dw.astype(w.dtype), None
     vocab = w.shape[-1]
 
@@ -168,7 +174,10 @@ def _chunked_logprobs_bwd(chunk, save, temperature, residuals, cotangents):
 
     xs = tuple(_to_chunks(x, chunk) for x in (hidden, targets, saved, g_lp))
     dw0 = jnp.zeros((w.shape[0], vocab), jnp.float32)
+    if axes:  # the carry varies over the rows' devices like the per-chunk dW added to it
+        dw0 = jax.lax.pcast(dw0, axes, to="varying")
     dw, dh = jax.lax.scan(body, dw0, xs)
+    dw = jax.lax.psum(dw, axes) if axes else dw
     return _from_chunks(dh), dw.astype(w.dtype), None
 
 
@@ -257,9 +266,9 @@ def token_logprobs(
     save = saves_probs(r // shards, hidden.shape[1], unembed.shape[-1], unembed.dtype, save_bytes)
 
     def head(h: jax.Array, w: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return _chunked_logprobs(h, w, y, chunk, save, float(temperature))
+        return _chunked_logprobs(h, w, y, chunk, save, float(temperature), axes)
 
-    if axes:  # per device; the unmapped unembed's cotangent is summed over `axes` once
+    if axes:  # per device; dW summed over `axes` once, in float32, by the backward
         rows = jax.sharding.PartitionSpec(axes)
         head = jax.shard_map(
             head,
@@ -267,7 +276,6 @@ def token_logprobs(
             in_specs=(rows, jax.sharding.PartitionSpec(), rows),
             out_specs=(rows, rows),
             axis_names=frozenset(axes),
-            check_vma=False,
         )
     lp, ent = head(hidden, unembed, targets.astype(jnp.int32))
     zero = jnp.zeros((r, 1), jnp.float32)
