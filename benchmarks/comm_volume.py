@@ -265,7 +265,7 @@ def hlo_collective_bytes(hlo: str, devices: int) -> dict[str, float]:
             for callee in re.findall(
                 r"(?:body|calls|to_apply|branch_computations)=\{?%([\w.-]+)", line
             ):
-                if callee in comps and not callee.startswith(("region", "add", "max", "min")):
+                if callee in comps:
                     mult[callee] = mult.get(callee, 0.0) + mult[comp] * trips
                     order.append(callee)
     out: dict[str, float] = {}
