@@ -3,6 +3,7 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from osworld_jax import config
@@ -34,6 +35,9 @@ BASES = ["osworld_flash_b8n8_r3.gin", "osworld_flash_b17n16_r3.gin"]
 FRAGMENTS = ["grpo.gin", "dr_grpo.gin", "reinforce_baseline.gin", "flash_reinforce.gin"]
 FRAGMENTS += ["sglang_servers.gin"]  # tests/rl/test_servers.py
 FRAGMENTS += ["text_only.gin"]
+# Mesh presets (tests/trainer/test_mesh_presets.py: each trains as one device does).
+MESH_PRESETS = [f"mesh_{n}gpu.gin" for n in (1, 2, 4, 8)]
+FRAGMENTS += MESH_PRESETS
 # The recipe test swaps the real model and servers for tiny, embedded ones.
 TINY = [
     "ModelSourceConfig.path = 'tiny'",
@@ -44,6 +48,17 @@ TINY = [
 
 def test_every_gin_file_is_covered():
     assert sorted(p.name for p in CONFIGS.glob("*.gin")) == sorted(RECIPES + BASES + FRAGMENTS)
+
+
+@pytest.mark.parametrize("preset", MESH_PRESETS)
+def test_mesh_presets_override_a_recipes_mesh(preset):
+    # A recipe then a preset: the preset's mesh replaces the recipe's (MeshConfig.fsdp = 8).
+    exp = config.load_experiment([CONFIGS / SEED_RECIPES[0], CONFIGS / preset])
+    n = int(preset.removeprefix("mesh_").removesuffix("gpu.gin"))
+    axes = exp.rl.mesh.axes()
+    assert np.prod(list(axes.values())) == n and exp.runtime.expert_parallel
+    assert exp.rl.mesh.overlap == ("none" if n == 1 else "pipelined")
+    assert exp.runtime.remat == "full"  # the rest of the recipe stays
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
