@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One device call of the multi-GPU scaling work (issue 22) on `nvidia-h200-x2`: bench-moe with
+# the global batch scaled with the GPU count (4 rows of 4096 tokens per GPU), default trainer
+# (float32 masters). Steps by name (STEPS="ep2 one ..."), each under its own limit, logs packed
+# into $OUT/logs.tgz after every step; a summary prints last.
+#
+#   OUT=/tmp/out STEPS="topo ep2 one ep2none fsdp2" bash benchmarks/scale_round.sh
+set -u
+OUT=${OUT:-/tmp/scale_out}
+LOGS=${LOGS:-/tmp/scale_logs}
+BUDGET=${BUDGET:-100000}  # seconds: a step starts only while the run is younger than this
+mkdir -p "$OUT" "$LOGS"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.97}
+TS="python3 benchmarks/train_step.py --config bench-moe --steps ${NSTEPS:-5} --warmup 2"
+run() {  # run NAME LIMIT_S CMD...
+  local name=$1 limit=$2
+  shift 2
+  if ((SECONDS > BUDGET)); then
+    echo "=== $name: skipped (run older than BUDGET=$BUDGET s)" | tee -a "$OUT/summary.txt"
+    return 1
+  fi
+  echo "=== $name: $*" | tee -a "$OUT/summary.txt"
+  local t0=$SECONDS rc
+  timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
+  rc=$?
+  echo "rc=$rc ${name} $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
+  grep -E "^\| osworld|^devices|^batch|^first step|^step time|^final loss|^peak memory|^estimate|Error|error:" \
+    "$LOGS/$name.log" | tail -12 >>"$OUT/summary.txt"
+  tar czf "$OUT/logs.tgz" -C "$LOGS" .
+  return $rc
+}
+for step in ${STEPS:-topo ep2 one}; do
+  case $step in
+  topo) run topo 60 bash -c "nvidia-smi topo -m; nvidia-smi --query-gpu=name,memory.total \
+      --format=csv; python3 -c 'import jax; print(jax.__version__, jax.devices())'" ;;
+  ep2)  # the 2-GPU preset: expert=2, overlap flags; on a failure the same without the flags
+    run ep2 170 $TS --mesh 1,1,2,1 --batch 8 --overlap pipelined ||
+      run ep2-noflags 170 $TS --mesh 1,1,2,1 --batch 8 ;;
+  ep2none) run ep2none 170 $TS --mesh 1,1,2,1 --batch 8 ;;  # no overlap flags
+  ep2mosaic) run ep2mosaic 170 $TS --mesh 1,1,2,1 --batch 8 --overlap pipelined \
+      --expert-backend pallas_gmm_mosaic ;;
+  one) run one 170 env CUDA_VISIBLE_DEVICES=0 $TS ;;  # 1 GPU of the same machine, B=4
+  fsdp2)  # the previous 2-GPU layout: experts FSDP-gathered, B=8
+    run fsdp2 170 $TS --mesh 1,2,1,1 --batch 8 --no-expert-parallel ;;
+  *) echo "unknown step $step" ;;
+  esac
+done
+echo
+cat "$OUT/summary.txt"
