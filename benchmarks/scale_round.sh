@@ -25,7 +25,7 @@ run() {  # run NAME LIMIT_S CMD...
   timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
   rc=$?
   echo "rc=$rc ${name} $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
-  grep -E "^\| osworld|^devices|^batch|^first step|^step time|^final loss|^peak memory|^estimate|Error|error:" \
+  grep -E "^\| osworld|^step [0-9]|^devices|^batch|^first step|^step time|^final loss|^peak memory|Error|error:" \
     "$LOGS/$name.log" | tail -12 >>"$OUT/summary.txt"
   tar czf "$OUT/logs.tgz" -C "$LOGS" .
   return $rc
@@ -38,11 +38,16 @@ for step in ${STEPS:-topo ep2 one}; do
     run ep2 170 $TS --mesh 1,1,2,1 --batch 8 --overlap pipelined ||
       run ep2-noflags 170 $TS --mesh 1,1,2,1 --batch 8 ;;
   ep2none) run ep2none 170 $TS --mesh 1,1,2,1 --batch 8 ;;  # no overlap flags
-  ep2mosaic) run ep2mosaic 170 $TS --mesh 1,1,2,1 --batch 8 --overlap pipelined \
-      --expert-backend pallas_gmm_mosaic ;;
+  ep2mosaic) run ep2mosaic 170 $TS --mesh 1,1,2,1 --batch 8 \
+      --expert-backend pallas_gmm_mosaic ;;  # Mosaic kernels: the worst-case rows computed
   one) run one 170 env CUDA_VISIBLE_DEVICES=0 $TS ;;  # 1 GPU of the same machine, B=4
   fsdp2)  # the previous 2-GPU layout: experts FSDP-gathered, B=8
     run fsdp2 170 $TS --mesh 1,2,1,1 --batch 8 --no-expert-parallel ;;
+  # The same batch (B=4: the 1-GPU rows) on 1 and 2 GPUs, every step's loss and grad norm:
+  one4) run one4 120 env CUDA_VISIBLE_DEVICES=0 $TS --print-steps ;;
+  ep2b4) run ep2b4 120 $TS --mesh 1,1,2,1 --print-steps ;;
+  ep2b4p) run ep2b4p 120 $TS --mesh 1,1,2,1 --print-steps --overlap pipelined ;;
+  fsdp2b4) run fsdp2b4 120 $TS --mesh 1,2,1,1 --print-steps --no-expert-parallel ;;
   *) echo "unknown step $step" ;;
   esac
 done

@@ -21,7 +21,7 @@ MFU (model FLOPs utilisation), the formula used below:
 - ``tokens = B * S``; 6 = forward (2) + backward (4) FLOPs per parameter and token;
 - the second term is causal attention (QK^T and AV, forward + backward: 12 per
   ``L * B * S^2 * n_heads * head_dim``, halved by the causal mask);
-- ``peak_flops`` = 790e12 by default (``--peak-flops``).
+- ``peak_flops`` = 790e12 per device by default (``--peak-flops``), times the mesh's devices.
 
 Vision configs (``tiny-vl``, ``bench-vl``: the text model of ``tiny`` / ``bench-moe`` plus a
 ViT; ``bench-vl``'s is Qwen3-VL-30B-A3B's, 27 blocks, hidden 1152, MLP 4304, 16 heads, patch 16,
@@ -391,6 +391,7 @@ def main(argv: list[str] | None = None) -> None:
         help="override logprobs.DEFAULT_SAVE_BYTES (0: recompute the logits in the backward)",
     )
     p.add_argument("--unroll", action="store_true", help="scan_layers=False (unrolled layers)")
+    p.add_argument("--print-steps", action="store_true", help="print every step's loss/grad norm")
     p.add_argument(
         "--memory-only",
         action="store_true",
@@ -507,6 +508,8 @@ def main(argv: list[str] | None = None) -> None:
                 times.append(dt)
             elif i == 0:
                 compile_s = dt
+            if args.print_steps:
+                print(f"step {i}: loss {metrics['loss']:.6f} grad_norm {metrics['grad_norm']:.6f}")
         if args.profile:
             with jax.profiler.trace(args.profile, create_perfetto_trace=True):
                 state, _ = trainer.train_step(state, batch)
@@ -527,6 +530,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{int(np.prod(host_batch.image_grid_thw[0, 0]))} patches"
         )
     )
+    peak_all = args.peak_flops * mesh.devices.size  # MFU of the devices the step runs on
     rows = [
         (
             "config",
@@ -549,8 +553,8 @@ def main(argv: list[str] | None = None) -> None:
         ("model GFLOP / step", f"{flops / 1e9:,.3f}"),
         ("achieved TFLOP/s", f"{flops / step / 1e12:.6f}"),
         (
-            f"MFU (peak {args.peak_flops / 1e12:.0f} TFLOP/s)",
-            f"{flops / step / args.peak_flops:.4%}",
+            f"MFU (peak {args.peak_flops / 1e12:.0f} TFLOP/s x {mesh.devices.size})",
+            f"{flops / step / peak_all:.4%}",
         ),
         ("final loss / grad_norm", f"{metrics['loss']:.4f} / {metrics['grad_norm']:.4f}"),
         ("peak memory (max over devices)", f"{peak / 2**30:.1f} GiB"),
@@ -563,16 +567,20 @@ def main(argv: list[str] | None = None) -> None:
     from osworld_jax.trainer import logprobs
 
     backend = runtime.expert_backend
+    ep = runtime.expert_parallel and mesh.shape.get("expert", 1) > 1
     if backend == "auto":
-        backend = f"auto={auto_expert_backend(runtime.dtype)}"
-    save = logprobs.saves_probs(b, s, model.vocab_size, runtime.dtype, None)
+        backend = f"auto={auto_expert_backend(runtime.dtype, expert_parallel=ep)}"
+    if ep:
+        backend += f", expert-parallel {mesh.shape['expert']}"
+    rows_per_device = b // trainer.data_parallel  # the logprob head decides per device
+    save = logprobs.saves_probs(rows_per_device, s, model.vocab_size, runtime.dtype, None)
     name = (
         f"osworld_jax ({backend}, attn={runtime.attention}, remat={runtime.remat}, "
         f"{'scan' if runtime.scan_layers else 'unrolled'}, master={config.master_dtype}, "
         f"logprob bwd={'saved' if save else 'recompute'}, {jax.device_count()} dev)"
     )
     ours = dict(name=name, step_s=step, tokens=b * s, flops=flops, peak_gib=peak / 2**30)
-    _print_table([*peers, ours], peak_flops=args.peak_flops)
+    _print_table([*peers, ours], peak_flops=peak_all)
     return None
 
 
