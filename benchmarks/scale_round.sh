@@ -48,6 +48,14 @@ for step in ${STEPS:-topo ep2 one}; do
   ep2b4) run ep2b4 120 $TS --mesh 1,1,2,1 --print-steps ;;
   ep2b4p) run ep2b4p 120 $TS --mesh 1,1,2,1 --print-steps --overlap pipelined ;;
   fsdp2b4) run fsdp2b4 120 $TS --mesh 1,2,1,1 --print-steps --no-expert-parallel ;;
+  # B=8 on 1 GPU needs bf16 masters to fit: the same batch on 1 GPU, 2 GPUs, 2 GPUs + flags
+  one8bf) run one8bf 120 env CUDA_VISIBLE_DEVICES=0 $TS --batch 8 --master-dtype bfloat16 \
+      --print-steps ;;
+  ep2b8bf) run ep2b8bf 120 $TS --mesh 1,1,2,1 --batch 8 --master-dtype bfloat16 --print-steps ;;
+  ep2b8bfp) run ep2b8bfp 120 $TS --mesh 1,1,2,1 --batch 8 --master-dtype bfloat16 \
+      --print-steps --overlap pipelined ;;
+  ep2b8p) run ep2b8p 120 $TS --mesh 1,1,2,1 --batch 8 --print-steps --overlap pipelined ;;
+  ep2b8) run ep2b8 120 $TS --mesh 1,1,2,1 --batch 8 --print-steps ;;
   *) echo "unknown step $step" ;;
   esac
 done
