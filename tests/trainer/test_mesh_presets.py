@@ -69,7 +69,7 @@ def test_presets_are_the_documented_meshes():
     assert [sum(v > 1 for v in s.values()) for s in shapes.values()] == [0, 1, 1, 2]
     assert [int(np.prod(list(s.values()))) for s in shapes.values()] == [1, 2, 4, 8]
     assert all(_preset(name)[1].expert_parallel for name in PRESETS)
-    assert _preset("mesh_8gpu.gin")[0].overlap == "pipelined"
+    assert {_preset(name)[0].overlap for name in PRESETS} == {"none"}
 
 
 @pytest.mark.slow

@@ -41,6 +41,8 @@ def test_presets_are_layered_and_unknown_names_fail():
     pipelined = set(overlap_flags("pipelined"))
     assert "--xla_gpu_enable_pipelined_all_gather=true" in pipelined
     assert pipelined < set(overlap_flags("collective_matmul"))
+    # Seen changing the step's result with jax 0.11.2 on 2 H200s (benchmarks/NOTES.md):
+    assert not any("double_buffering" in f for p in OVERLAP_PRESETS.values() for f in p)
     with pytest.raises(ConfigError, match="overlap preset 'fast'"):
         overlap_flags("fast")
 
@@ -53,7 +55,7 @@ def test_flags_the_user_set_win_and_others_are_added():
     words = merged.split()
     assert words[:2] == user.split()  # kept, in order, with the user's value
     assert "--xla_gpu_enable_pipelined_all_gather=true" not in words
-    assert "--xla_gpu_enable_while_loop_double_buffering=true" in words
+    assert "--xla_gpu_enable_pipelined_all_reduce=true" in words
     assert merged_xla_flags(merged, overlap_flags("pipelined")) == merged  # idempotent
     assert apply_overlap("none", {}) == ""
 
