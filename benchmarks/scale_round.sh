@@ -56,6 +56,14 @@ for step in ${STEPS:-topo ep2 one}; do
       --print-steps --overlap pipelined ;;
   ep2b8p) run ep2b8p 120 $TS --mesh 1,1,2,1 --batch 8 --print-steps --overlap pipelined ;;
   ep2b8) run ep2b8 120 $TS --mesh 1,1,2,1 --batch 8 --print-steps ;;
+  prof1)  # one profiled step (after 2 timed) on 1 GPU, B=4; kernel time by kind printed
+    run prof1 120 env CUDA_VISIBLE_DEVICES=0 $TS --steps 2 --warmup 1 --profile /tmp/prof1
+    python3 benchmarks/trace_kernels.py /tmp/prof1 --top 12 | tee -a "$OUT/summary.txt"
+    tar czf "$OUT/prof1.tgz" -C /tmp/prof1 . ;;
+  prof2)  # the same on 2 GPUs, expert=2, B=8
+    run prof2 120 $TS --steps 2 --warmup 1 --mesh 1,1,2,1 --batch 8 --profile /tmp/prof2
+    python3 benchmarks/trace_kernels.py /tmp/prof2 --top 12 | tee -a "$OUT/summary.txt"
+    tar czf "$OUT/prof2.tgz" -C /tmp/prof2 . ;;
   *) echo "unknown step $step" ;;
   esac
 done
