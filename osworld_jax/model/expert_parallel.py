@@ -59,6 +59,12 @@ def _free_axes(mesh: jax.sharding.AbstractMesh) -> dict[str, int]:
     return {a: mesh.shape[a] for a in mesh.axis_names if a not in mesh.manual_axes}
 
 
+def inside_expert_parallel() -> bool:
+    """Whether this trace runs inside the expert-parallel ``shard_map`` (one device's experts)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and EXPERT_AXIS in mesh.manual_axes and mesh.shape[EXPERT_AXIS] > 1
+
+
 def expert_parallel_size() -> int:
     """The ambient mesh's ``expert`` axis size (1 without a mesh or that axis)."""
     return _free_axes(jax.sharding.get_abstract_mesh()).get(EXPERT_AXIS, 1)

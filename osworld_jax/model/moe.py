@@ -19,6 +19,7 @@ matmuls on a GPU, ``ragged_dot`` on TPU and CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import NamedTuple
@@ -242,10 +243,18 @@ def pallas_gmm_experts(x, experts, weights, gate, up, down):
 
 @EXPERT_BACKENDS.register("pallas_gmm_mosaic")
 def pallas_gmm_mosaic_experts(x, experts, weights, gate, up, down):
-    """As ``pallas_gmm`` with the Mosaic GPU (TMA + wgmma) kernels on Hopper."""
+    """As ``pallas_gmm`` with the Mosaic GPU (TMA + wgmma) kernels on Hopper.
+
+    Inside expert parallelism the forward/dx kernels skip the unused tiles of the worst-case
+    buffer (`MosaicConfig.skip_unused_tiles`).
+    """
+    from osworld_jax.model.expert_parallel import inside_expert_parallel
     from osworld_jax.model.kernels import grouped_matmul
 
     config = grouped_matmul.MOSAIC_CONFIG
+    if inside_expert_parallel():
+        mosaic = dataclasses.replace(config.mosaic, skip_unused_tiles=True)
+        config = dataclasses.replace(config, mosaic=mosaic)
     return grouped_matmul.gmm_experts(x, experts, weights, gate, up, down, config=config)
 
 

@@ -44,6 +44,9 @@ class MosaicConfig:
       dw_block_n: dw output columns per CTA.
       dw_block_k: dw reduction step over routed rows (divides align).
       dw_max_concurrent_steps: dw pipeline depth.
+      skip_unused_tiles: `mm_nn` leaves the output tiles of unused row tiles
+        (``tile_expert < 0``) unwritten instead of computing zeros (the expert MLP never reads
+        them; expert parallelism sizes its buffer for the worst case, mostly unused).
     """
 
     tile_m: int = 128
@@ -56,6 +59,7 @@ class MosaicConfig:
     dw_block_n: int = 128
     dw_block_k: int = 64
     dw_max_concurrent_steps: int = 4
+    skip_unused_tiles: bool = False
 
 
 def _num_sms(interpret: bool = False) -> int:
@@ -106,7 +110,9 @@ def mm_nn(
     cta_n = 2 * tile_n
     if align % tile_m or mp % tile_m or n % cta_n or k % tile_k:
         raise ValueError(f"mm_nn: shapes {x.shape} x {w.shape} do not tile by {cfg}")
-    te = jnp.maximum(jnp.repeat(tile_expert, align // tile_m), 0).astype(jnp.int32)
+    te = jnp.repeat(tile_expert, align // tile_m).astype(jnp.int32)
+    if not cfg.skip_unused_tiles:
+        te = jnp.maximum(te, 0)  # unused tiles: zero rows times expert 0 = zeros
     m_iters, n_iters, k_iters = mp // tile_m, n // cta_n, k // tile_k
     dtype = x.dtype
     transforms = _transforms(plgpu, tile_k, dtype)
@@ -193,11 +199,17 @@ def mm_nn(
                     plgpu.wgmma_wait(0)
                     return acc_ref
 
-                get_pipeline(mma_body, compute_context)(
-                    a_gmem.at[m_sl, :],
-                    b_gmem.at[e].at[n_sl, :] if trans_rhs else b_gmem.at[e].at[:, n_sl],
-                    allocations=pipeline_allocs,
-                )
+                def run_tile():
+                    get_pipeline(mma_body, compute_context)(
+                        a_gmem.at[m_sl, :],
+                        b_gmem.at[e].at[n_sl, :] if trans_rhs else b_gmem.at[e].at[:, n_sl],
+                        allocations=pipeline_allocs,
+                    )
+
+                if cfg.skip_unused_tiles:
+                    pl.when(e >= 0)(run_tile)
+                else:
+                    run_tile()
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
