@@ -569,7 +569,7 @@ def main(argv: list[str] | None = None) -> None:
     backend = runtime.expert_backend
     ep = runtime.expert_parallel and mesh.shape.get("expert", 1) > 1
     if backend == "auto":
-        backend = f"auto={auto_expert_backend(runtime.dtype, expert_parallel=ep)}"
+        backend = f"auto={auto_expert_backend(runtime.dtype)}"
     if ep:
         backend += f", expert-parallel {mesh.shape['expert']}"
     rows_per_device = b // trainer.data_parallel  # the logprob head decides per device

@@ -260,10 +260,7 @@ def _expert_mlp(runtime: ModelRuntimeConfig, x: jax.Array, *args: jax.Array) -> 
     """The runtime's expert backend, expert-parallel under a mesh with ``expert`` > 1."""
     if not (runtime.expert_parallel and expert_parallel_size() > 1):
         return moe.EXPERT_BACKENDS.get(runtime.expert_backend)(x, *args)
-    name = runtime.expert_backend
-    if name == "auto":
-        name = moe.auto_expert_backend(x.dtype, expert_parallel=True)
-    return expert_parallel(moe.EXPERT_BACKENDS.get(name), x, *args)
+    return expert_parallel(moe.EXPERT_BACKENDS.get(runtime.expert_backend), x, *args)
 
 
 def _experts(p: dict[str, Any]) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -258,17 +258,13 @@ def pallas_gmm_mosaic_experts(x, experts, weights, gate, up, down):
     return grouped_matmul.gmm_experts(x, experts, weights, gate, up, down, config=config)
 
 
-def auto_expert_backend(
-    dtype: jnp.dtype | str, platform: str | None = None, *, expert_parallel: bool = False
-) -> str:
+def auto_expert_backend(dtype: jnp.dtype | str, platform: str | None = None) -> str:
     """The backend ``"auto"`` resolves to for ``dtype`` on ``platform`` (default: JAX's).
 
     - GPU: the Pallas grouped matmuls: ``"pallas_gmm_mosaic"`` (TMA + wgmma forward, the
       measured-best kernel per part, `grouped_matmul.MOSAIC_CONFIG`) on Hopper (compute
       capability 9.x) with 16-bit weights, else ``"pallas_gmm"`` (Triton, any CUDA GPU/dtype).
-      Under expert parallelism always ``"pallas_gmm"``: a device's row buffer is sized for the
-      worst case (every token of the group on its experts) and the Triton kernels skip the
-      unused tiles, while the persistent Mosaic forward/dx kernels compute them (zeros);
+      Under expert parallelism both skip the unused tiles of a device's worst-case buffer;
     - TPU: ``"ragged"`` (``ragged_dot`` lowers to the TPU's grouped matmul);
     - CPU: ``"ragged"`` (XLA's masked fallback; fine at test sizes).
     """
@@ -276,7 +272,7 @@ def auto_expert_backend(
     if platform in ("gpu", "cuda", "rocm"):
         kind = str(getattr(jax.devices()[0], "compute_capability", ""))
         hopper = platform != "rocm" and kind.startswith("9")
-        if hopper and jnp.dtype(dtype).itemsize == 2 and not expert_parallel:
+        if hopper and jnp.dtype(dtype).itemsize == 2:
             return "pallas_gmm_mosaic"
         return "pallas_gmm"
     return "ragged"

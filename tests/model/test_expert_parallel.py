@@ -214,17 +214,22 @@ def test_model_forward_and_grads_with_r3_replay_equal_one_device():
     assert float(jnp.linalg.norm(ep[1]["moe"]["gate"])) > 0
 
 
-def test_auto_backend_under_expert_parallelism_is_the_triton_kernels(monkeypatch):
-    # A device's buffer is sized for the worst case: the Triton kernels skip its unused tiles,
-    # the persistent Mosaic forward/dx kernels would compute them.
-    from osworld_jax.model import moe
+def test_mosaic_backend_skips_unused_tiles_only_under_expert_parallelism(monkeypatch):
+    # A device's buffer is sized for the worst case: inside expert parallelism the Mosaic
+    # forward/dx kernels skip its unused tiles (measured on 2 H200s: 267.5 ms against 292.3
+    # computing them); outside, the shipped config is unchanged.
+    from osworld_jax.model.kernels import grouped_matmul
 
-    class _Hopper:
-        compute_capability = "9.0"
-        platform = "gpu"
+    seen = []
 
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(jax, "devices", lambda *a, **k: [_Hopper()])
-    assert moe.auto_expert_backend(jnp.bfloat16) == "pallas_gmm_mosaic"
-    assert moe.auto_expert_backend(jnp.bfloat16, expert_parallel=True) == "pallas_gmm"
-    assert moe.auto_expert_backend(jnp.float32, "cpu", expert_parallel=True) == "ragged"
+    def spy(x, experts, weights, gate, up, down, *, config):
+        seen.append(config.mosaic.skip_unused_tiles)
+        return dense_experts(x, experts, weights, gate, up, down)
+
+    monkeypatch.setattr(grouped_matmul, "gmm_experts", spy)
+    mosaic = EXPERT_BACKENDS.get("pallas_gmm_mosaic")
+    (x, weights, gate, up, down), experts = _inputs(), _routes("no_expert_0")
+    mosaic(x, experts, weights, gate, up, down)
+    with jax.set_mesh(make_mesh(expert=2)):
+        jax.jit(lambda *a: expert_parallel(mosaic, *a))(x, experts, weights, gate, up, down)
+    assert seen == [False, True]
