@@ -315,9 +315,9 @@ def hlo_bytes(bench, mesh: dict[str, int], rows: int, seq: int) -> dict[str, flo
     )
     from train_step import random_batch  # type: ignore[import-not-found]
 
-    batch = trainer._device_batch(random_batch(model, b, seq))
+    fn, batch = trainer.jitted_step(random_batch(model, b, seq))
     with jax.set_mesh(trainer.mesh):
-        lowered = trainer._train_step.lower(trainer.abstract_state, batch, None)
+        lowered = fn.lower(trainer.abstract_state, batch, None)
     return hlo_collective_bytes(lowered.compile().as_text(), n)
 
 
