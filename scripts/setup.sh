@@ -5,9 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DEV=0
+APPS=0
 for a in "$@"; do
   case "$a" in
     --dev) DEV=1 ;;
+    --apps) APPS=1 ;;
     *) echo "setup.sh: unknown argument $a" >&2; exit 2 ;;
   esac
 done
@@ -18,11 +20,23 @@ done
 # dbus-run-session), at-spi2-core (a11y bus), xdotool (the pyautogui shim's input), wmctrl
 # (window activate/close/open-wait), python3-xlib + python3-pyatspi (the in-jail server, run by
 # the system python3: screenshots, a11y tree), mousepad (the text editor of the bundled tasks).
-# No office suite: no bundled task needs one (real OSWorld office tasks report "app not installed").
 APT_PACKAGES=(
   bubblewrap xvfb openbox dbus at-spi2-core xdotool wmctrl
   python3 python3-xlib python3-pyatspi mousepad
 )
+# --apps: the desktop applications of the OSWorld tasks, run inside the same jail
+# (osworld_jax/env/local/apps.py lists them and how each is set up there): LibreOffice Calc,
+# Writer, Impress (+ the GTK3 plugin for the accessibility tree, python3-uno), Chromium standing
+# in for google-chrome, GIMP 2.10, VLC, Thunderbird, socat (the tasks forward Chrome's DevTools
+# port with it), GNOME Terminal, xdg-utils, desktop-file-utils, PulseAudio. VS Code is not in
+# Debian. About 400 MB to download, 1.4 GB installed.
+if [ "$APPS" -eq 1 ]; then
+  APT_PACKAGES+=(
+    libreoffice-calc libreoffice-writer libreoffice-impress libreoffice-gtk3 python3-uno
+    chromium gimp gtk2-engines-pixbuf vlc thunderbird socat gnome-terminal
+    xdg-utils desktop-file-utils pulseaudio pulseaudio-utils
+  )
+fi
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The README's test command: set up (system packages + .venv with dev extras), lint, type-check,
-# then run the whole test suite including the slow (end-to-end, learning) tests.
+# The README's test command: set up (system packages, the OSWorld tasks' desktop applications,
+# .venv with dev extras), lint, type-check, then run the whole test suite including the slow
+# (end-to-end, learning) tests. The application tests fail, not skip, when an app is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh --dev
+bash scripts/setup.sh --dev --apps
+export OSWORLD_JAX_REQUIRE_APPS=1
 .venv/bin/ruff check osworld_jax tests scripts benchmarks
 .venv/bin/ruff format --check osworld_jax tests scripts benchmarks
 .venv/bin/mypy osworld_jax

@@ -126,8 +126,12 @@ class SandboxBackend(abc.ABC, Generic[SandboxT]):
     runs_on_host: ClassVar[bool] = False
 
     @abc.abstractmethod
-    def preflight(self) -> None:
-        """Checks binaries, displays, services, certificates; raises ``PreflightError``."""
+    def preflight(self, tasks: Sequence[Task] | None = None) -> None:
+        """Checks binaries, displays, services, certificates; raises ``PreflightError``.
+
+        ``tasks``: the tasks the run must run (when every one of them must run here); a backend
+        may check what they need (the local backend: the applications they start).
+        """
 
     @abc.abstractmethod
     async def create(self, task: Task) -> SandboxT:

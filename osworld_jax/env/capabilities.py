@@ -113,28 +113,67 @@ _OFFICE_EXTS = {
 _OFFICE_BINS = ("soffice", "libreoffice")
 
 
-def _program(command: Any, shell: bool) -> str | None:
-    """The program a launch/execute/command step runs (None when it cannot be told)."""
+_SHELL_SEPARATORS = {";", "&&", "||", "|", "&", "(", ")", "{", "}", "|&", ";;"}
+_SHELL_KEYWORDS = {"if", "then", "else", "elif", "fi", "do", "done", "while", "until", "!", "time"}
+_SHELL_BUILTINS = {
+    "cd", "export", "echo", "source", ".", "set", "true", "false", "test", "[", "[[", "exit",
+    "read", "printf", "pwd", "unset", "local", "return", "shift", "eval", "exec", "wait", "sleep",
+}  # fmt: skip
+
+
+def _is_assignment(word: str) -> bool:
+    return "=" in word and not word.startswith(("/", ".")) and word.split("=", 1)[0].isidentifier()
+
+
+def _programs(command: Any, shell: bool) -> list[str]:
+    """The programs a launch/execute/command step runs, in order (empty when it cannot be told).
+
+    A list without ``shell`` runs its first element. A shell command line runs the first word of
+    each simple command (split at newlines, ``;``, ``&&``, ``||``, pipes; leading ``VAR=value``
+    assignments and shell keywords skipped); shell builtins and programs given by a relative path
+    (a file the task put there, e.g. ``./setup.sh``) are not programs to install.
+    """
     if isinstance(command, list) and command:
-        first = command[0]
-        if shell and isinstance(first, str):
-            command = first
-        else:
-            return str(first)
-    if isinstance(command, str):
+        if not (shell and isinstance(command[0], str)):
+            words = [str(command[0])]
+            return [w for w in words if not _relative(w)]
+        command = " ".join(map(str, command))
+    if not isinstance(command, str):
+        return []
+    if not shell:
         try:
-            words = shlex.split(command)
+            first = next((w for w in shlex.split(command) if not _is_assignment(w)), None)
         except ValueError:
-            return None
-        for w in words:
-            if "=" in w and not w.startswith(("/", ".")) and w.split("=", 1)[0].isidentifier():
-                continue  # leading VAR=value assignments
-            return w
-    return None
+            return []
+        return [first] if first and not _relative(first) else []
+    lexer = shlex.shlex(command.replace("\n", " ; "), posix=True, punctuation_chars=";&|()")
+    lexer.whitespace_split = True
+    try:
+        tokens = list(lexer)
+    except ValueError:
+        return []
+    out, expect = [], True
+    for tok in tokens:
+        if tok in _SHELL_SEPARATORS or tok.strip(";&|()") == "":
+            expect = True
+            continue
+        if not expect:
+            continue
+        if tok in ("for", "case", "select"):  # for NAME in WORDS: no command until the separator
+            expect = False
+            continue
+        if _is_assignment(tok) or tok in _SHELL_KEYWORDS:
+            continue
+        expect = False
+        if tok.startswith("$") or tok in _SHELL_BUILTINS or _relative(tok):
+            continue
+        out.append(tok)
+    return list(dict.fromkeys(out))
 
 
-def _shell_builtin(prog: str) -> bool:
-    return prog in {"cd", "export", "echo", "source", ".", "set", "true", "false", "test"}
+def _relative(prog: str) -> bool:
+    """A program named by a relative path (``./setup.sh``, ``bin/tool``): a file of the task."""
+    return "/" in prog and not prog.startswith("/")
 
 
 def _files_needed(task: Task) -> list[str]:
@@ -162,14 +201,14 @@ def _command_texts(task: Task) -> list[str]:
     return [c if isinstance(c, str) else " ".join(map(str, c or [])) for c in cmds]
 
 
-def _apps_needed(task: Task) -> list[str]:
+def apps_needed(task: Task) -> list[str]:
+    """The programs a task's steps and getters run (``a|b``: either one), in order."""
     apps: list[str] = []
     for s in (*task.config, *task.evaluator.postconfig):
         p = s.parameters
         if s.type in ("launch", "execute", "command"):
-            prog = _program(p.get("command"), bool(p.get("shell", False)))
-            if prog and not _shell_builtin(prog):
-                apps.append(prog)
+            shell = bool(p.get("shell", False)) or p.get("shell") == "true"
+            apps.extend(_programs(p.get("command"), shell))
         elif s.type == "open":
             path = str(p.get("path", ""))
             if Path(path).suffix.lower() in _OFFICE_EXTS:
@@ -181,7 +220,8 @@ def _apps_needed(task: Task) -> list[str]:
     return list(dict.fromkeys(apps))
 
 
-def _app_available(app: str, has_app: Callable[[str], bool] | None = None) -> bool:
+def app_available(app: str, has_app: Callable[[str], bool] | None = None) -> bool:
+    """Whether one of the ``|``-separated programs ``app`` is there (``has_app``, else PATH)."""
     check = has_app if has_app is not None else (lambda a: shutil.which(a) is not None)
     return any(check(a) for a in app.split("|"))
 
@@ -276,8 +316,8 @@ def capabilities(
             reasons.append(Reason(REMOTE_FILE, url))
     if host:
         has_app = getattr(backend_cls, "has_app", None)
-        for app in _apps_needed(task):
-            if not _app_available(app, has_app):
+        for app in apps_needed(task):
+            if not app_available(app, has_app):
                 reasons.append(Reason(APP, app))
     hook = getattr(backend_cls, "capability_reasons", None)
     if hook is not None:

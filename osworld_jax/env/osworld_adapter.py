@@ -35,7 +35,7 @@ import itertools
 import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -311,7 +311,7 @@ class OSWorldBackend(SandboxBackend[OSWorldSandbox]):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
 
-    def preflight(self) -> None:
+    def preflight(self, tasks: Sequence[Task] | None = None) -> None:
         """Checks that ``desktop_env`` is importable and the VM path exists when one is given."""
         try:
             cls = self._upstream()

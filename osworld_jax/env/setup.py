@@ -199,8 +199,8 @@ async def _upload_file(vm: VMProtocol, params: Mapping[str, Any], ctx: SetupCont
 DEVTOOLS_PORTS = ("9222", "1337")
 
 _DEVTOOLS = """
-import json, sys, urllib.parse, urllib.request
-cmd, ports, args = sys.argv[1], sys.argv[2].split(","), sys.argv[3:]
+import json, sys, time, urllib.parse, urllib.request
+cmd, ports, wait, args = sys.argv[1], sys.argv[2].split(","), float(sys.argv[3]), sys.argv[4:]
 def call(port, path, method="GET"):
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
     with urllib.request.urlopen(req, timeout=30) as r:
@@ -210,13 +210,19 @@ def call(port, path, method="GET"):
     except ValueError:
         return body.decode()
 port = None
-for p in ports:
-    try:
-        pages = [t for t in call(p, "/json/list") if t.get("type") == "page"]
-        port = p
-        break
-    except Exception:
-        continue
+end = time.monotonic() + wait
+while port is None:
+    for p in ports:
+        try:
+            pages = [t for t in call(p, "/json/list") if t.get("type") == "page"]
+            port = p
+            break
+        except Exception:
+            continue
+    if port is None:
+        if time.monotonic() > end:
+            break
+        time.sleep(0.5)
 if port is None:
     print(json.dumps({"error": "no DevTools endpoint on ports " + ",".join(ports)}))
     sys.exit(0)
@@ -235,9 +241,20 @@ elif cmd == "close":
 """
 
 
+# How long the steps wait for Chrome's DevTools endpoint: a step right after ``launch`` finds
+# Chrome still starting (upstream retries its connection 15 times, 5 s apart).
+DEVTOOLS_WAIT_S = 75.0
+
+
 async def _devtools(vm: VMProtocol, cmd: str, *args: str) -> Any:
     out = await run_python(
-        vm, _DEVTOOLS, cmd, ",".join(DEVTOOLS_PORTS), *args, error=SetupStepError
+        vm,
+        _DEVTOOLS,
+        cmd,
+        ",".join(DEVTOOLS_PORTS),
+        f"{DEVTOOLS_WAIT_S:g}",
+        *args,
+        error=SetupStepError,
     )
     if isinstance(out, dict) and "error" in out:
         raise SetupStepError(f"setup step chrome: {out['error']}")

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 
 from osworld_jax.agent import AgentTokenizer
 from osworld_jax.batch import BatchBounds
-from osworld_jax.data import TaskRef, make_task_stream
-from osworld_jax.env import AgentEnv, load_task, make_backend
+from osworld_jax.data import DataError, TaskRef, load_task_refs, make_task_stream, resolve_task_set
+from osworld_jax.env import AgentEnv, Task, load_task, make_backend
 from osworld_jax.env.local import LocalBackendConfig
 from osworld_jax.env.local.limits import remove_tree
 from osworld_jax.errors import ConfigError
@@ -46,6 +46,16 @@ log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 WEIGHTS = "weights"
+
+
+def _required_tasks(exp: ExperimentConfig) -> list[Task] | None:
+    """The tasks that must all run here (``DataConfig.only_runnable`` off), else None."""
+    if exp.data.only_runnable:
+        return None
+    try:
+        return [load_task(r.path) for r in load_task_refs(resolve_task_set(exp.data.task_set))]
+    except DataError:
+        return None  # check_task_set reports it
 
 
 class RolloutResources(contextlib.ExitStack):
@@ -92,7 +102,10 @@ class RolloutResources(contextlib.ExitStack):
         self.client: SGLangClient | None = None
         if self.rolls_out:
             backend = make_backend(self._sandbox())
-            run_preflight(exp, model_path=self.model_path, backend_preflight=backend.preflight)
+            need = _required_tasks(exp)  # the backend checks what each task needs (e.g. apps)
+            run_preflight(
+                exp, model_path=self.model_path, backend_preflight=lambda: backend.preflight(need)
+            )
             self.callback(self.runner.run, backend.aclose())  # after the client closes (LIFO)
         self.model_config = Qwen3MoeConfig.from_json(self.model_path / "config.json")
         if not self.rolls_out:

@@ -96,8 +96,8 @@ class FaultInjectingBackend(SandboxBackend[_FaultySandbox]):
             self.injected[op] += 1
             raise exc(f"injected {op} fault", status=status)
 
-    def preflight(self) -> None:  # noqa: D102
-        self.inner.preflight()
+    def preflight(self, tasks: Sequence[Task] | None = None) -> None:  # noqa: D102
+        self.inner.preflight(tasks)
 
     async def create(self, task: Task) -> _FaultySandbox:  # noqa: D102
         self._maybe("create", InjectedCreateFault)

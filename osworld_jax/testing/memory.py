@@ -126,8 +126,8 @@ class MemoryBackend(SandboxBackend[MemorySandbox]):
                     reasons.append(f"memory desktop has no program {words[0]!r}")
         return list(dict.fromkeys(reasons))
 
-    def preflight(self) -> None:  # noqa: D102 - nothing external
-        return None
+    def preflight(self, tasks: Sequence[Task] | None = None) -> None:  # noqa: D102
+        return None  # nothing external to check
 
     def _new(self, task: Task, desktop: MemoryDesktop) -> MemorySandbox:
         sid = f"memory-{next(self._ids)}"

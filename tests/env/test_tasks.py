@@ -1,6 +1,5 @@
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from osworld_jax.env.capabilities import (
     unknown_types,
 )
 from osworld_jax.env.capabilities import main as report_main
+from osworld_jax.env.local import LocalBackend
 from osworld_jax.env.tasks import TaskFormatError, load_task, load_tasks
 
 
@@ -197,13 +197,14 @@ def test_capabilities_app_not_installed(monkeypatch):
             ]
         )
     )
-    monkeypatch.setattr(shutil, "which", lambda name: None)
+    # the local backend answers what runs in its jail (LocalBackend.has_app)
+    monkeypatch.setattr(LocalBackend, "has_app", staticmethod(lambda name: name == "ls"))
     cap = capabilities(t, "local")
     apps = {r.detail for r in cap.reasons if r.kind == APP}
     assert apps == {"gimp", "vlc", "soffice|libreoffice"}  # `cd` is a shell builtin
     # app checks are for host backends only
     assert APP not in {r.kind for r in capabilities(t, "memory").reasons}
-    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(LocalBackend, "has_app", staticmethod(lambda name: True))
     assert APP not in {r.kind for r in capabilities(t, "local").reasons}
 
 
@@ -253,7 +254,7 @@ def test_task_path_and_domain(tmp_path):
 
 
 def test_capabilities_network_commands_and_sudo(monkeypatch):
-    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(LocalBackend, "has_app", staticmethod(lambda name: True))
     t = load_task(
         _base(
             config=[

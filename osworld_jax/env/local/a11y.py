@@ -170,6 +170,30 @@ def accessibility_xml() -> str:
     return ET.tostring(root, encoding="unicode")
 
 
+#: Most accessibility nodes the terminal search visits per frame; it never enters a table or a
+#: node with more children than ``_TERMINAL_MAX_CHILDREN`` (a spreadsheet's table has billions
+#: of cells: an exhaustive search of a Calc window never ends).
+_TERMINAL_BUDGET = 5000
+_TERMINAL_MAX_CHILDREN = 500
+
+
+def _focused_terminal(frame, pyatspi):
+    """The focused ``terminal`` node under ``frame`` (breadth first, bounded), or None."""
+    queue, seen = [frame], 0
+    while queue and seen < _TERMINAL_BUDGET:
+        node = queue.pop(0)
+        seen += 1
+        if node is None:
+            continue
+        role = node.getRoleName()
+        if role == "terminal" and node.getState().contains(pyatspi.STATE_FOCUSED):
+            return node
+        if role in ("table", "tree table") or node.childCount > _TERMINAL_MAX_CHILDREN:
+            continue
+        queue.extend(node.getChildAtIndex(k) for k in range(node.childCount))
+    return None
+
+
 def terminal_text() -> str | None:
     """Text of the focused terminal widget in the active frame, or None."""
     try:
@@ -184,13 +208,7 @@ def terminal_text() -> str | None:
                     frame = app.getChildAtIndex(j)
                     if frame is None or not frame.getState().contains(pyatspi.STATE_ACTIVE):
                         continue
-                    hit = pyatspi.findDescendant(
-                        frame,
-                        lambda n: (
-                            n.getRoleName() == "terminal"
-                            and n.getState().contains(pyatspi.STATE_FOCUSED)
-                        ),
-                    )
+                    hit = _focused_terminal(frame, pyatspi)
                     if hit is not None:
                         t = hit.queryText()
                         return t.getText(0, t.characterCount).rstrip()

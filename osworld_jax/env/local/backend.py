@@ -16,9 +16,10 @@ memory or process limit, or whose action, file or tree is over the output cap, r
 Fork (``fork(sandbox, n)``) copies the initialised sandbox's FILESYSTEM and restarts programs:
 
 - copied (``cp -a``, byte-exact, ownership and timestamps kept): everything the sandbox wrote
-  under ``/home/user`` (files, app configs, caches, recently-used lists) and ``/tmp`` (minus the
-  X, ICE and dbus sockets, which belong to the running session), and the host-side work dir of
-  setup outputs (``execute`` steps' saved stdout/stderr that ``cache_file`` getters read).
+  under ``/home/user`` (files, app configs, caches, recently-used lists; minus the running apps'
+  lock files, ``apps.lock_file_expression``) and ``/tmp`` (minus the X, ICE and dbus sockets,
+  which belong to the running session), and the host-side work dir of setup outputs
+  (``execute`` steps' saved stdout/stderr that ``cache_file`` getters read).
 - not copied: any process state: open windows, their positions and focus, the mouse position,
   clipboard, unsaved edits in an app's memory, undo history, running shells, the X server's
   state, the session and at-spi buses. Each fork starts a fresh desktop on the copied filesystem
@@ -39,6 +40,8 @@ Cost per desktop and the create/fork/step times are measured by ``benchmarks/san
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -51,8 +54,9 @@ import subprocess
 import tempfile
 import typing
 import uuid
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from osworld_jax.env.actions import Action
 from osworld_jax.env.backend import (
@@ -64,7 +68,8 @@ from osworld_jax.env.backend import (
     SandboxLimitError,
     SandboxTimeout,
 )
-from osworld_jax.env.local import limits
+from osworld_jax.env.capabilities import app_available, apps_needed
+from osworld_jax.env.local import apps, limits
 from osworld_jax.env.local.desktop import JailSpec, LocalDesktop
 from osworld_jax.env.setup import SetupContext, run_setup
 from osworld_jax.env.vm_sandbox import PYAUTOGUI_PREFIX, VMSandbox, setup_context
@@ -75,6 +80,7 @@ if TYPE_CHECKING:
 __all__ = ["LocalBackend", "LocalBackendConfig", "LocalSandbox"]
 
 _log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 # Binaries the jail needs, with the Debian package that ships each.
@@ -340,6 +346,13 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
 
     # -- capabilities and preflight ---------------------------------------------------------
 
+    @staticmethod
+    def has_app(name: str) -> bool:
+        """Whether program ``name`` runs inside the jail (``apps.has_app``: the wrappers in
+        ``/opt/osworld/bin``, then the jail's PATH, or an absolute path the jail mounts).
+        """  # noqa: D205
+        return apps.has_app(name)
+
     @classmethod
     def capability_reasons(cls, task: Task) -> list[str]:
         """Local-only limits: files that ``open`` steps open but no configured app opens."""
@@ -404,8 +417,16 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
             raise PreflightError("local sandbox backend: " + "; ".join(problems))
         return out
 
-    def preflight(self) -> None:
-        """Checks the binaries, that bubblewrap can create its namespaces here, and the limits."""
+    def preflight(self, tasks: Sequence[Task] | None = None) -> None:
+        """Checks the binaries, that bubblewrap can create its namespaces here, the limits, and
+        the desktop applications.
+
+        Applications (``apps.APPS``): with ``tasks``, every program those tasks start must run in
+        the jail (a missing one is a ``PreflightError`` naming it, the tasks that need it and the
+        packages); without, a missing application is logged (its tasks are not runnable here).
+        Each installed application the tasks need (without tasks: each installed one) is started
+        once in a jailed desktop (``App.probe``), so an install the jail cannot run fails here.
+        """  # noqa: D205
         problems = []
         missing = [f"{b} (apt {p})" for b, p in REQUIRED_BINARIES.items() if not shutil.which(b)]
         wm = shlex.split(self.config.window_manager)[0]
@@ -435,6 +456,7 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
                 + " (run scripts/setup.sh as root)"
             )
         mechanisms = self.limit_mechanisms()
+        self._check_apps(tasks)
         fallbacks = {k: v for k, v in mechanisms.items() if "RLIMIT" in v}
         if fallbacks:
             _log.warning(
@@ -443,6 +465,52 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
                 self._limit_support().reason,
                 fallbacks,
             )
+
+    def _check_apps(self, tasks: Sequence[Task] | None) -> None:
+        needed: collections.Counter[str] = collections.Counter()
+        for task in tasks or ():
+            needed.update(apps_needed(task))
+        missing = {a: n for a, n in needed.items() if not app_available(a, self.has_app)}
+        if missing:
+            packages = sorted({p for a in missing for p in _packages_for(a)})
+            raise PreflightError(
+                "local sandbox backend: the tasks start programs that are not installed here: "
+                + ", ".join(f"{a} ({n} tasks)" for a, n in sorted(missing.items()))
+                + (f" (apt {' '.join(packages)}: bash scripts/setup.sh --apps)" if packages else "")
+            )
+        if tasks is None:
+            absent = [a.name for a in apps.APPS if not apps.installed(a)]
+            if absent:
+                _log.warning(
+                    "local backend: not installed: %s; the tasks that start them are not "
+                    "runnable here (bash scripts/setup.sh --apps)",
+                    ", ".join(absent),
+                )
+            probe = [a for a in apps.APPS if apps.installed(a)]
+        else:
+            names = {x for a in needed for x in a.split("|")}
+            probe = [a for a in apps.APPS if apps.installed(a) and names & set(a.commands)]
+        if probe:
+            failed = _run_in_thread(self._probe_apps(probe))
+            if failed:
+                raise PreflightError(
+                    "local sandbox backend: applications that do not run in the jail: "
+                    + "; ".join(failed)
+                )
+
+    async def _probe_apps(self, probe: Sequence[apps.App]) -> list[str]:
+        """Runs each app's probe command in one jailed desktop; the failures, one line each."""
+        desktop = await self._start_desktop()
+        try:
+            failed = []
+            for app in probe:
+                res = await desktop.client.execute(list(app.probe))
+                if res.get("returncode") != 0:
+                    err = str(res.get("error") or res.get("output") or "").strip()[-200:]
+                    failed.append(f"{' '.join(app.probe)} -> {res.get('returncode')}: {err}")
+            return failed
+        finally:
+            await self._discard(desktop)
 
     def _probe_bwrap(self) -> str | None:
         """None when a nested jail (user + pid namespaces, sized tmpfs) can be created here."""
@@ -653,6 +721,7 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
             await _copy_tree(desktop.host_path("/tmp"), dst=snap / "tmp")
             await _copy_tree(desktop.dir / "work", dst=snap / "work")
             await asyncio.to_thread(_drop_session_files, snap / "tmp")
+            await asyncio.to_thread(_drop_app_locks, snap / "home")
         except BaseException:
             await asyncio.to_thread(limits.remove_tree, snap)
             raise
@@ -712,6 +781,22 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
         if self._own_root and self._root is not None:
             await asyncio.to_thread(limits.remove_tree, self._root)
             self._root = None
+
+
+def _packages_for(app: str) -> list[str]:
+    """The Debian packages of the ``APPS`` entry one of ``a|b`` belongs to."""
+    for name in app.split("|"):
+        found = apps.app_for(name)
+        if found is not None:
+            return list(found.packages)
+    return []
+
+
+def _run_in_thread(coro: Coroutine[Any, Any, T]) -> T:
+    """Runs ``coro`` to completion on a fresh event loop in a worker thread (a sync caller may
+    itself be inside a running loop)."""  # noqa: D205, D209
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 async def _copy_into_jail(src: Path, desktop: LocalDesktop, jail_dir: str) -> None:
@@ -778,6 +863,17 @@ async def _copy_tree(*srcs: Path, dst: Path, contents: bool = False) -> None:
     _, err = await proc.communicate()
     if proc.returncode != 0:
         raise SandboxCreateError(f"copy {srcs} -> {dst} failed: {err.decode(errors='replace')}")
+
+
+def _drop_app_locks(home: Path) -> None:
+    """Removes the running apps' lock files from a copied home (``apps.lock_file_expression``)."""
+    if home.exists():
+        subprocess.run(
+            ["find", str(home), "-xdev", *apps.lock_file_expression(), "-delete"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            check=False,
+        )
 
 
 def _drop_session_files(tmp: Path) -> None:

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from osworld_jax.env.backend import SandboxCreateError, SandboxStepError, SandboxTimeout
+from osworld_jax.env.local import apps
 from osworld_jax.env.local.limits import JailCgroup, remove_tree
 from osworld_jax.env.vm_client import VMClient
 
@@ -94,8 +95,11 @@ JAIL_ENV = {
     "QT_ACCESSIBILITY": "1",
     "SAL_USE_VCLPLUGIN": "gtk3",
 }
-# The session bus: only the system's service files, never ~/.local/share/dbus-1/services (a file
-# the agent could plant there would make the bus start its program outside the agent's namespace).
+# The session bus starts services only from an allow-list of the system's service files
+# (apps.DBUS_SERVICE_DIR): never from ~/.local/share/dbus-1/services (a file the agent could plant
+# there), nor any other service the host has installed, because the bus starts a service outside
+# the agent's namespace: GNOME Terminal's server, activated that way, would run the agent's shell
+# beside the evaluator's commands (apps.py starts it in the desktop namespace instead).
 _DBUS_CONFIG = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
  "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
 <busconfig>
@@ -103,7 +107,7 @@ _DBUS_CONFIG = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Conf
   <keep_umask/>
   <listen>unix:tmpdir=/tmp</listen>
   <auth>EXTERNAL</auth>
-  <servicedir>/usr/share/dbus-1/services</servicedir>
+  <servicedir>{service_dir}</servicedir>
   <policy context="default">
     <allow send_destination="*" eavesdrop="true"/>
     <allow eavesdrop="true"/>
@@ -114,7 +118,10 @@ _DBUS_CONFIG = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Conf
 
 
 def jail_files() -> dict[str, bytes]:
-    """Jail path -> content of every file the host puts into a jail (read-only)."""
+    """Jail path -> content of every file the host puts into a jail (read-only).
+
+    Those under ``apps.BIN_DIR`` are executable (``jail_file_mode``).
+    """
     files = {
         "/etc/passwd": (
             "root:x:0:0:root:/nonexistent:/usr/sbin/nologin\n"
@@ -124,7 +131,9 @@ def jail_files() -> dict[str, bytes]:
         "/etc/group": f"root:x:0:\nuser:x:{JAIL_UID}:\nnogroup:x:65534:\n".encode(),
         "/etc/hostname": b"sandbox\n",
         "/etc/hosts": b"127.0.0.1 localhost sandbox\n::1 localhost\n",
-        "/opt/osworld/dbus-session.conf": _DBUS_CONFIG.encode(),
+        "/opt/osworld/dbus-session.conf": _DBUS_CONFIG.format(
+            service_dir=apps.DBUS_SERVICE_DIR
+        ).encode(),
         "/opt/osworld/vmserver.py": (_HERE / "vmserver.py").read_bytes(),
     }
     for name in ("jailexec.py", "screen.py", "a11y.py"):  # the server's own modules
@@ -132,7 +141,13 @@ def jail_files() -> dict[str, bytes]:
     for mod in sorted((_HERE / "shim").glob("*.py")):
         if mod.name != "__init__.py":
             files[f"/opt/osworld/lib/{mod.name}"] = mod.read_bytes()
+    files.update({path: data for path, (data, _) in apps.jail_files().items()})
     return files
+
+
+def jail_file_mode(path: str) -> str:
+    """The permissions (octal string) of a file ``jail_files`` puts at ``path``."""
+    return "0755" if path.startswith(apps.BIN_DIR + "/") else "0644"
 
 
 class JailSpec:
@@ -181,7 +196,8 @@ class JailSpec:
         a += ["--perms", "1777", "--size", str(shm_bytes), "--tmpfs", "/dev/shm"]
         a += ["--perms", "1777", "--size", str(shm_bytes), "--tmpfs", "/var/tmp"]
         a += ["--perms", "0700", "--size", str(shm_bytes), "--tmpfs", RUNTIME_DIR]
-        a += ["--symlink", "/usr/bin/python3", "/opt/osworld/bin/python"]
+        for link, target in apps.jail_symlinks().items():
+            a += ["--symlink", target, link]
         a += ["--remount-ro", "/"]  # the jail's own root tmpfs: only the tmpfs above are writable
         a += ["--clearenv"]
         for k, v in JAIL_ENV.items():
@@ -189,7 +205,12 @@ class JailSpec:
         a += ["--chdir", JAIL_HOME]
         self.args = a
         self.files = jail_files()
+        # The home starts with the first-start files of the apps (apps.skel()), as from /etc/skel.
         self.command = [
+            "/bin/sh",
+            "-c",
+            f'cp -R {apps.SKEL_DIR}/. "$HOME"/ && exec "$@"',
+            "sh",
             "dbus-run-session",
             "--config-file=/opt/osworld/dbus-session.conf",
             "--",
@@ -343,7 +364,7 @@ class LocalDesktop:
             for i, (dest, data) in enumerate(spec.files.items()):
                 fd = _memfd(f"jail-file-{i}", data)
                 fds.append(fd)
-                file_args += ["--perms", "0644", "--ro-bind-data", str(fd), dest]
+                file_args += ["--perms", jail_file_mode(dest), "--ro-bind-data", str(fd), dest]
             cut = spec.args.index("--remount-ro")  # files go in before the root turns read-only
             args = [*spec.args[:cut], *file_args, *spec.args[cut:]]
             args_fd = _memfd("jail-args", b"".join(a.encode() + b"\0" for a in args))

@@ -150,15 +150,29 @@ def list_windows() -> list[tuple[str, str, str]]:
     return out
 
 
+#: Upstream's application names in window titles -> this desktop's stand-ins (Debian's Chromium
+#: stands in for Google Chrome: its titles end in "- Chromium").
+WINDOW_ALIASES = {"Google Chrome": "Chromium"}
+
+
 def find_window(name: str, strict: bool = False, by_class: bool = False) -> str | None:
-    """The id of the first window whose title (or class) matches, wmctrl-style."""
-    for wid, wm_class, title in list_windows():
-        hay = wm_class if by_class else title
-        if strict:
-            if hay == name or (by_class and name in hay.split(".")):
+    """The id of the first window whose title (or class) matches, wmctrl-style.
+
+    A name that no window matches is tried again with ``WINDOW_ALIASES`` applied.
+    """
+    windows = list_windows()
+    names = [name]
+    for upstream, here in WINDOW_ALIASES.items():
+        if upstream in name:
+            names.append(name.replace(upstream, here))
+    for candidate in names:
+        for wid, wm_class, title in windows:
+            hay = wm_class if by_class else title
+            if strict:
+                if hay == candidate or (by_class and candidate in hay.split(".")):
+                    return wid
+            elif candidate.lower() in hay.lower():
                 return wid
-        elif name.lower() in hay.lower():
-            return wid
     return None
 
 

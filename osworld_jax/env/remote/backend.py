@@ -36,7 +36,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -540,7 +540,7 @@ class RemoteBackend(SandboxBackend[RemoteSandbox]):
 
     # -- preflight ----------------------------------------------------------------------------
 
-    def preflight(self) -> None:
+    def preflight(self, tasks: Sequence[Task] | None = None) -> None:
         """Checks the CA bundle, the token, the service and a test sandbox's create + delete.
 
         Raises:

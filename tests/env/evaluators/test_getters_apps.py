@@ -13,6 +13,7 @@ import json
 import shutil
 import sqlite3
 import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -294,13 +295,16 @@ def test_chrome_tabs_steps_and_open_tabs_info(vm, ctx, devtools):
 
 def test_chrome_steps_without_chrome_fail_and_getter_gives_empty(vm, ctx, monkeypatch):
     monkeypatch.setattr(setup, "DEVTOOLS_PORTS", ("1",))
+    monkeypatch.setattr(setup, "DEVTOOLS_WAIT_S", 1.0)
     assert run(g("open_tabs_info")(vm, {}, ctx)) == []
+    t0 = time.monotonic()
     with pytest.raises(SetupStepError, match="no DevTools endpoint"):
         run(
             run_setup(
                 [SetupStep(type="chrome_open_tabs", parameters={"urls_to_open": ["file:///x"]})], vm
             )
         )
+    assert time.monotonic() - t0 >= 1.0  # it waited for Chrome to come up before giving up
 
 
 def test_update_browse_history(vm, tmp_path):
