@@ -6,7 +6,9 @@ Two steps, because the two sides live in different Python environments:
    file as a pytest plugin: every metric call's arguments (files copied aside), options and our
    score are written to ``OUT/calls.json``::
 
-       .venv/bin/python scripts/upstream_parity.py record /tmp/parity
+       .venv/bin/python scripts/upstream_parity.py record /tmp/parity [--source apps]
+
+   (``--source apps``: the calls on files LibreOffice and GIMP made in a jailed desktop.)
 
 2. ``replay`` (a venv with upstream's requirements, e.g. ``pip install desktop-env``, or a
    checkout's ``requirements.txt``) calls upstream's function of the same name on the same
@@ -109,17 +111,24 @@ def pytest_sessionfinish(session: Any) -> None:
         Path(out, "calls.json").write_text(json.dumps(_calls))
 
 
-def record(out: Path) -> int:
-    """Runs the metric tests with this file as a plugin, recording into ``out``."""
+def record(out: Path, source: str | None = None) -> int:
+    """Runs the metric tests with this file as a plugin, recording into ``out``.
+
+    ``source``: only this fixture source (``tests/env/evaluators/sources.py``; ``apps`` records
+    the calls on files the real applications made, which needs ``--runslow``).
+    """
     out.mkdir(parents=True, exist_ok=True)
     env = {
         **os.environ,
+        **({"OSWORLD_JAX_FIXTURE_SOURCE": source} if source else {}),
         _OUT_ENV: str(out.resolve()),
         "PYTHONPATH": os.pathsep.join(
             [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
         ),
     }
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "upstream_parity", "tests/env/evaluators"]
+    if source:
+        cmd.append("--runslow")
     rc = subprocess.call(cmd, env=env, cwd=Path(__file__).resolve().parents[1])
     n = len(json.loads((out / "calls.json").read_text()))
     print(f"recorded {n} metric calls in {out / 'calls.json'} (pytest exit {rc})")
@@ -204,12 +213,16 @@ def replay(out: Path, upstream: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("record").add_argument("out", type=Path)
+    rec = sub.add_parser("record")
+    rec.add_argument("out", type=Path)
+    rec.add_argument("--source", default=None, help="one fixture source only (e.g. apps)")
     rp = sub.add_parser("replay")
     rp.add_argument("out", type=Path)
     rp.add_argument("--upstream", type=Path, required=True, help="an OSWorld checkout")
     args = parser.parse_args(argv)
-    return record(args.out) if args.cmd == "record" else replay(args.out, args.upstream)
+    if args.cmd == "record":
+        return record(args.out, args.source)
+    return replay(args.out, args.upstream)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,20 @@
 """Where the metric tests' input files come from: a swappable fixture source.
 
 A test describes a document (sheets and cells, paragraphs and runs, slides and shapes) and asks
-the active source to write it. ``LibrarySource`` writes it with the Python libraries of each
-format (openpyxl, python-docx, python-pptx, odfpy, Pillow) — the same file formats LibreOffice,
-GIMP and the other apps write. A source that makes the file with the real application in the jail
-(e.g. build with the library, then open and re-save it through ``soffice --convert-to`` inside a
-local sandbox) only needs the same methods; register it in ``SOURCES`` and select it with
-``OSWORLD_JAX_FIXTURE_SOURCE=<name>``.
+the active source to write it. Two sources:
+
+- ``LibrarySource`` (``library``) writes it with the Python libraries of each format (openpyxl,
+  python-docx, python-pptx, odfpy, Pillow, a minimal PDF writer);
+- ``AppsSource`` (``apps``) gives the file the real application made in a jailed local desktop
+  (``osworld_jax.testing.apps.RealApps``): the library's document opened and saved again by
+  LibreOffice (spreadsheets, documents, presentations; PDFs are LibreOffice's PDF export of a
+  document with those pages), images opened and exported by GIMP. What a metric then reads is
+  what the application wrote (LibreOffice's own XML, styles, cached formula values, GIMP's
+  encoder), as in a real episode.
+
+``conftest.py`` runs every test that takes ``src`` once per source (``apps`` only with
+``--runslow`` and the apps installed: ``bash scripts/setup.sh --apps``);
+``OSWORLD_JAX_FIXTURE_SOURCE=<name>`` runs only that one.
 
 Every builder returns the written path as a ``str`` (what file getters hand to metrics).
 """
@@ -187,12 +195,91 @@ class LibrarySource:
         return str(p)
 
 
-SOURCES: dict[str, Callable[[Path], Any]] = {"library": LibrarySource}
+class AppsSource(LibrarySource):
+    """Files as the real applications write them (LibreOffice, GIMP in a jailed desktop).
+
+    Args:
+      root: where the files go.
+      apps: the shared ``RealApps`` desktop.
+    """
+
+    name = "apps"
+
+    def __init__(self, root: Path, apps: Any) -> None:
+        super().__init__(root)
+        self.apps = apps
+
+    def _office(self, path: str, ext: str | None = None, view: bool = False) -> str:
+        p = Path(path)
+        data = self.apps.office(p.read_bytes(), p.name, ext or p.suffix.lstrip("."), view=view)
+        p.write_bytes(data)
+        return path
+
+    def xlsx(self, name, sheets, *, edit=None):  # type: ignore[no-untyped-def]
+        import openpyxl
+
+        path = super().xlsx(name, sheets, edit=edit)
+        # Frozen panes and zoom are view settings: Calc writes them only from a view, so such
+        # a book is opened with one (as in a user's Calc); the others hidden (faster).
+        wb = openpyxl.load_workbook(path)
+        view = any(ws.freeze_panes or ws.sheet_view.zoomScale for ws in wb.worksheets)
+        return self._office(path, view=view)
+
+    def docx(self, name, build):  # type: ignore[no-untyped-def]
+        return self._office(super().docx(name, build))
+
+    def pptx(self, name, build):  # type: ignore[no-untyped-def]
+        return self._office(super().pptx(name, build))
+
+    def odt(self, name, paragraphs):  # type: ignore[no-untyped-def]
+        return self._office(super().odt(name, paragraphs))
+
+    def pdf(self, name, pages):  # type: ignore[no-untyped-def]
+        """LibreOffice's PDF export of a document with one page per entry (lines, then images)."""
+        import io
+
+        import docx
+        from docx.enum.text import WD_BREAK
+        from docx.shared import Pt
+
+        d = docx.Document()
+        for i, page in enumerate(pages):
+            for line in page.get("lines", []):
+                d.add_paragraph(line)
+            for img in page.get("images", []):
+                buf = io.BytesIO()
+                img.convert("RGB").save(buf, "PNG")
+                buf.seek(0)
+                d.add_picture(buf, width=Pt(img.width), height=Pt(img.height))
+            if i + 1 < len(pages):
+                d.add_paragraph().add_run().add_break(WD_BREAK.PAGE)
+        buf = io.BytesIO()
+        d.save(buf)
+        p = self.path(name)
+        p.write_bytes(self.apps.office(buf.getvalue(), p.with_suffix(".docx").name, "pdf"))
+        return str(p)
+
+    def image(self, name, make):  # type: ignore[no-untyped-def]
+        p = Path(super().image(name, make))
+        p.write_bytes(self.apps.gimp(p.read_bytes(), p.name))
+        return str(p)
 
 
-def make_source(root: Path) -> Any:
-    """The source named by ``$OSWORLD_JAX_FIXTURE_SOURCE`` (default ``library``)."""
-    name = os.environ.get("OSWORLD_JAX_FIXTURE_SOURCE", "library")
+SOURCES: dict[str, Callable[..., Any]] = {"library": LibrarySource, "apps": AppsSource}
+#: Sources that need the real applications (``RealApps``).
+APP_SOURCES = {"apps"}
+
+
+def source_names() -> list[str]:
+    """The sources the tests run with: ``$OSWORLD_JAX_FIXTURE_SOURCE`` alone, or all."""
+    name = os.environ.get("OSWORLD_JAX_FIXTURE_SOURCE")
+    if name is None:
+        return list(SOURCES)
     if name not in SOURCES:
         raise KeyError(f"OSWORLD_JAX_FIXTURE_SOURCE={name!r}: known sources {sorted(SOURCES)}")
-    return SOURCES[name](root)
+    return [name]
+
+
+def make_source(root: Path, name: str = "library", apps: Any = None) -> Any:
+    """The fixture source ``name`` writing under ``root`` (``apps``: the shared ``RealApps``)."""
+    return SOURCES[name](root, apps) if name in APP_SOURCES else SOURCES[name](root)

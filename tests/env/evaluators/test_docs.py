@@ -194,9 +194,9 @@ def test_colored_words_strike_italic(src):
 def test_page_break_default_font_references(src):
     def breaks(n):
         def build(d):
-            p = d.add_paragraph("a")
-            for _ in range(n):
-                p.add_run().add_break(WD_BREAK.PAGE)
+            for i in range(n):  # one page of text each (LibreOffice makes two breaks in a row
+                d.add_paragraph(f"page {i}").add_run().add_break(WD_BREAK.PAGE)  # into one)
+            d.add_paragraph("end")  # (and drops a break that nothing follows)
 
         return build
 

@@ -3,7 +3,7 @@
 import pytest
 from lxml import etree
 from pptx.dml.color import RGBColor
-from pptx.enum.text import PP_ALIGN
+from pptx.enum.text import MSO_AUTO_SIZE, PP_ALIGN
 from pptx.util import Inches, Pt
 
 from osworld_jax.env.evaluators import METRICS, option_checker
@@ -37,6 +37,9 @@ def deck(
         s.shapes.title.text = title
         tb = s.shapes.add_textbox(*box)
         tf = tb.text_frame
+        # a fixed-size wrapping box (python-pptx's default, no wrap + fit to text, is one that
+        # LibreOffice shrinks around its text on opening, moving its edges)
+        tf.word_wrap, tf.auto_size = True, MSO_AUTO_SIZE.NONE
         for i, line in enumerate(body):
             p = tf.paragraphs[0] if i == 0 else tf.add_paragraph()
             r = p.add_run()
@@ -97,13 +100,38 @@ def test_identical_and_none(src, gold):
     ids=lambda c: next(iter(c)),
 )
 def test_each_examined_difference_scores_zero(src, gold, change):
+    if "level" in change and src.name == "apps":
+        pytest.skip("LibreOffice keeps no outline level in a text box (test_outline_levels)")
     assert cmp(src.pptx("r.pptx", deck(**change)), gold) == 0.0
+
+
+def test_outline_levels(src):
+    def outline(*levels):
+        def build(prs):
+            s = prs.slides.add_slide(prs.slide_layouts[1])  # title and content
+            s.shapes.title.text = "Agenda"
+            tf = s.placeholders[1].text_frame
+            for i, level in enumerate(levels):
+                p = tf.paragraphs[0] if i == 0 else tf.add_paragraph()
+                p.text, p.level = f"point {i}", level
+
+        return build
+
+    gold = src.pptx("g.pptx", outline(0, 1))
+    assert cmp(src.pptx("s.pptx", outline(0, 1)), gold) == 1.0
+    assert cmp(src.pptx("d.pptx", outline(0, 2)), gold) == 0.0  # level 2 is another indent
+    # levels 0 and 1 alike; LibreOffice writes each run's size from its level's outline style
+    # (32 pt, 28 pt), which the size check compares (upstream scores its files the same)
+    one = src.pptx("o.pptx", outline(1, 1))
+    assert cmp(one, gold) == (0.0 if src.name == "apps" else 1.0)
+    assert cmp(one, gold, examine_font_size=False, examine_bullets=False) == 1.0
 
 
 def test_equivalences_upstream_allows(src, gold):
     assert cmp(src.pptx("b.pptx", deck(bold=False)), gold) == 1.0  # False == unset
     assert cmp(src.pptx("a.pptx", deck(align=PP_ALIGN.LEFT)), gold) == 1.0  # None == left
-    assert cmp(src.pptx("l.pptx", deck(level=1)), gold) == 1.0  # levels 0 and 1 alike
+    if src.name != "apps":  # (LibreOffice keeps no level in a text box: test_outline_levels)
+        assert cmp(src.pptx("l.pptx", deck(level=1)), gold) == 1.0  # levels 0 and 1 alike
     assert cmp(src.pptx("e.pptx", deck(empty_box_left=Inches(8))), gold) == 1.0  # blank shape moved
 
 
@@ -194,9 +222,15 @@ def test_page_number_colors(src):
                 if ph.placeholder_format.type is not None and "SLIDE_NUMBER" in str(
                     ph.placeholder_format.type
                 ):
-                    for p in ph.text_frame.paragraphs:
-                        for r in p.runs or [p.add_run()]:
-                            r.font.color.rgb = RGBColor.from_string(color)
+                    # the colour of the placeholder's text style and of the slide-number field
+                    # (what LibreOffice keeps of the placeholder, and writes for a user's edit)
+                    el = ph._element
+                    for rpr in [*el.iter(f"{{{A}}}defRPr"), *el.iter(f"{{{A}}}rPr")]:
+                        for old in rpr.findall(f"{{{A}}}solidFill"):
+                            rpr.remove(old)
+                        fill = etree.Element(f"{{{A}}}solidFill")
+                        etree.SubElement(fill, f"{{{A}}}srgbClr", val=color)
+                        rpr.insert(0, fill)
 
         return build
 
