@@ -1,0 +1,112 @@
+"""The bundled application tasks end to end in the jailed local sandbox, with the real apps.
+
+For each task (``osworld_jax/env/bundled/apps``: two per domain, real OSWorld task format, files
+made by the applications): create it (its real setup: downloads, ``open`` of the document in
+LibreOffice, ``launch`` of Chromium/GIMP/VLC/Thunderbird as OSWorld's tasks launch them, Chrome
+tabs through DevTools), fork it once, run the scripted correct action sequence in the source and
+the wrong one in the fork at the same time (``tests/env/bundled_app_solutions.json``), and
+evaluate both with the task's own evaluator (postconfig included: the window activated and
+Ctrl+S as upstream's office tasks do): correct -> 1, wrong -> 0. Forking also shows that an
+app task's copy starts its app on the copied files (lock files left out). Nothing may remain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from osworld_jax.env.actions import parse_action
+from osworld_jax.env.bundled import bundled_app_task_dir
+from osworld_jax.env.capabilities import capabilities, unknown_types
+from osworld_jax.env.local import LocalBackend, apps
+from osworld_jax.env.local.desktop import pid_namespace_members
+from osworld_jax.env.tasks import iter_task_files, load_task
+
+SOLUTIONS = Path(__file__).resolve().parents[1] / "bundled_app_solutions.json"
+TASK_FILES = sorted(iter_task_files(bundled_app_task_dir()))
+#: The window each domain's app shows (what an agent waits for before acting).
+WINDOWS = {
+    "calc": "LibreOffice Calc",
+    "writer": "LibreOffice Writer",
+    "impress": "LibreOffice Impress",
+    "chrome": "Chromium",
+    "gimp": "GIMP",  # "[landscape] (imported)-1.0 (RGB color ...) 160x120 – GIMP"
+    "vlc": "VLC media player",
+    "thunderbird": "Thunderbird",
+}
+
+
+def _solutions() -> dict:
+    return json.loads(SOLUTIONS.read_text())["tasks"]
+
+
+def test_two_tasks_per_app_domain_with_solutions():
+    tasks = [load_task(p) for p in TASK_FILES]
+    domains = [t.domain for t in tasks]
+    assert {d: domains.count(d) for d in WINDOWS} == dict.fromkeys(WINDOWS, 2)
+    assert {t.id for t in tasks} == set(_solutions())
+    for t in tasks:
+        assert not unknown_types(t), t.id
+        for f in t.evaluator.func:
+            assert f not in ("exact_match", "infeasible"), t.id  # real app-state metrics
+
+
+def _apps_installed() -> bool:
+    return all(apps.installed(a) for a in apps.APPS if a.name in ("libreoffice", "chrome"))
+
+
+async def _wait_for_window(sandbox, title: str) -> None:
+    """Waits (up to 90 s) for the app's window, as an agent looking at the screen would."""
+    for _ in range(900):
+        res = await sandbox.vm.execute(["wmctrl", "-l"])
+        if title in res["output"]:
+            await asyncio.sleep(2.0)  # (a window shows before its app takes keys)
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{sandbox.task.id}: no {title!r} window after 90 s")
+
+
+async def _play(sandbox, texts: list[str]) -> float:
+    await _wait_for_window(sandbox, WINDOWS[sandbox.task.domain])
+    last = None
+    for text in texts:
+        last = parse_action(text, "pyautogui")
+        assert last.parse_error is None, (text, last.parse_error)
+        if last.is_terminal:
+            break
+        await sandbox.step(last)
+    await asyncio.sleep(1.0)  # (the app reacts to the last key)
+    return await sandbox.evaluate(last)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", TASK_FILES, ids=lambda p: p.stem)
+def test_bundled_app_task_scores_correct_1_and_wrong_0(runner, backend: LocalBackend, path: Path):
+    if not _apps_installed():
+        pytest.fail("the applications are not installed (bash scripts/setup.sh --apps)")
+    task = load_task(path)
+    assert capabilities(task, "local"), capabilities(task, "local")
+    script = _solutions()[task.id]
+    src = runner.run(backend.create(task))
+    forks = []
+    try:
+        forks = runner.run(backend.fork(src, 1))
+
+        async def both() -> list[float]:  # two desktops, played side by side
+            return list(
+                await asyncio.gather(
+                    _play(src, script["correct"]), _play(forks[0], script["wrong"])
+                )
+            )
+
+        assert runner.run(both()) == [1.0, 0.0]
+    finally:
+        namespaces = [s.desktop.pid_ns for s in (src, *forks)]
+        for s in (*forks, src):
+            runner.run(s.close())
+    assert not set(backend.inventory()) & {s.id for s in (src, *forks)}
+    for ns in namespaces:
+        assert ns is not None and pid_namespace_members(ns) == []
