@@ -2,13 +2,23 @@
 
 Usage:
   .venv/bin/python benchmarks/sandbox.py [--repeats 3] [--fork-n 8] [--steps 5]
-      [--tasks os-rename-draft,editor-append-the-end] [--warm-pool 0]
+      [--tasks os-rename-draft,editor-append-the-end,calc-sum-column,chrome-close-tab]
+      [--warm-pool 0]
+
+Tasks are bundled ones (``osworld_jax/env/bundled``): ``editor-*`` open Mousepad, and the
+application tasks (``bundled/apps``, with ``bash scripts/setup.sh --apps``) open a document in
+LibreOffice (``calc-sum-column``: Calc with a workbook), start Chromium with two tabs
+(``chrome-close-tab``), GIMP, VLC or Thunderbird; their create includes the app's start until
+its window shows.
 
 For each bundled task: ``create`` (its real setup; the task's own ``sleep`` steps are reported
 separately and subtracted in "create-sleeps"), ``fork(n)`` of that sandbox (its re-run steps
 include the same sleeps), the mean ``step`` time of a small pyautogui action with a full
 observation (screenshot + a11y tree + terminal), and memory: the summed RSS and the summed peak RSS
-(VmHWM) of every process of one jail (bwrap, dbus, server, Xvfb, window manager, apps). Targets
+(VmHWM) of every process of one jail (bwrap, dbus, server, Xvfb, window manager, apps; shared
+pages counted in each process), and what the jail's memory cgroup charges (the figure
+``LocalBackendConfig.memory_bytes`` limits: resident pages and tmpfs files, shared ones once;
+current and peak, when a memory cgroup limits the jails). Targets
 (issue 6): create <= 3 s beyond the task's sleeps; fork(8) <= 1.5 x one create.
 """
 
@@ -21,7 +31,7 @@ import time
 from pathlib import Path
 
 from osworld_jax.env.actions import parse_action
-from osworld_jax.env.bundled import bundled_task_dir
+from osworld_jax.env.bundled import bundled_app_task_dir, bundled_task_dir
 from osworld_jax.env.local import LocalBackend, LocalBackendConfig, LocalSandbox
 from osworld_jax.env.tasks import Task, load_task
 
@@ -47,12 +57,31 @@ def memory_mib(sb: LocalSandbox) -> tuple[float, float]:
     )
 
 
+def cgroup_mib(sb: LocalSandbox) -> tuple[float, float]:
+    """(current, peak) memory charged to the jail's cgroup, in MiB (0 without one)."""
+    cg = sb.desktop.cgroup
+    if cg is None or cg.memory is None:
+        return 0.0, 0.0
+    names = (
+        ("memory.current", "memory.peak")
+        if cg.version == "v2"
+        else ("memory.usage_in_bytes", "memory.max_usage_in_bytes")
+    )
+    out = []
+    for name in names:
+        try:
+            out.append(int((cg.memory / name).read_text()) / 2**20)
+        except (OSError, ValueError):
+            out.append(0.0)
+    return out[0], out[1]
+
+
 def task_sleeps(task: Task) -> float:
     return sum(float(s.parameters.get("seconds", 0)) for s in task.config if s.type == "sleep")
 
 
 async def bench_task(backend: LocalBackend, task: Task, args: argparse.Namespace) -> dict:
-    creates, forks, steps, rss, hwm = [], [], [], [], []
+    creates, forks, steps, rss, hwm, cg_now, cg_peak = [], [], [], [], [], [], []
     for _ in range(args.repeats):
         if args.warm_pool:
             await backend.wait_pool_full()
@@ -74,6 +103,9 @@ async def bench_task(backend: LocalBackend, task: Task, args: argparse.Namespace
             r, h = memory_mib(s)
             rss.append(r)
             hwm.append(h)
+            c, cp = cgroup_mib(s)
+            cg_now.append(c)
+            cg_peak.append(cp)
         for s in (*children, sb):
             await s.close()
     assert backend.inventory() == [], backend.inventory()
@@ -90,6 +122,8 @@ async def bench_task(backend: LocalBackend, task: Task, args: argparse.Namespace
         "step_s": statistics.median(steps),
         "rss_mib": statistics.median(rss),
         "peak_rss_mib": max(hwm),
+        "cgroup_mib": statistics.median(cg_now),
+        "cgroup_peak_mib": max(cg_peak),
     }
 
 
@@ -108,11 +142,16 @@ async def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--fork-n", type=int, default=8)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--tasks", default="os-rename-draft,editor-append-the-end")
+    p.add_argument(
+        "--tasks", default="os-rename-draft,editor-append-the-end,calc-sum-column,chrome-close-tab"
+    )
     p.add_argument("--warm-pool", type=int, default=0)
     args = p.parse_args()
     paths = {
-        load_task(q).id: q for q in bundled_task_dir().rglob("*.json") if "assets" not in q.parts
+        load_task(q).id: q
+        for root in (bundled_task_dir(), bundled_app_task_dir())
+        for q in root.rglob("*.json")
+        if "assets" not in q.parts
     }
     backend = LocalBackend(LocalBackendConfig(warm_pool=args.warm_pool))
     backend.preflight()

@@ -423,9 +423,9 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
 
         Applications (``apps.APPS``): with ``tasks``, every program those tasks start must run in
         the jail (a missing one is a ``PreflightError`` naming it, the tasks that need it and the
-        packages); without, a missing application is logged (its tasks are not runnable here).
-        Each installed application the tasks need (without tasks: each installed one) is started
-        once in a jailed desktop (``App.probe``), so an install the jail cannot run fails here.
+        packages), and each application they need is started once in a jailed desktop with the
+        configured limits (``App.probe``), so an install the jail cannot run fails here; without
+        ``tasks``, a missing application is only logged (its tasks are not runnable here).
         """  # noqa: D205
         problems = []
         missing = [f"{b} (apt {p})" for b, p in REQUIRED_BINARIES.items() if not shutil.which(b)]
@@ -486,10 +486,9 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
                     "runnable here (bash scripts/setup.sh --apps)",
                     ", ".join(absent),
                 )
-            probe = [a for a in apps.APPS if apps.installed(a)]
-        else:
-            names = {x for a in needed for x in a.split("|")}
-            probe = [a for a in apps.APPS if apps.installed(a) and names & set(a.commands)]
+            return
+        names = {x for a in needed for x in a.split("|")}
+        probe = [a for a in apps.APPS if apps.installed(a) and names & set(a.commands)]
         if probe:
             failed = _run_in_thread(self._probe_apps(probe))
             if failed:

@@ -42,6 +42,11 @@ def test_compare_images_and_image_list(src, base):
     assert g([base, base], [src.image("s2.png", scene()), base]) == 1.0
     assert g([base, other], [base, base]) == 0.0
     assert g(base, base) == 1.0 and g(None, base) == 0.0
+    # upstream quirk kept: an RGBA difference's bounding box looks at alpha only, so two opaque
+    # RGBA images of different pictures are "equal" (docs/EVALUATORS.md)
+    red = src.image("red.png", lambda: Image.new("RGBA", (8, 8), (255, 0, 0, 255)))
+    blue = src.image("blue.png", lambda: Image.new("RGBA", (8, 8), (0, 0, 255, 255)))
+    assert g([red], [blue]) == 1.0
 
 
 def _adjust(src, name, base, enhancer, factor):

@@ -288,3 +288,30 @@ def test_preflight_starts_each_app_the_tasks_need_in_the_jail(real_apps):
         assert backend.inventory() == []
     finally:
         real_apps.run(backend.aclose())
+
+
+def test_the_session_bus_starts_no_app_service_for_the_agent(real_apps):
+    """Attack: the agent asks the session bus to start GNOME Terminal's server. The bus runs
+    services outside the agent's namespace, so that server's shells would live beside the
+    evaluator's commands; the bus only knows the allow-listed services (apps.DBUS_SERVICES).
+    """  # noqa: D205
+    ra = real_apps
+    start = [
+        "dbus-send",
+        "--session",
+        "--print-reply",
+        "--dest=org.freedesktop.DBus",
+        "/org/freedesktop/DBus",
+        "org.freedesktop.DBus.StartServiceByName",
+        "string:org.gnome.Terminal",
+        "uint32:0",
+    ]
+    res = ra.run(ra.desktop.run_action(start, timeout=30))
+    assert res["returncode"] != 0
+    assert "org.gnome.Terminal" in res["error"] and "service" in res["error"].lower()
+    # GNOME Terminal itself works: its server starts in the agent's own namespace
+    ra.run(ra.desktop.run_action(["gnome-terminal"], timeout=30))
+    until(lambda: "Terminal" in ra.shell("wmctrl -l"), "the terminal window")
+    ps = ra.run(ra.desktop.run_action(["ps", "-eo", "comm"], timeout=30))
+    assert "gnome-terminal-" in ps["output"]  # (comm is cut at 15 characters)
+    ra.launch(["pkill", "-f", "gnome-terminal-server"])
