@@ -260,12 +260,19 @@ def agent_runner(fd: int) -> int:
     """The desktop namespace's first process: runs actions and starts programs on request."""
     sock = socket.socket(fileno=fd)
     children: list[subprocess.Popen] = []
+
+    def reap(*_) -> None:
+        """Reaps the started programs that ended, at once (a killed app left as a zombie would
+        still show in ``pgrep`` to the agent's next command); only these, by pid."""  # noqa: D205
+        children[:] = [c for c in children if c.poll() is None]
+
+    signal.signal(signal.SIGCHLD, reap)
     buf = bytearray()
     while True:
         req = _recv(sock, 1 << 30, buf)
         if req is None:
             return 0
-        children = [c for c in children if c.poll() is None]  # reap finished programs
+        reap()
         try:
             if req["op"] == "run":
                 res = run_capped(

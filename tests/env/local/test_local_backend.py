@@ -220,3 +220,25 @@ def test_capability_reasons_name_files_no_local_app_opens(monkeypatch):
     assert LocalBackend.capability_reasons(task) == [
         "no local application opens '/home/user/model.blend'"
     ]
+
+
+def test_a_killed_app_is_reaped_at_once(runner, backend: LocalBackend):
+    """An app started by a ``launch`` step and killed by the agent leaves no zombie that the
+    agent's own ``pgrep`` (waiting for the app to be gone) would still see."""  # noqa: D205, D209
+    launch = {"type": "launch", "parameters": {"command": ["sleep", "300"]}}
+    sb = runner.run(backend.create(load_task({**TASK, "id": "local-reap", "config": [launch]})))
+    try:
+        code = (
+            "import subprocess\n"
+            "subprocess.run(['pkill', '-KILL', '-x', 'sleep'])\n"
+            "pg = ['pgrep', '-x', 'sleep']\n"
+            "gone = lambda: subprocess.run(pg, capture_output=True).returncode\n"
+            "end = time.time() + 5\n"
+            "while gone() == 0 and time.time() < end:\n"
+            "    time.sleep(0.05)\n"
+            "print(gone())"
+        )
+        res = runner.run(sb.run_code(code))
+        assert res["output"].strip() == "1", res  # no process named sleep left
+    finally:
+        runner.run(sb.close())
