@@ -24,8 +24,9 @@ Fork (``fork(sandbox, n)``) copies the initialised sandbox's FILESYSTEM and rest
   clipboard, unsaved edits in an app's memory, undo history, running shells, the X server's
   state, the session and at-spi buses. Each fork starts a fresh desktop on the copied filesystem
   and re-runs only the task's program-starting setup steps (``fork_rerun_step_types``: launch,
-  open, activate/close window, sleep), so a fork equals the source right after its setup as long
-  as setup did its work through files (which OSWorld setups do: download/upload files, then open
+  open, activate/close window, sleep, and the Chrome tab steps, which act on the running
+  browser), so a fork equals the source right after its setup as long as setup did its work
+  through files or these steps (which OSWorld setups do: download/upload files, then open
   them). A file an app rewrites at the instant of the snapshot may be copied half-written.
 
 Warm pool (``LocalBackendConfig.warm_pool``, default 0): idle desktops started ahead of need.
@@ -204,6 +205,8 @@ class LocalBackendConfig:
         "activate_window",
         "close_window",
         "sleep",
+        "chrome_open_tabs",
+        "chrome_close_tabs",
     )
 
     def __post_init__(self) -> None:

@@ -262,8 +262,10 @@ def agent_runner(fd: int) -> int:
     children: list[subprocess.Popen] = []
 
     def reap(*_) -> None:
-        """Reaps the started programs that ended, at once (a killed app left as a zombie would
-        still show in ``pgrep`` to the agent's next command); only these, by pid."""  # noqa: D205
+        """Reaps the started programs that ended, at once, only these, by pid.
+
+        A killed app left as a zombie would still show in ``pgrep`` to the agent's next command.
+        """
         children[:] = [c for c in children if c.poll() is None]
 
     signal.signal(signal.SIGCHLD, reap)

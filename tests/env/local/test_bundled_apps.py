@@ -21,6 +21,8 @@ import pytest
 from osworld_jax.env.actions import parse_action
 from osworld_jax.env.bundled import bundled_app_task_dir
 from osworld_jax.env.capabilities import capabilities, unknown_types
+from osworld_jax.env.evaluators import GETTERS
+from osworld_jax.env.evaluators.registry import EvalContext
 from osworld_jax.env.local import LocalBackend, apps
 from osworld_jax.env.local.desktop import pid_namespace_members
 from osworld_jax.env.tasks import iter_task_files, load_task
@@ -69,6 +71,12 @@ async def _wait_for_window(sandbox, title: str) -> None:
     raise AssertionError(f"{sandbox.task.id}: no {title!r} window after 90 s")
 
 
+async def _tabs(sandbox) -> list[str]:
+    ctx = EvalContext(work_dir=sandbox.work_dir)
+    infos = await GETTERS.get("open_tabs_info")(sandbox.vm, {}, ctx)
+    return sorted(t["url"] for t in infos)
+
+
 async def _play(sandbox, texts: list[str]) -> float:
     await _wait_for_window(sandbox, WINDOWS[sandbox.task.domain])
     last = None
@@ -94,6 +102,9 @@ def test_bundled_app_task_scores_correct_1_and_wrong_0(runner, backend: LocalBac
     forks = []
     try:
         forks = runner.run(backend.fork(src, 1))
+        if task.domain == "chrome":  # the fork re-ran the tab steps: the same tabs
+            tabs = [runner.run(_tabs(s)) for s in (src, forks[0])]
+            assert tabs[0] == tabs[1] and tabs[0], tabs
 
         async def both() -> list[float]:  # two desktops, played side by side
             return list(
