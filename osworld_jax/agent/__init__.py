@@ -25,9 +25,15 @@ from osworld_jax.agent.errors import (
     GroupPolicyError,
     PackingError,
     SegmentIntegrityError,
+    WeightVersionError,
 )
 from osworld_jax.agent.history import CallRecord, Compaction, History
-from osworld_jax.agent.owner import GenerateClient, OwnerAgent, OwnerRollout
+from osworld_jax.agent.owner import (
+    GenerateClient,
+    OwnerAgent,
+    OwnerRollout,
+    weight_version_number,
+)
 from osworld_jax.agent.prompts import render_observation, system_prompt
 from osworld_jax.agent.segments import Segment, build_segments
 from osworld_jax.agent.template import QWEN_CHAT_TEMPLATE, AgentTokenizer, ChatTemplate
@@ -58,10 +64,12 @@ __all__ = [
     "Segment",
     "SegmentIntegrityError",
     "VisionPacking",
+    "WeightVersionError",
     "bucket_length",
     "build_segments",
     "pack_batch",
     "render_observation",
     "select_groups",
     "system_prompt",
+    "weight_version_number",
 ]

@@ -42,6 +42,10 @@ class SegmentIntegrityError(OsworldJaxError):
         self.position = position
 
 
+class WeightVersionError(OsworldJaxError, ValueError):
+    """A weight version is not a step number (the message names the owner and the version)."""
+
+
 class PackingError(OsworldJaxError):
     """Rows cannot be packed (a row longer than the largest bucket, inconsistent shapes)."""
 

@@ -24,7 +24,7 @@ class CallRecord:
         (prompt + output) was the input (the last generated token has none), or None when routes
         were not requested.
       finish_reason: the server's finish reason (``{"type": "stop" | "length", ...}``).
-      weight_version: the policy version that generated the reply.
+      weight_version: the policy version that generated the reply (its final part).
       rid: the request id.
       text: the decoded reply the env received.
       routed_experts_start: S, the first position with a route row (the agent asks only for the
@@ -34,6 +34,12 @@ class CallRecord:
       trainable: the leading output ids that are exactly what the model generated in this
         context (the rest follow a replaced media token: their context changed, so they get
         loss mask 0 and their route rows are -1); None: all of them.
+      weight_versions: the weight version of each run of the generated ids kept as-is (the
+        first ``trainable`` output ids, or all): one run per part of a stitched reply (a refit
+        aborted it and it was resubmitted), ``Generation.weight_versions``.
+      part_lengths: the runs' lengths (``Generation.part_lengths`` cut to the kept prefix);
+        they sum to the number of ids kept as-is. Default for both: one run of
+        ``weight_version``. `output_weight_versions` expands them per token.
     """
 
     prompt_ids: np.ndarray
@@ -47,6 +53,8 @@ class CallRecord:
     routed_experts_start: int = 0
     images: tuple[bytes, ...] = ()
     trainable: int | None = None
+    weight_versions: tuple[str, ...] = ()
+    part_lengths: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "images", tuple(self.images))
@@ -57,6 +65,40 @@ class CallRecord:
         )
         if self.routed_experts is not None:
             object.__setattr__(self, "routed_experts", np.asarray(self.routed_experts, np.int32))
+        n = self.num_generated
+        versions = tuple(self.weight_versions) or (self.weight_version,)
+        lengths = tuple(self.part_lengths) or ((n,) if len(versions) == 1 else ())
+        object.__setattr__(self, "weight_versions", versions)
+        object.__setattr__(self, "part_lengths", lengths)
+        problem = None
+        if len(versions) != len(lengths):
+            problem = f"{len(versions)} weight versions but {len(lengths)} part lengths"
+        elif not all(isinstance(v, str) for v in versions):
+            problem = f"weight versions {versions!r} are not all strings"
+        elif any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in lengths):
+            problem = f"part lengths {lengths!r} are not all non-negative ints"
+        elif sum(lengths) != n:
+            problem = f"part lengths {lengths!r} sum to {sum(lengths)}, not {n} generated ids"
+        if problem is not None:
+            raise ValueError(f"call {self.rid!r}: {problem}")
+
+    @property
+    def num_generated(self) -> int:
+        """Output ids that are exactly what the model generated (``trainable``, else all)."""
+        n = int(self.output_ids.size)
+        return n if self.trainable is None else min(int(self.trainable), n)
+
+    def output_weight_versions(self) -> tuple[str, ...]:
+        """The weight version of each of the first `num_generated` output ids.
+
+        ``weight_versions[i]`` repeated ``part_lengths[i]`` times, in order: a reply aborted
+        by a refit after 3 ids and finished with 2 more gives ``("0", "0", "0", "1", "1")``.
+        """
+        return tuple(
+            v
+            for v, k in zip(self.weight_versions, self.part_lengths, strict=True)
+            for _ in range(k)
+        )
 
     @property
     def length(self) -> int:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -10,16 +12,41 @@ import numpy as np
 
 from osworld_jax.agent.config import AgentConfig
 from osworld_jax.agent.context import ContextManager
-from osworld_jax.agent.errors import AgentCallError
+from osworld_jax.agent.errors import AgentCallError, WeightVersionError
 from osworld_jax.agent.history import CallRecord, History
 from osworld_jax.agent.segments import Segment, build_segments
 from osworld_jax.errors import InfraError
+
+_DECIMAL = re.compile(r"[0-9]+")
 
 if TYPE_CHECKING:
     from osworld_jax.agent.template import AgentTokenizer
     from osworld_jax.env.agent_env import OwnerResult
     from osworld_jax.env.backend import Observation
     from osworld_jax.rollout import Generation, SamplingParams
+
+
+def weight_version_number(
+    version: str, *, aliases: Mapping[str, int] | None = None, owner_id: int | None = None
+) -> int:
+    """The step number of a server weight version: ``"12"`` -> 12, or ``aliases[version]``.
+
+    Only ASCII decimal digits count (no sign, spaces or underscores); ``aliases`` is checked
+    first (e.g. ``{"default": 0}``: servers launched without ``--weight-version``).
+
+    Raises:
+      WeightVersionError: one line naming the owner (when given) and the version.
+    """
+    if aliases is not None and version in aliases:
+        return int(aliases[version])
+    if isinstance(version, str) and _DECIMAL.fullmatch(version):
+        return int(version)
+    who = f"owner {owner_id}: " if owner_id is not None else ""
+    known = f" or one of {sorted(aliases)}" if aliases else ""
+    raise WeightVersionError(
+        f"{who}weight version {version!r} is not a step number (decimal digits{known}); "
+        "launch the servers with --weight-version 0 or map it with aliases"
+    )
 
 
 class GenerateClient(Protocol):
@@ -71,6 +98,43 @@ class OwnerRollout:
     def num_trainable(self) -> int:
         """Trainable tokens over all segments."""
         return sum(s.num_trainable for s in self.segments)
+
+    def trainable_tokens_by_version(self) -> dict[str, int]:
+        """Tokens with loss mask 1 per weight version that generated them, over all segments.
+
+        Versions are the servers' strings (``meta_info.weight_version``), in order of first
+        appearance; empty for a failed owner or one without trainable tokens. The counts sum to
+        `num_trainable`.
+        """
+        out: dict[str, int] = {}
+        for s in self.segments:
+            for v, k in s.trainable_tokens_by_version().items():
+                out[v] = out.get(v, 0) + k
+        return out
+
+    def weight_version_range(
+        self, aliases: Mapping[str, int] | None = None
+    ) -> tuple[int, int] | None:
+        """(oldest, newest) weight version of any trainable token, as step numbers.
+
+        The RL loop refits to ``str(step)``, so a version is the number of optimizer steps
+        behind the weights; the staleness of the owner when training step ``s`` is
+        ``s - 1 - oldest`` (rolled out entirely by the weights step ``s`` starts from: 0).
+        ``aliases`` maps non-numeric versions to steps, e.g. ``{"default": 0}`` for servers
+        launched without ``--weight-version`` (SGLang's and the embedded server's default is
+        ``"default"``, the base model's weights).
+
+        Returns:
+          None for a failed owner or one without trainable tokens.
+
+        Raises:
+          WeightVersionError: a version is neither a decimal number nor in ``aliases``.
+        """
+        steps = [
+            weight_version_number(v, aliases=aliases, owner_id=self.owner_id)
+            for v in self.trainable_tokens_by_version()
+        ]
+        return (min(steps), max(steps)) if steps else None
 
 
 class OwnerAgent:
@@ -184,6 +248,7 @@ class OwnerAgent:
         # its routes are unknown (the server routes that part again in the next call).
         kept, j = self.context.media_as_text(out)
         trainable = None
+        versions, lengths = _cut_parts(gen.weight_versions, gen.part_lengths, min(j, out.size))
         if j < out.size:
             trainable = j
             lps = np.concatenate([lps[:j], np.zeros(kept.size - j, np.float32)])
@@ -204,6 +269,8 @@ class OwnerAgent:
             routed_experts_start=start,
             images=tuple(im.png for im in self.context.prompt_images),
             trainable=trainable,
+            weight_versions=versions,
+            part_lengths=lengths,
         )
 
     async def on_episode_end(self, result: OwnerResult) -> None:
@@ -241,3 +308,20 @@ class OwnerAgent:
             failed=False,
             error=result.error,
         )
+
+
+def _cut_parts(
+    versions: tuple[str, ...], lengths: tuple[int, ...], n: int
+) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The per-part versions / lengths of the first ``n`` output tokens (later parts dropped)."""
+    out_v: list[str] = []
+    out_k: list[int] = []
+    left = n
+    for v, k in zip(versions, lengths, strict=True):
+        if left == 0 and out_v:
+            break
+        take = min(int(k), left)
+        out_v.append(str(v))
+        out_k.append(take)
+        left -= take
+    return tuple(out_v), tuple(out_k)

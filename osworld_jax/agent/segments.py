@@ -32,8 +32,15 @@ class Segment:
       routed_experts: i32[n, L, K] the route when ``tokens[t]`` was the input, -1 where none
         was recorded (always the last token); None when no call of the segment returned routes.
       call_indices: the owner's call indices in this segment.
-      weight_versions: the policy version of each of those calls.
+      weight_versions: the policy version of each of those calls (its final part's).
       images: the PNG screenshots of the segment, in the order of its image-token runs.
+      token_version_ids: i32[n] the weight version that generated ``tokens[t]``, as an index
+        into ``version_table``; -1 where no model generated the token as-is (prompt tokens, a
+        reply's tokens from its first generated media token on). Every token with loss mask 1
+        has an index >= 0. None (hand-built segments only): unknown per token, see
+        `trainable_tokens_by_version`.
+      version_table: the distinct weight versions of the segment's generated tokens, in order
+        of first position.
     """
 
     owner_id: int
@@ -45,6 +52,53 @@ class Segment:
     call_indices: tuple[int, ...]
     weight_versions: tuple[str, ...]
     images: tuple[bytes, ...] = ()
+    token_version_ids: np.ndarray | None = None
+    version_table: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        ids = self.token_version_ids
+        if ids is None:
+            return
+        ids = np.asarray(ids, np.int32).reshape(-1)
+        object.__setattr__(self, "token_version_ids", ids)
+        object.__setattr__(self, "version_table", tuple(self.version_table))
+        n_versions = len(self.version_table)
+        if ids.size != np.asarray(self.tokens).size or (
+            ids.size and not (-1 <= ids.min() and ids.max() < n_versions)
+        ):
+            raise ValueError(
+                f"owner {self.owner_id}: token_version_ids must be {np.asarray(self.tokens).size} "
+                f"indices in [-1, {n_versions}) of version_table, got {ids.size} in "
+                f"[{ids.min() if ids.size else '-'}, {ids.max() if ids.size else '-'}]"
+            )
+        if np.any((np.asarray(self.loss_mask) > 0) & (ids < 0)):
+            t = int(np.flatnonzero((np.asarray(self.loss_mask) > 0) & (ids < 0))[0])
+            raise ValueError(
+                f"owner {self.owner_id}: token {t} has loss mask 1 but no weight version"
+            )
+
+    def trainable_tokens_by_version(self) -> dict[str, int]:
+        """How many tokens with loss mask 1 each weight version generated (first position order).
+
+        A segment without ``token_version_ids`` (built by hand) is answered only when its calls
+        share one version (then every trainable token has it).
+
+        Raises:
+          ValueError: no per-token versions and the calls' versions differ.
+        """
+        trainable = np.asarray(self.loss_mask) > 0
+        n = int(np.count_nonzero(trainable))
+        if self.token_version_ids is None:
+            versions = set(self.weight_versions)
+            if n and len(versions) != 1:
+                raise ValueError(
+                    f"owner {self.owner_id}: segment of calls {self.call_indices} has no "
+                    f"per-token versions and its calls ran on {sorted(versions)}"
+                )
+            return {self.weight_versions[0]: n} if n else {}
+        ids = self.token_version_ids[trainable]
+        counts = np.bincount(ids, minlength=len(self.version_table))
+        return {v: int(counts[i]) for i, v in enumerate(self.version_table) if counts[i]}
 
     @property
     def length(self) -> int:
@@ -94,6 +148,8 @@ def _build_one(calls: Sequence[tuple[int, CallRecord]], history: History, owner_
             owner_id, calls[0][0], 0, f"routed_experts [L, K] differ across calls: {shapes}"
         )
     routes = np.full((n, *shapes.pop()), -1, np.int32) if shapes else None
+    version_ids = np.full((n,), -1, np.int32)
+    table: dict[str, int] = {}
     for _, call in calls:
         start = call.prompt_ids.size
         stop = start + call.output_ids.size
@@ -102,6 +158,11 @@ def _build_one(calls: Sequence[tuple[int, CallRecord]], history: History, owner_
             mask[call.trainable :] = 0.0
         loss_mask[start:stop] = mask
         logprobs[start:stop] = call.output_logprobs
+        pos = start
+        for version, k in zip(call.weight_versions, call.part_lengths, strict=True):
+            if k:  # the call's first num_generated output ids, part by part
+                version_ids[pos : pos + k] = table.setdefault(version, len(table))
+            pos += k
         if routes is not None and call.routed_experts is not None:
             # Row j is the route when token start + j was the input. A later call that re-routed
             # positions an earlier call covered overwrites them (the last call's prefill is one
@@ -117,6 +178,8 @@ def _build_one(calls: Sequence[tuple[int, CallRecord]], history: History, owner_
         call_indices=tuple(i for i, _ in calls),
         weight_versions=tuple(c.weight_version for _, c in calls),
         images=last.images,
+        token_version_ids=version_ids,
+        version_table=tuple(table),
     )
 
 

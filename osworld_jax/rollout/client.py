@@ -332,9 +332,9 @@ class SGLangClient:
             produced += reply.completion_tokens
             if not aborted:
                 break
-            if produced >= sampling.max_new_tokens:
+            if produced >= sampling.max_new_tokens and parts:
                 # Aborted exactly at the length limit: the turn is complete, not truncated.
-                parts[-1] = _with_finish(reply, {"type": "length", "length": produced})
+                parts[-1] = _with_finish(parts[-1], {"type": "length", "length": produced})
                 break
             aborts += 1
             if aborts > self.config.max_abort_resubmits:

@@ -36,7 +36,14 @@ class Generation:
       prompt_tokens: length of the prompt as served (image placeholders expanded).
       completion_tokens: ``len(output_ids)``.
       weight_version: the server's weight version of the final part.
-      weight_versions: the weight version of every part (more than one after an abort).
+      weight_versions: the weight version of every part (more than one after an abort), as
+        each part's reply reported it. Each part ran wholly on one version: the client's refit
+        pauses with ``mode="abort"``, so a refit ends the running part and the next part starts
+        on the new weights (a ``retract`` or ``in_place`` pause would let one part span two
+        versions under a single stamp). Default: one part, ``(weight_version,)``.
+      part_lengths: the number of output tokens of every part (aligned with
+        ``weight_versions``; they sum to ``completion_tokens``). Default: one part,
+        ``(len(output_ids),)``. `token_weight_versions` expands the two per token.
       text: decoded text of the output (the parts' texts concatenated).
       num_resubmits: how many times an aborted part was resubmitted.
       routed_experts_start_len: first prompt position that has a route row.
@@ -51,9 +58,34 @@ class Generation:
     completion_tokens: int
     weight_version: str
     weight_versions: tuple[str, ...] = ()
+    part_lengths: tuple[int, ...] = ()
     text: str = ""
     num_resubmits: int = 0
     routed_experts_start_len: int = 0
+
+    def __post_init__(self) -> None:
+        n = len(self.output_ids)
+        versions, lengths = tuple(self.weight_versions), tuple(self.part_lengths)
+        if not versions:
+            versions = (self.weight_version,)
+        if not lengths and len(versions) == 1:
+            lengths = (n,)
+        object.__setattr__(self, "weight_versions", versions)
+        object.__setattr__(self, "part_lengths", lengths)
+        problem = check_parts(versions, lengths, n)
+        if problem is None and versions[-1] != self.weight_version:
+            problem = f"the last part's version {versions[-1]!r} is not {self.weight_version!r}"
+        if problem is not None:
+            raise ValueError(f"Generation {self.rid!r}: {problem}")
+
+    def token_weight_versions(self) -> tuple[str, ...]:
+        """The weight version of every output token (length ``completion_tokens``).
+
+        ``weight_versions[i]`` repeated ``part_lengths[i]`` times, in order: a request aborted
+        by a refit after 3 tokens and finished with 2 more on the new weights gives
+        ``("0", "0", "0", "1", "1")`` for versions ``("0", "1")``, lengths ``(3, 2)``.
+        """
+        return expand_parts(self.weight_versions, self.part_lengths)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -84,6 +116,28 @@ class Reply:
     text: str
     meta_info: dict[str, Any] = field(default_factory=dict)
     text_missing: bool = False
+
+
+def check_parts(versions: tuple[str, ...], lengths: tuple[int, ...], n: int) -> str | None:
+    """Why per-part ``versions`` / ``lengths`` cannot describe ``n`` tokens, or None.
+
+    They must be equally many (at least one), the versions strings, the lengths non-negative
+    ints summing to ``n``.
+    """
+    if not versions or len(versions) != len(lengths):
+        return f"{len(versions)} part versions but {len(lengths)} part lengths"
+    if not all(isinstance(v, str) for v in versions):
+        return f"part versions {versions!r} are not all strings"
+    if not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in lengths):
+        return f"part lengths {lengths!r} are not all non-negative ints"
+    if sum(lengths) != n:
+        return f"part lengths {lengths!r} sum to {sum(lengths)}, not the {n} output tokens"
+    return None
+
+
+def expand_parts(versions: tuple[str, ...], lengths: tuple[int, ...]) -> tuple[str, ...]:
+    """Per-token versions: ``versions[i]`` repeated ``lengths[i]`` times, concatenated."""
+    return tuple(v for v, k in zip(versions, lengths, strict=True) for _ in range(k))
 
 
 def encode_routed_experts(routes: np.ndarray) -> str:
@@ -243,8 +297,9 @@ def stitch(
     conditioned first, and the rows concatenate to exactly
     ``prompt_tokens + total_output - 1 - routed_experts_start_len``. Logprobs and ids
     concatenate in order. (When a refit happened between parts, the parts' weight versions
-    differ; ``Generation.weight_versions`` records each.) Aborts with no output are not
-    parts; ``num_resubmits`` counts every resubmission (default ``len(parts) - 1``).
+    differ; ``Generation.weight_versions`` records each and ``Generation.part_lengths`` how
+    many output tokens each produced.) Aborts with no output are not parts; ``num_resubmits``
+    counts every resubmission (default ``len(parts) - 1``).
     """
     output_ids = [t for p in parts for t in p.output_ids]
     logprobs = [lp for p in parts for lp in p.output_logprobs]
@@ -267,6 +322,7 @@ def stitch(
         completion_tokens=len(output_ids),
         weight_version=last.weight_version,
         weight_versions=tuple(p.weight_version for p in parts),
+        part_lengths=tuple(p.completion_tokens for p in parts),
         text="".join(p.text for p in parts),
         num_resubmits=len(parts) - 1 if num_resubmits is None else num_resubmits,
         routed_experts_start_len=routed_experts_start_len,

@@ -14,13 +14,16 @@ import pytest
 from osworld_jax.errors import ConfigError, InfraError
 from osworld_jax.rollout import (
     AbortBudgetExceeded,
+    Generation,
     RefitError,
+    Reply,
     ReplyValidationError,
     RequestRejected,
     RolloutConfig,
     SamplingParams,
     ServerUnavailable,
     SGLangClient,
+    stitch,
 )
 from osworld_jax.testing.sglang_server import FakeServer, K, L, logprob_at, routes_for, token_at
 
@@ -265,6 +268,9 @@ def test_refit_aborts_in_flight_requests_which_resume_on_new_weights():
         assert g.output_ids == ids and g.output_logprobs == pytest.approx(lps)
         np.testing.assert_array_equal(g.routed_experts, routes)
         assert g.weight_versions == ("v0", "v1") and g.weight_version == "v1"
+        # The 'wait' part returned 2 tokens before the pause; the resubmission made the other 4.
+        assert g.part_lengths == (2, 4)
+        assert g.token_weight_versions() == ("v0",) * 2 + ("v1",) * 4
 
     with_servers(1, body)
 
@@ -304,7 +310,67 @@ def test_abort_before_any_token_is_resubmitted_whole():
         assert g.output_ids == ids and g.output_logprobs == pytest.approx(lps)
         np.testing.assert_array_equal(g.routed_experts, routes)
         assert g.num_resubmits == 3 and len(g.weight_versions) == 2
+        assert g.part_lengths == (2, 4)  # the empty aborts are not parts
         assert [len(r["input_ids"]) for r in s.requests] == [10, 10, 12, 12]
         assert [r["routed_experts_start_len"] for r in s.requests] == [1, 1, 11, 11]
 
     with_servers(1, body)
+
+
+def test_an_empty_abort_with_nothing_left_to_generate_is_resubmitted():
+    # max_new_tokens 0: an abort before any token used to index the (empty) list of parts.
+    async def body(client: SGLangClient, s: FakeServer) -> None:
+        s.script = ["abort:0", "ok"]
+        g = await client.generate(PROMPT, SAMPLING.replace(max_new_tokens=0), rid="r0")
+        assert g.output_ids == [] and g.finish_reason == {"type": "length", "length": 0}
+        assert g.num_resubmits == 1 and g.part_lengths == (0,)
+        assert [r["rid"] for r in s.requests] == ["r0", "r0.resubmit1"]
+
+    with_servers(1, body)
+
+
+def test_stitch_records_every_tokens_version():
+    def part(n: int, p: int, version: str, finish: str) -> Reply:
+        ids, lps, _ = expected_generation(p, n)
+        reason = {"type": "abort", "message": "paused"} if finish == "abort" else {"type": finish}
+        return Reply(
+            output_ids=ids,
+            output_logprobs=lps,
+            routed_experts=None,
+            finish_reason=reason,
+            prompt_tokens=p,
+            completion_tokens=n,
+            weight_version=version,
+            text="",
+        )
+
+    # 3 tokens on "4", an abort and a retry on "4" again (2 tokens), then 1 token on "5".
+    parts = [part(3, 10, "4", "abort"), part(2, 13, "4", "abort"), part(1, 15, "5", "length")]
+    g = stitch(parts, rid="s", prompt_tokens=10, routed_experts_start_len=0)
+    assert g.weight_versions == ("4", "4", "5") and g.part_lengths == (3, 2, 1)
+    assert g.token_weight_versions() == ("4", "4", "4", "4", "4", "5")
+    assert g.weight_version == "5" and g.completion_tokens == 6
+
+
+def test_generation_part_bookkeeping_is_checked():
+    base = dict(
+        rid="g1",
+        output_ids=[1, 2, 3],
+        output_logprobs=[-0.1] * 3,
+        routed_experts=None,
+        finish_reason={"type": "length"},
+        prompt_tokens=4,
+        completion_tokens=3,
+        weight_version="7",
+    )
+    g = Generation(**base)  # one part by default: every token on weight_version
+    assert (g.weight_versions, g.part_lengths) == (("7",), (3,))
+    assert g.token_weight_versions() == ("7", "7", "7")
+    for bad, match in [
+        (dict(weight_versions=("6", "7")), "2 part versions but 0 part lengths"),
+        (dict(weight_versions=("6", "7"), part_lengths=(1, 1)), "sum to 2, not the 3"),
+        (dict(weight_versions=("6", "7"), part_lengths=(4, -1)), "non-negative"),
+        (dict(weight_versions=("7", "6"), part_lengths=(1, 2)), "last part's version '6'"),
+    ]:
+        with pytest.raises(ValueError, match=f"Generation 'g1': .*{match}"):
+            Generation(**base, **bad)
