@@ -120,6 +120,29 @@ def top_k_routes(routers: dict, rows: slice, k: int) -> dict[int, np.ndarray]:
     }
 
 
+async def control(url: str, path: str, body: dict[str, Any]) -> None:
+    async with aiohttp.ClientSession() as s, s.post(url + path, json=body) as r:
+        assert r.status == 200, await r.text()
+
+
+def freeze_when_all_have(engine: Any, rids: set[str], n: int) -> asyncio.Event:
+    """An event set once the engine paused itself (``in_place``, between two steps) right after
+    the decode step that left every request of ``rids`` in a slot with at least ``n`` tokens."""
+    loop, frozen, step = asyncio.get_running_loop(), asyncio.Event(), engine._decode_step
+
+    def step_then_freeze() -> None:  # on the engine thread
+        step()
+        ready = [r for r in engine.slots if r is not None and r.rid in rids]
+        if len(ready) == len(rids):
+            if all(len(r.output_ids) >= n for r in ready):
+                engine.pause("in_place")  # runs before the next step
+                loop.call_soon_threadsafe(frozen.set)
+                engine._decode_step = step
+
+    engine._decode_step = step_then_freeze
+    return frozen
+
+
 def test_refit_mid_request_to_new_weights_records_every_tokens_version(tiny_ckpt, tiny_ckpt_b):
     eng = start_engine(tiny_ckpt, weight_version="0")
     cfg = eng.model_config
@@ -128,17 +151,21 @@ def test_refit_mid_request_to_new_weights_records_every_tokens_version(tiny_ckpt
         async with serving(eng) as server_url:
             proxy = Proxy(server_url)
             async with proxy as url, SGLangClient(None, client_config(url, cfg)) as client:
+                # Queue the four while paused, so that they are admitted together; the engine
+                # pauses itself (in place) after the first decode step that leaves each with
+                # >= 3 tokens: they are frozen mid-generation, whatever the machine's load.
+                frozen = freeze_when_all_have(eng, {f"live{i}" for i in range(4)}, 3)
+                await control(server_url, "/pause_generation", {"mode": "in_place"})
                 live = [
                     asyncio.create_task(client.generate(p, GREEDY, rid=f"live{i}"))
                     for i, p in enumerate(PROMPTS)
                 ]
-                rids = {f"live{i}" for i in range(len(PROMPTS))}
-                while len({r.rid for r in eng.slots if r and len(r.output_ids) >= 2} & rids) < 4:
-                    await asyncio.sleep(0.002)
-                async with aiohttp.ClientSession() as s:  # freeze them mid-generation
-                    await s.post(server_url + "/pause_generation", json={"mode": "in_place"})
+                while len(eng.waiting) < 4:
+                    await asyncio.sleep(0.01)
+                await control(server_url, "/continue_generation", {})
+                await asyncio.wait_for(frozen.wait(), timeout=120)
                 running = {r.rid: len(r.output_ids) for r in eng.slots if r is not None}
-                assert set(running) == rids and max(running.values()) < N
+                assert len(running) == 4 and 3 <= min(running.values()) <= max(running.values()) < N
                 arrived, release = proxy.hold_request("/update_weights_from_disk")
                 refit = asyncio.create_task(client.refit(str(tiny_ckpt_b), "1"))
                 await arrived.wait()  # paused (abort) and flushed: the first parts came back
@@ -168,7 +195,7 @@ def test_refit_mid_request_to_new_weights_records_every_tokens_version(tiny_ckpt
         p = len(prompt)
         assert g.weight_versions == ("0", "1") and g.num_resubmits == 1
         n0 = g.part_lengths[0]
-        assert 2 <= n0 < N and g.part_lengths == (n0, N - n0) and g.completion_tokens == N
+        assert 3 <= n0 < N and g.part_lengths == (n0, N - n0) and g.completion_tokens == N
         assert g.token_weight_versions() == ("0",) * n0 + ("1",) * (N - n0)
         # Token-exact: part 0 as the server sent it, part 1 continued from prompt + part 0.
         sent0, reply0 = proxy.generates[f"live{i}"]
