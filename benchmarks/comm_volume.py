@@ -317,7 +317,7 @@ def hlo_bytes(bench, mesh: dict[str, int], rows: int, seq: int) -> dict[str, flo
 
     fn, batch = trainer.jitted_step(random_batch(model, b, seq))
     with jax.set_mesh(trainer.mesh):
-        lowered = fn.lower(trainer.abstract_state, batch, None)
+        lowered = fn.lower(trainer.abstract_state, batch, None, None)
     return hlo_collective_bytes(lowered.compile().as_text(), n)
 
 

@@ -589,7 +589,7 @@ def _memory_report(trainer, batch, args) -> None:
     fn, device_batch = trainer.jitted_step(batch)
     t0 = time.perf_counter()
     with jax.set_mesh(trainer.mesh):
-        compiled = fn.lower(trainer.abstract_state, device_batch, None).compile()
+        compiled = fn.lower(trainer.abstract_state, device_batch, None, None).compile()
     ma = compiled.memory_analysis()
     gib = {
         k: getattr(ma, f"{k}_size_in_bytes") / 2**30

@@ -108,6 +108,11 @@ class TrainerConfig:
       checkpoint: checkpointing (directory, cadence, retention).
       loss: the policy loss: off-policy gate, aggregation mode, ratio clipping
         (``osworld_jax.algorithms.LossConfig``).
+      num_minibatches: optimizer updates per rollout batch (>= 1): the batch's prompt groups are
+        split into this many minibatches, one update each. 1 (the recipes): pi_old is the
+        step's own logprobs. More: pi_old of every minibatch comes from one forward-only pass
+        (`Trainer.logprobs`) before the first update, and the gate and importance ratios use
+        it. The learning-rate schedule counts updates.
       num_micro_batches: gradient-accumulation micro-batches per optimizer step; the batch rows
         must divide by ``num_micro_batches * data-parallel size``. Loss denominators are always
         computed over the whole optimizer batch.
@@ -127,6 +132,7 @@ class TrainerConfig:
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    num_minibatches: int = 1
     num_micro_batches: int = 1
     logprob_chunk: int = 1024
     router_replay: bool = True
@@ -135,6 +141,8 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         check_choice(self.master_dtype, MasterDtype, "TrainerConfig.master_dtype")
+        if self.num_minibatches < 1:
+            raise ConfigError(f"TrainerConfig.num_minibatches: {self.num_minibatches} < 1")
         if self.num_micro_batches < 1:
             raise ConfigError(f"TrainerConfig.num_micro_batches: {self.num_micro_batches} < 1")
         if self.logprob_chunk < 1:

@@ -1,4 +1,4 @@
-"""The train step as a function: ``train_step(state, batch, old_logprobs) -> (state, metrics)``.
+"""The train step as a function: ``train_step(state, batch, old_logprobs, first_update)``.
 
 `make_train_step` closes over the model's config, the loss and the optimizer and returns a pure
 function of the `TrainState` and a device `Batch` (big_vision's ``train.py`` shape); `Trainer`
@@ -10,6 +10,17 @@ jits it once with explicit shardings and donation. One step:
 2. ``osworld_jax.algorithms.policy_loss`` under the configured `LossConfig`;
 3. gradients accumulated over ``num_micro_batches`` micro-batches, then the optax update;
 4. metrics; a non-finite loss or gradient norm skips the update in-graph (the caller raises).
+
+Several updates per rollout batch (``TrainerConfig.num_minibatches``): pi_old of every
+minibatch comes from a separate forward-only pass (`make_logprobs`) under the parameters before
+the first update. That pass and the forward inside the gradient are two compiled programs, and
+XLA keeps some bfloat16 intermediates in float32 ("excess precision") differently in each, so
+their bfloat16 logprobs differ in the last bits (5e-4 per token on a tiny model at T = 128 on
+the CPU; none in float32). The first update of a batch therefore passes ``first_update=True``:
+the step takes pi_old itself as the **value** of pi and the gradient of its own forward,
+``pi = v + (own - stop_gradient(own))`` with ``v = pi_old`` (``v = own`` on later updates:
+exactly ``own``), so every ratio of the first update is exactly 1 and the gate decides on the
+same pi_old as every later update. The flag is traced: one program for all updates of a batch.
 
 Fixed bounds. Owner ids lie in ``[0, bounds.num_owners)`` (B x N) and group ids in
 ``[0, bounds.num_groups)`` (B): the aggregation counts only owners and groups that have loss
@@ -242,6 +253,7 @@ def _accumulate(
     params: Params,
     batch: DeviceBatch,
     old_logprobs: jax.Array | None,
+    first_update: jax.Array | None = None,
     *,
     score: ScoreFn,
     runtime: ModelRuntimeConfig,
@@ -250,6 +262,11 @@ def _accumulate(
     num_micro_batches: int,
 ) -> tuple[Params, Scores, jax.Array]:
     """Gradient of the full-batch loss, summed over micro-batches (global denominators).
+
+    ``first_update`` (bool[] or None; only with ``old_logprobs``): when true, ``params`` are
+    those ``old_logprobs`` were computed with, and the loss takes ``old_logprobs`` as the value
+    of pi with the gradient of this forward (straight through): every ratio is exactly 1. When
+    false (or None) pi is this forward's logprobs, bit for bit.
 
     Returns ``(grads, scores, policy_loss f32[])``: ``scores`` holds the merged ``[R, T]``
     logprobs / entropy, the mean aux loss and the summed route counts.
@@ -271,6 +288,10 @@ def _accumulate(
 
     def micro_loss(p: Params, mb: DeviceBatch, w: jax.Array, o: jax.Array | None) -> Any:
         s = score(p, mb)
+        if first_update is not None and o is not None:
+            own = jax.lax.stop_gradient(s.logprobs)  # value: pi_old (first update) or own
+            value = jnp.where(first_update, o, own)  # + 0 exactly; gradient: this forward's
+            s = s._replace(logprobs=value + (s.logprobs - own))
         pl = micro_batch_policy_loss(s.logprobs, mb, w, o, loss, num_owners=bounds.num_owners)
         return pl + s.aux_loss / m, (pl, s)
 
@@ -400,7 +421,7 @@ def make_train_step(
     schedule: optax.Schedule,
     labels: Params,
     temperature: float = 1.0,
-) -> Callable[[TrainState, DeviceBatch, jax.Array | None], tuple[TrainState, Metrics]]:
+) -> Callable[..., tuple[TrainState, Metrics]]:
     """The train step of one policy, loss and optimizer, as a pure function.
 
     Args:
@@ -415,11 +436,15 @@ def make_train_step(
         gate, loss): the temperature the batch's behaviour logprobs refer to.
 
     Returns:
-      ``train_step(state, batch, old_logprobs) -> (state, metrics)``: ``old_logprobs`` f32[R, T]
-      (pi_old of an earlier `make_logprobs` pass) or None (pi_old = this step's own logprobs
-      under ``stop_gradient``: one optimizer step per rollout batch). Metrics are f32/i32
-      scalars: loss, policy_loss, aux_loss, grad_norm, lr, step, finite, the gate statistics
-      of `policy_loss`, logprob_abs_diff, entropy and, with R3, route_agreement.
+      ``train_step(state, batch, old_logprobs=None, first_update=None) -> (state, metrics)``:
+      ``old_logprobs`` f32[R, T] (pi_old of an earlier `make_logprobs` pass) or None (pi_old =
+      this step's own logprobs under ``stop_gradient``: one optimizer step per rollout batch);
+      ``first_update`` bool[] (with ``old_logprobs``): ``state.params`` are those pi_old was
+      computed with, so pi's value is pi_old itself (every ratio exactly 1; the gradient is
+      this forward's). Metrics are f32/i32 scalars: loss, policy_loss, aux_loss, grad_norm, lr,
+      step, finite, the gate statistics of `policy_loss`, logprob_abs_diff, entropy, with R3
+      route_agreement and, with ``old_logprobs``, ratio_mean and policy_shift (mean
+      ``|pi - pi_old|`` over loss tokens).
     """
     accumulate = functools.partial(
         _accumulate,
@@ -431,9 +456,12 @@ def make_train_step(
     )
 
     def train_step(
-        state: TrainState, batch: DeviceBatch, old_logprobs: jax.Array | None = None
+        state: TrainState,
+        batch: DeviceBatch,
+        old_logprobs: jax.Array | None = None,
+        first_update: jax.Array | None = None,
     ) -> tuple[TrainState, Metrics]:
-        grads, scores, pl = accumulate(state.params, batch, old_logprobs)
+        grads, scores, pl = accumulate(state.params, batch, old_logprobs, first_update)
         loss = pl + scores.aux_loss
         trainable = jax.tree.map(lambda g, lab: g if lab == TRAIN else None, grads, labels)
         grad_norm = optax.global_norm(trainable)
@@ -492,7 +520,11 @@ def batch_metrics(
     )
     finite_mask = jnp.where(jnp.isfinite(batch.behavior_logprobs), mask, 0.0)
     abs_diff = jnp.abs(lp - jnp.where(finite_mask > 0, batch.behavior_logprobs, lp))
-    return {
+    extra = {}
+    if old_logprobs is not None:  # several updates per batch: how far pi moved from pi_old
+        extra["ratio_mean"] = pm["ratio_mean"]
+        extra["policy_shift"] = _masked_mean(jnp.abs(lp - old_logprobs), mask)
+    return extra | {
         "gate_rejected_fraction": pm["gate_rejected_fraction"],
         "binary_kl_mean": pm["binary_kl_mean"],
         "is_weight_mean": pm["is_weight_mean"],

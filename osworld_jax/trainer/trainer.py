@@ -15,7 +15,7 @@ once per batch layout (text, or with images) and compiles once per padded shape.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -275,7 +275,7 @@ class Trainer:
             self._jitted[key] = (
                 jax.jit(
                     self._step_fn,
-                    in_shardings=(self.state_shardings, shardings, self._rows),
+                    in_shardings=(self.state_shardings, shardings, self._rows, self._replicated),
                     out_shardings=(self.state_shardings, self._replicated),
                     donate_argnums=0,
                 ),
@@ -293,14 +293,21 @@ class Trainer:
         return self._jitted[key]
 
     def jitted_step(self, batch: Batch) -> tuple[Any, Any]:
-        """``(jitted train step for batch's layout, the uploaded batch)``, e.g. to lower it."""
+        """``(jitted train step for batch's layout, the uploaded batch)``, e.g. to lower it.
+
+        The jitted step takes ``(state, batch, old_logprobs, first_update)``; the one-update
+        step (the recipes') is ``fn.lower(abstract_state, batch, None, None)``.
+        """
         device, shardings = self._device_batch(batch)
         return self._functions(shardings)[0], device
 
+    @collective("logprobs")  # multi-host: bounded, named (trainer.distributed)
     def logprobs(self, params: Params, batch: Batch) -> jax.Array:
         """Forward-only token logprobs f32[R, T] (aligned to ``batch.tokens``), e.g. pi_old.
 
-        Uses the same micro-batching, chunking and router replay as the train step.
+        Uses the same micro-batching, chunking and router replay as the train step. In
+        bfloat16 the values may differ from the train step's own in the last bits (another
+        compiled program); `train_minibatches` makes that invisible to the first update.
         """
         batch, shardings = self._device_batch(batch)
         with jax.set_mesh(self.mesh), jax.transfer_guard("disallow"):
@@ -315,9 +322,61 @@ class Trainer:
         with jax.set_mesh(self.mesh), jax.transfer_guard("disallow"):
             return self._functions(shardings)[2](params, batch)
 
+    def train_minibatches(
+        self, state: TrainState, batches: Sequence[Batch]
+    ) -> tuple[TrainState, list[dict[str, float]]]:
+        """One optimizer update per minibatch of one rollout batch (``num_minibatches``).
+
+        One minibatch is exactly ``train_step(state, batches[0])`` (pi_old = the step's own
+        logprobs; the recipes' step, bit for bit). With several (PPO's epochs over
+        minibatches, one epoch): pi_old of **every** minibatch is computed first, by `logprobs`
+        under ``state.params`` (before any update); update ``i`` then trains on
+        ``batches[i]`` from the parameters of update ``i - 1`` with that pi_old in the gate,
+        the importance weights ``exp(pi_old - mu)`` and the ratios ``exp(pi - pi_old)``. The
+        first update passes ``first_update=True``: its parameters are pi_old's, so pi's value
+        is pi_old itself and every ratio is exactly 1 (the two compiled programs may round
+        bfloat16 differently). Each update normalises its loss over its own minibatch (its
+        owners, groups and tokens), as PPO / verl / slime minibatches do.
+
+        Args:
+          state: the train state (donated: use the returned one).
+          batches: the minibatches of one rollout batch, each packed like a `train_step` batch
+            (e.g. ``pack_batch`` of each ``split_selection`` part; shapes may differ).
+
+        Returns:
+          ``(new_state, [metrics of each update])``: `train_step`'s metrics, plus
+          ``ratio_mean`` (mean ``exp(pi - pi_old)``) and ``policy_shift`` (mean
+          ``|pi - pi_old|``) over the loss tokens when there are several minibatches.
+
+        Raises:
+          TrainerError: no minibatch, or more than ``config.num_minibatches``.
+          NonFiniteError: an update's loss or gradient norm is not finite; its ``state`` is
+            the state after the previous updates.
+        """
+        n = len(batches)
+        if not 1 <= n <= self.config.num_minibatches:
+            raise TrainerError(
+                f"Trainer.train_minibatches: {n} minibatches, expected 1 to "
+                f"TrainerConfig.num_minibatches = {self.config.num_minibatches}"
+            )
+        if n == 1:
+            state, metrics = self.train_step(state, batches[0])
+            return state, [metrics]
+        olds = [self.logprobs(state.params, b) for b in batches]
+        out = []
+        for i, (b, old) in enumerate(zip(batches, olds, strict=True)):
+            state, metrics = self.train_step(state, b, old_logprobs=old, first_update=i == 0)
+            out.append(metrics)
+        return state, out
+
     @collective("train_step")  # multi-host: bounded, named (trainer.distributed)
     def train_step(
-        self, state: TrainState, batch: Batch, old_logprobs: Any = None
+        self,
+        state: TrainState,
+        batch: Batch,
+        old_logprobs: Any = None,
+        *,
+        first_update: bool = False,
     ) -> tuple[TrainState, dict[str, float]]:
         """One optimizer step over the whole ``batch`` (micro-batched as configured).
 
@@ -332,6 +391,10 @@ class Trainer:
             ``num_micro_batches * data_parallel``; ids within ``bounds``.
           old_logprobs: f32[R, T] pi_old from `logprobs` when a rollout batch is used for more
             than one update; None: pi_old = the current policy (ratio 1).
+          first_update: ``state.params`` are the parameters ``old_logprobs`` were computed
+            with (the first update of a rollout batch): pi's value is ``old_logprobs`` itself,
+            the gradient that of the step's own forward, so every ratio is exactly 1. Needs
+            ``old_logprobs``; a traced flag (no extra compile).
 
         Returns:
           ``(new_state, metrics)``; metrics are host floats: loss, policy_loss, aux_loss,
@@ -339,20 +402,26 @@ class Trainer:
           loss_tokens, logprob_abs_diff (mean |train - behaviour| logprob on loss tokens),
           entropy (mean on loss tokens), route_agreement (R3 on: the fraction of replayed
           (token, MoE layer) routes whose expert set equals the model's own top-k; NaN when
-          none was replayed), step.
+          none was replayed), step; with ``old_logprobs`` also ratio_mean and policy_shift
+          (mean ``exp(pi - pi_old)`` and ``|pi - pi_old|`` on loss tokens).
 
         Raises:
           NonFiniteError: the loss or gradient norm is NaN/Inf (names the step; the update
             was skipped, the returned-by-exception state is unchanged).
+          TrainerError: ``first_update`` without ``old_logprobs``, or a bad batch.
         """
+        if first_update and old_logprobs is None:
+            raise TrainerError("Trainer.train_step: first_update=True needs old_logprobs")
         batch, shardings = self._device_batch(batch)
         if batch.tokens.shape not in self._checked_shapes:
             self.check_memory(*batch.tokens.shape)  # before compiling the new bucket
             self._checked_shapes.add(batch.tokens.shape)
+        first = None
         if old_logprobs is not None:
             old_logprobs = jax.device_put(old_logprobs, self._rows)
+            first = jax.device_put(np.asarray(bool(first_update)), self._replicated)
         with jax.set_mesh(self.mesh), jax.transfer_guard("disallow"):
-            state, metrics = self._functions(shardings)[0](state, batch, old_logprobs)
+            state, metrics = self._functions(shardings)[0](state, batch, old_logprobs, first)
         host = {k: v.item() for k, v in jax.device_get(metrics).items()}
         finite = host.pop("finite")
         host["step"] = int(host["step"])

@@ -76,9 +76,9 @@ def test_one_trace_per_length_bucket_whatever_the_dropped_groups(monkeypatch):
     def recording(**kwargs):
         step = make(**kwargs)
 
-        def train_step(state, batch, old_logprobs=None):
+        def train_step(state, batch, *rest):
             traces.append(batch.tokens.shape)  # runs once per trace, never per call
-            return step(state, batch, old_logprobs)
+            return step(state, batch, *rest)
 
         return train_step
 
