@@ -9,6 +9,7 @@ from osworld_jax.agent.batching import (
     bucket_length,
     pack_batch,
     select_groups,
+    split_selection,
 )
 from osworld_jax.agent.config import (
     AgentConfig,
@@ -70,6 +71,7 @@ __all__ = [
     "pack_batch",
     "render_observation",
     "select_groups",
+    "split_selection",
     "system_prompt",
     "weight_version_number",
 ]

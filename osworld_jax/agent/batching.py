@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from osworld_jax.agent.errors import GroupPolicyError, PackingError
 from osworld_jax.agent.owner import OwnerRollout
 from osworld_jax.agent.segments import Segment
 from osworld_jax.batch import Batch, check_batch
+from osworld_jax.errors import ConfigError
 from osworld_jax.model.mrope import mrope_positions
 from osworld_jax.model.processor import ImageProcessor
 from osworld_jax.model.vl_config import Qwen3VLMoeConfig
@@ -43,6 +44,10 @@ class GroupSelection:
       group_index: i32[N] dense group index in ``[0, num_groups)`` (rank of the sorted ids).
       num_groups: number of kept groups.
       token_counts: f32[N] trainable tokens per owner, over all its segments.
+      owner_index: i32[N] each owner's id in a packed batch (``Batch.owner_ids``): its index
+        in the step's whole selection. ``arange(N)`` by default; a `split_selection` part keeps
+        the whole selection's ids (and ``group_index`` / ``num_groups``), so its batch's ids
+        are those of the same rows in the whole batch, within the same ``BatchBounds``.
     """
 
     owners: tuple[OwnerRollout, ...]
@@ -53,6 +58,16 @@ class GroupSelection:
     group_index: np.ndarray
     num_groups: int
     token_counts: np.ndarray
+    owner_index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+
+    def __post_init__(self) -> None:
+        if self.owner_index.size == 0 and self.owners:
+            object.__setattr__(self, "owner_index", np.arange(len(self.owners), dtype=np.int32))
+        if self.owner_index.shape != (len(self.owners),):
+            raise PackingError(
+                f"GroupSelection.owner_index: shape {self.owner_index.shape} for "
+                f"{len(self.owners)} owners"
+            )
 
     @classmethod
     def of(
@@ -125,6 +140,72 @@ def select_groups(
             f"{list(dropped)}"
         )
     return GroupSelection.of(kept, config.baseline_population, dropped)
+
+
+def split_selection(
+    selection: GroupSelection, advantages: Sequence[float] | np.ndarray, num_minibatches: int
+) -> list[tuple[GroupSelection, np.ndarray]]:
+    """Splits a step's selection into minibatches of whole prompt groups (one update each).
+
+    The groups, in ``group_index`` order, are cut into ``k = min(num_minibatches, G)``
+    contiguous runs of ``ceil`` / ``floor(G / k)`` groups, the larger first (5 groups into 2:
+    groups 0-2 then 3-4; 7 into 3: 3 + 2 + 2); a group never spans two minibatches (its
+    owners, failed ones included, stay together: the estimator's and the loss's unit). Owners
+    keep their selection order within a part. Fewer groups than ``num_minibatches`` (groups
+    dropped by the group policy) give fewer minibatches, one group each, not an error:
+    ``Trainer.train_minibatches`` takes 1 to ``num_minibatches`` of them. An empty selection or
+    ``num_minibatches == 1`` is one part: ``(selection, advantages)`` themselves, so the packed
+    batch is the one-update batch.
+
+    Advantages are computed once over the whole selection (the estimator's baseline sees every
+    owner of a group) and only sliced here, never recomputed per minibatch. Each part keeps
+    the whole selection's owner ids (``owner_index``), ``group_index`` and ``num_groups``, so
+    ``pack_batch`` of a part gives the whole batch's rows of those owners with the same ids,
+    within the same ``BatchBounds``.
+
+    Loss normalisation: each update normalises its loss over its own minibatch (the owners,
+    groups and tokens of that part), as PPO / verl / slime minibatches do; e.g. under
+    ``prompt-mean-token-mean`` a group weighs ``1 / G_i`` in update i, not ``1 / G``.
+
+    Args:
+      selection: the step's selection (``select_groups``).
+      advantages: f32[N] one advantage per selected owner, computed over the whole selection.
+      num_minibatches: the updates per rollout batch (``TrainerConfig.num_minibatches``), >= 1.
+
+    Returns:
+      ``[(part selection, f32[N_i] its owners' advantages), ...]``, 1 to ``num_minibatches``
+      parts, in group order.
+
+    Raises:
+      ConfigError: ``num_minibatches < 1``.
+      PackingError: ``advantages`` does not have one value per owner.
+    """
+    if num_minibatches < 1:
+        raise ConfigError(f"split_selection: num_minibatches {num_minibatches} < 1")
+    adv = np.asarray(advantages, np.float32).reshape(-1)
+    n = len(selection.owners)
+    if adv.size != n:
+        raise PackingError(f"split_selection: {adv.size} advantages for {n} owners")
+    groups = np.unique(selection.group_index)  # the groups present, ascending
+    k = min(num_minibatches, groups.size)
+    if k <= 1:
+        return [(selection, adv)]
+    parts = []
+    for run in np.array_split(groups, k):  # contiguous, sizes differ by at most 1, larger first
+        keep = np.flatnonzero(np.isin(selection.group_index, run))
+        part = GroupSelection(
+            owners=tuple(selection.owners[i] for i in keep),
+            dropped_group_ids=selection.dropped_group_ids,
+            rewards=selection.rewards[keep],
+            valid=selection.valid[keep],
+            failed=selection.failed[keep],
+            group_index=selection.group_index[keep],
+            num_groups=selection.num_groups,
+            token_counts=selection.token_counts[keep],
+            owner_index=selection.owner_index[keep],
+        )
+        parts.append((part, adv[keep]))
+    return parts
 
 
 def bucket_length(n: int, length_buckets: Sequence[int] | None, min_length: int = 128) -> int:
@@ -272,8 +353,10 @@ def pack_batch(
     ``segment_ids`` 1, 2, ... and positions restarting at each); a failed owner is one fully
     masked placeholder row (row weight 0); padding rows (row weight 0, owner 0, group 0) bring
     R to a multiple of ``dp_size`` (after ``row_buckets``). ``owner_ids[r]`` is the owner's
-    index in ``selection.owners`` (< N); ``group_ids[r]`` its ``selection.group_index``
-    (< ``num_groups``). ``advantages[t] = advantage[owner] * loss_mask[t]``.
+    ``selection.owner_index`` (its index in ``selection.owners``, < N, unless the selection is
+    a `split_selection` part: then its index in the whole selection); ``group_ids[r]`` its
+    ``selection.group_index`` (< ``num_groups``).
+    ``advantages[t] = advantage[owner] * loss_mask[t]``.
 
     With ``vision``: ``positions`` are the M-RoPE i32[3, R, T] (`mrope_positions`; text-only
     rows get three equal rows) and, when any segment has screenshots, ``pixel_values``
@@ -323,7 +406,7 @@ def pack_batch(
     row_weight = np.zeros((r,), np.float32)
     routes = np.full((r, t, num_layers, top_k), -1, np.int32)
     for row, (i, g, segs) in enumerate(rows):
-        owner_ids[row] = i
+        owner_ids[row] = selection.owner_index[i]
         group_ids[row] = g
         at = 0
         for k, seg in enumerate(segs):

@@ -25,9 +25,11 @@ from osworld_jax.agent import (
     build_segments,
     pack_batch,
     select_groups,
+    split_selection,
 )
 from osworld_jax.algorithms import aggregate_loss
-from osworld_jax.batch import check_batch
+from osworld_jax.batch import BatchBounds, check_batch
+from osworld_jax.errors import ConfigError
 from osworld_jax.rl.stages import owner_advantages as selection_advantages
 
 L, K = 2, 2
@@ -443,3 +445,138 @@ def test_segment_is_the_contract_row_type():
     assert isinstance(seg, Segment)
     assert seg.routed_experts.shape == (5, L, K)
     np.testing.assert_array_equal(seg.routed_experts[4], -1)
+
+
+# ------------------------------------------------------------------ minibatches (split_selection)
+
+
+def _groups_of(part):
+    return sorted({int(g) for g in part.group_index})
+
+
+def test_split_selection_whole_groups_hand_values():
+    # 5 groups (ids 3, 7, 8, 12, 20 -> index 0..4) of 2 owners; advantages 0.0, 0.1, ..., 0.9.
+    ids = [3, 7, 8, 12, 20]
+    owners = [
+        owner(2 * k + j, g, float(j), [segment(2 * k + j, g, 3, 2)])
+        for k, g in enumerate(ids)
+        for j in range(2)
+    ]
+    sel = GroupSelection.of(owners)
+    adv = np.arange(10, dtype=np.float32) / 10
+    (a, adv_a), (b, adv_b) = split_selection(sel, adv, 2)  # 5 into 2: 3 + 2
+    assert _groups_of(a) == [0, 1, 2] and _groups_of(b) == [3, 4]
+    assert [o.owner_id for o in a.owners] == [0, 1, 2, 3, 4, 5]
+    np.testing.assert_array_equal(a.owner_index, [0, 1, 2, 3, 4, 5])
+    np.testing.assert_array_equal(b.owner_index, [6, 7, 8, 9])  # the whole selection's ids
+    np.testing.assert_array_equal(b.group_index, [3, 3, 4, 4])
+    np.testing.assert_array_equal(adv_a, adv[:6])
+    np.testing.assert_array_equal(adv_b, adv[6:])  # sliced, never recomputed
+    np.testing.assert_array_equal(b.rewards, [0, 1, 0, 1])
+    assert a.num_groups == b.num_groups == 5
+    # 7 groups into 3: 3 + 2 + 2; 2 groups into 4: two minibatches of one group each.
+    seven = GroupSelection.of([owner(i, i, 1.0, [segment(i, i, 3, 2)]) for i in range(7)])
+    parts = split_selection(seven, np.zeros(7), 3)
+    assert [_groups_of(p) for p, _ in parts] == [[0, 1, 2], [3, 4], [5, 6]]
+    two = GroupSelection.of(owners[:4])
+    assert [_groups_of(p) for p, _ in split_selection(two, adv[:4], 4)] == [[0], [1]]
+    # One minibatch (and an empty selection): the selection itself, today's batch.
+    [(same, same_adv)] = split_selection(sel, adv, 1)
+    assert same is sel
+    np.testing.assert_array_equal(same_adv, adv)
+    [(empty, _)] = split_selection(GroupSelection.of([]), np.zeros(0), 3)
+    assert empty.owners == ()
+
+
+def test_split_selection_keeps_interleaved_groups_whole():
+    # Selection order A B A C B C (a failed owner in B): a group never spans two minibatches.
+    spec = [(0, 10), (1, 11), (2, 10), (3, 12), (4, 11), (5, 12)]
+    owners = [owner(i, g, 1.0, [segment(i, g, 3, 2)]) for i, g in spec]
+    owners[4] = owner(4, 11, None, failed=True)
+    sel = GroupSelection.of(owners)
+    (a, adv_a), (b, _) = split_selection(sel, np.arange(6, dtype=np.float32), 2)
+    assert [o.owner_id for o in a.owners] == [0, 1, 2, 4] and [o.owner_id for o in b.owners] == [
+        3,
+        5,
+    ]
+    np.testing.assert_array_equal(a.owner_index, [0, 1, 2, 4])
+    np.testing.assert_array_equal(a.failed, [False, False, False, True])
+    np.testing.assert_array_equal(adv_a, [0, 1, 2, 4])
+
+
+def test_split_selection_packs_the_whole_batchs_rows():
+    # Packing each part gives exactly the whole batch's rows of its owners, same ids (within the
+    # same BatchBounds), a failed owner's masked row included.
+    owners = [
+        owner(i, i // 2, float(i % 2), [segment(i, i // 2, 3 + i % 3, 2 + i, seed=i)])
+        for i in range(10)
+    ]
+    owners[3] = owner(3, 1, None, failed=True)
+    sel = GroupSelection.of(owners)
+    adv = np.linspace(-1, 1, 10).astype(np.float32)
+    kw = dict(num_layers=L, top_k=K, length_buckets=(32,))
+    whole = pack_batch(sel, adv, **kw)
+    parts = [pack_batch(p, a, **kw) for p, a in split_selection(sel, adv, 3)]
+    assert [p.tokens.shape[0] for p in parts] == [4, 4, 2]  # groups 0-1, 2-3, 4
+    bounds = BatchBounds(num_owners=10, num_groups=5, norm_length=32)
+    for p in parts:
+        bounds.check(p)
+    for name in (
+        "tokens",
+        "loss_mask",
+        "behavior_logprobs",
+        "advantages",
+        "owner_ids",
+        "group_ids",
+        "row_weight",
+        "routed_experts",
+        "segment_ids",
+        "positions",
+    ):
+        joined = np.concatenate([getattr(p, name) for p in parts])
+        np.testing.assert_array_equal(joined, getattr(whole, name), err_msg=name)
+
+
+def test_split_selection_advantages_are_the_whole_batchs():
+    # batch_mean's baseline is the mean over every owner of the step: the parts carry the
+    # whole-batch advantages (r - 0.5), not a per-minibatch recomputation (r - part mean).
+    rewards = [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    owners = [owner(i, i // 3, r, [segment(i, i // 3, 3, 2)]) for i, r in enumerate(rewards)]
+    sel = GroupSelection.of(owners)
+    adv = selection_advantages(sel, "batch_mean")
+    np.testing.assert_allclose(adv, [0.5, 0.5, 0.5, -0.5, -0.5, -0.5], atol=1e-6)
+    (a, adv_a), (b, adv_b) = split_selection(sel, adv, 2)
+    np.testing.assert_array_equal(adv_a, [0.5] * 3)
+    np.testing.assert_array_equal(adv_b, [-0.5] * 3)
+    np.testing.assert_allclose(selection_advantages(a, "batch_mean"), [0, 0, 0], atol=1e-6)
+
+
+def test_each_minibatch_normalises_over_its_own_groups():
+    # prompt-mean-token-mean with token loss = group index: the whole batch's loss is the mean
+    # over its 5 groups (0+1+2+3+4)/5 = 2; the parts' are means over their own groups, 1 and 3.5.
+    owners = [owner(i, i, 1.0, [segment(i, i, 3, 2 + i)]) for i in range(5)]
+    sel = GroupSelection.of(owners)
+    kw = dict(num_layers=L, top_k=K, length_buckets=(16,))
+
+    def loss(batch):
+        return float(
+            aggregate_loss(
+                jnp.asarray(batch.group_ids[:, None] * np.ones_like(batch.loss_mask)),
+                jnp.asarray(batch.loss_mask * batch.row_weight[:, None]),
+                mode="prompt-mean-token-mean",
+                group_ids=jnp.asarray(batch.group_ids),
+                num_groups=5,
+            )
+        )
+
+    assert loss(pack_batch(sel, np.zeros(5), **kw)) == pytest.approx(2.0)
+    parts = [pack_batch(p, a, **kw) for p, a in split_selection(sel, np.zeros(5), 2)]
+    assert [loss(p) for p in parts] == [pytest.approx(1.0), pytest.approx(3.5)]
+
+
+def test_split_selection_errors():
+    sel = GroupSelection.of([owner(0, 0, 1.0, [segment(0, 0, 3, 2)])])
+    with pytest.raises(ConfigError, match=r"^split_selection: num_minibatches 0 < 1$"):
+        split_selection(sel, np.zeros(1), 0)
+    with pytest.raises(PackingError, match="split_selection: 2 advantages for 1 owners"):
+        split_selection(sel, np.zeros(2), 2)
