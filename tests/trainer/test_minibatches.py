@@ -16,10 +16,14 @@ import pytest
 from flax import nnx
 
 from osworld_jax import config as gin_config
+from osworld_jax.agent import pack_batch, select_groups, split_selection
 from osworld_jax.errors import ConfigError
 from osworld_jax.model import Policy
+from osworld_jax.rl.stages import owner_advantages
 from osworld_jax.trainer import Trainer, TrainerConfig, TrainerError
 from tests.trainer._tiny import BOUNDS, RUNTIME, TINY, make_batch, make_policy, trainer_config
+from tests.trainer.test_step_bounds import BOUNDS as STEP_BOUNDS
+from tests.trainer.test_step_bounds import POLICY, B, N, step_owners
 
 BF16 = dataclasses.replace(RUNTIME, dtype="bfloat16")
 # T = 128: the length at which the tiny model's two bf16 programs round apart on the CPU
@@ -147,3 +151,22 @@ def test_bf16_first_update_ratios_are_exactly_one(bf16):
     chex.assert_trees_all_equal(s.params, state.params)
     shift_after = np.abs(np.asarray(after) - old1)[_loss_tokens(b1)].mean()
     assert shift_after > 10 * raw["policy_shift"]  # the two pi_old are far apart
+
+
+def test_split_pack_train_as_the_loop_would():
+    # select_groups -> advantages once over the step -> split_selection -> pack_batch per part
+    # -> train_minibatches: 3 groups into 2 updates (2 + 1 groups), one padded shape.
+    trainer = Trainer(trainer_config(num_minibatches=2), make_policy(), bounds=STEP_BOUNDS)
+    kw = dict(num_layers=TINY.num_hidden_layers, top_k=TINY.num_experts_per_tok)
+    kw |= dict(length_buckets=(16,), row_buckets=[B * N])
+    for failed_groups, updates in (((), 2), ((1, 2), 1)):  # 2 groups dropped: one update
+        sel = select_groups(step_owners(0, failed_groups, 16), POLICY, num_prompts=B)
+        adv = owner_advantages(sel, "grpo", STEP_BOUNDS)
+        parts = split_selection(sel, adv, trainer.config.num_minibatches)
+        batches = [pack_batch(p, a, **kw) for p, a in parts]
+        whole = pack_batch(sel, adv, **kw)
+        state, ms = trainer.train_minibatches(trainer.init_state(), batches)
+        assert [m["step"] for m in ms] == list(range(updates))
+        assert sum(m["loss_tokens"] for m in ms) == whole.loss_mask.sum()
+        assert ms[0].get("ratio_mean", 1.0) == 1.0 and all(np.isfinite(m["loss"]) for m in ms)
+        assert int(jax.device_get(state.step)) == updates
