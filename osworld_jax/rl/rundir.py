@@ -138,20 +138,67 @@ def _is_orbax_coroutine(obj: object) -> bool:
     return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
 
 
+def _raised_in_orbax(error: BaseException) -> bool:
+    """Whether ``error`` (or an exception it was raised from) passed through orbax's code."""
+    for e in _chain(error):
+        tb = e.__traceback__
+        while tb is not None:
+            if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
+                return True
+            tb = tb.tb_next
+    return False
+
+
+def _late_completion_on_closed_loop(unraisable: Any) -> bool:
+    """A read that finished after its event loop was closed, reported from native code.
+
+    tensorstore completes an awaited read from its own thread by calling the loop's
+    ``call_soon_threadsafe``; when orbax has already given up on the restore and closed the
+    loop, that call raises ``RuntimeError('Event loop is closed')``, which tensorstore reports
+    as unraisable with no object and the asyncio call as the outermost frame.
+    """
+    error, tb = unraisable.exc_value, unraisable.exc_traceback
+    return (
+        unraisable.object is None
+        and isinstance(error, RuntimeError)
+        and str(error) == "Event loop is closed"
+        and tb is not None
+        and tb.tb_frame.f_code.co_name == "call_soon_threadsafe"
+        and f"{os.sep}asyncio{os.sep}" in tb.tb_frame.f_code.co_filename
+    )
+
+
+class _DropAbandonedOrbaxTasks(logging.Filter):
+    """asyncio's "Task/Future exception was never retrieved" for orbax's abandoned reads."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is None or "exception was never retrieved" not in record.getMessage():
+            return True
+        return not _raised_in_orbax(error)
+
+
 def quiet_storage_tracebacks() -> None:
     """Drops library reports that only repeat a failure the run reports as one line.
 
     For a CLI (``scripts/train.py``): orbax logs each failed background write of a checkpoint
     with its traceback before the failure reaches the run; and when one array of a damaged
     checkpoint fails to read, orbax abandons the reads of the others, whose coroutines Python
-    reports ("Exception ignored in: <coroutine ...>", with a traceback) when they are collected.
-    Other unraisable exceptions are reported as usual.
+    reports ("Exception ignored in: <coroutine ...>", with a traceback) when they are collected,
+    and asyncio logs those that ended in an exception ("Task exception was never retrieved");
+    reads still in flight complete after orbax closed their event loop, which tensorstore
+    reports as an unraisable ``RuntimeError('Event loop is closed')`` raised straight from
+    asyncio's ``call_soon_threadsafe``. Other unraisable exceptions and asyncio reports are
+    reported as usual.
     """
     logging.getLogger("absl").addFilter(_DropStorageTracebacks())
+    logging.getLogger("asyncio").addFilter(_DropAbandonedOrbaxTasks())
     report = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
-        if not _is_orbax_coroutine(unraisable.object):
+        if not (
+            _is_orbax_coroutine(unraisable.object) or _late_completion_on_closed_loop(unraisable)
+        ):
             report(unraisable)
 
     sys.unraisablehook = hook

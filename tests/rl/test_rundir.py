@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -174,8 +175,13 @@ def test_full_disk_mid_run_is_one_line_and_the_run_resumes(tmp_path, tmpfs):
     while not complete_checkpoints(run_dir):
         assert proc.poll() is None, proc.communicate()[1].decode()[-3000:]
         assert time.monotonic() < deadline, "no checkpoint of step 1"
-        time.sleep(0.2)
-    filler = _fill(disk)
+        time.sleep(0.05)
+    # Frozen while the disk fills, so step 2 cannot complete its checkpoint first.
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        filler = _fill(disk)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
     out, err = (x.decode() for x in proc.communicate(timeout=300))
     assert proc.returncode == 1, out[-2000:] + err[-3000:]
     line = _error_line(err)
@@ -219,6 +225,92 @@ def test_quiet_storage_tracebacks_drops_only_orbax_abandoned_reads(monkeypatch):
     exec(compile("async def mine():\n    pass\n", "/site/osworld_jax/io.py", "exec"), scope)
     orbax, other = scope["read"](), scope["mine"]()
     for coro in (orbax, other):
-        sys.unraisablehook(types.SimpleNamespace(object=coro, exc_value=ValueError("x")))
+        sys.unraisablehook(
+            types.SimpleNamespace(
+                object=coro, exc_value=ValueError("x"), exc_traceback=None, err_msg=None
+            )
+        )
         coro.close()
     assert [u.object for u in seen] == [other]
+
+
+def test_quiet_storage_tracebacks_drops_only_orbax_tasks_never_retrieved(monkeypatch, caplog):
+    """The abandoned reads that ended in an exception: asyncio logs each ("Task exception was
+    never retrieved", with a traceback) when it is collected. Only orbax's are dropped."""
+    import asyncio
+    import gc
+    import logging
+
+    from osworld_jax.rl.rundir import quiet_storage_tracebacks
+
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        monkeypatch.setattr(logger, "filters", list(logger.filters))
+    quiet_storage_tracebacks()
+    scope: dict = {}
+    code = "async def read():\n    raise ValueError('ZSTD_decompressStream() failed')\n"
+    exec(compile(code, f"/site/orbax{os.sep}io.py", "exec"), scope)
+    exec(compile(code.replace("read", "mine"), "/site/osworld_jax/io.py", "exec"), scope)
+
+    async def abandon() -> None:
+        for fn in (scope["read"], scope["mine"]):
+            asyncio.ensure_future(fn())
+        await asyncio.sleep(0.01)
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        asyncio.run(abandon())
+        gc.collect()
+    reported = [r for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert [r.exc_info[2].tb_frame.f_code.co_filename for r in reported if r.exc_info] == [
+        "/site/osworld_jax/io.py"
+    ], [r.getMessage() for r in reported]
+
+
+def test_quiet_storage_tracebacks_drops_reads_completed_after_their_loop_closed(monkeypatch):
+    """A tensorstore read awaited on a loop that orbax closed completes later, from
+    tensorstore's thread: ``RuntimeError('Event loop is closed')`` reported as unraisable with
+    no object. Only that report is dropped; the same error raised elsewhere still shows."""
+    import asyncio
+    import logging
+    import sys
+    import types
+
+    import tensorstore as ts
+
+    from osworld_jax.rl.rundir import quiet_storage_tracebacks
+
+    seen: list = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    logger = logging.getLogger("absl")
+    monkeypatch.setattr(logger, "filters", list(logger.filters))
+    logger = logging.getLogger("asyncio")
+    monkeypatch.setattr(logger, "filters", list(logger.filters))
+    quiet_storage_tracebacks()
+
+    async def start_read():
+        promise, future = ts.Promise.new()
+
+        async def wait():
+            await future
+
+        task = asyncio.ensure_future(wait())
+        await asyncio.sleep(0.01)
+        return promise, task
+
+    loop = asyncio.new_event_loop()
+    promise, _task = loop.run_until_complete(start_read())
+    loop.close()
+    promise.set_result(1)  # completes on this thread: the callback finds the loop closed
+    time.sleep(0.05)
+
+    def mine() -> None:
+        raise RuntimeError("Event loop is closed")
+
+    try:
+        mine()
+    except RuntimeError as e:
+        other = types.SimpleNamespace(
+            object=None, exc_value=e, exc_traceback=e.__traceback__, err_msg=None
+        )
+        sys.unraisablehook(other)
+    assert seen == [other], [getattr(u, "exc_value", u) for u in seen]
