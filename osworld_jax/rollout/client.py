@@ -16,7 +16,7 @@ import json
 import logging
 import random
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +81,8 @@ class SGLangClient:
       detokenize: ``detokenize(ids, skip_special_tokens=...) -> str``, e.g.
         ``AgentTokenizer.decode``; gives `Generation.text` when the servers send none (SGLang
         started with ``--skip-tokenizer-init``). Without it such a text is "".
+      media_token_ids: the model's media placeholder ids (``<|image_pad|>``, ...): an aborted
+        request whose partial output holds one is not resubmitted (see `generate`).
 
     Use as ``async with SGLangClient(urls, config) as client:`` or call `aclose` at the end.
     """
@@ -91,12 +93,14 @@ class SGLangClient:
         config: RolloutConfig,
         *,
         detokenize: Callable[..., str] | None = None,
+        media_token_ids: Collection[int] = (),
     ) -> None:
         if urls is not None:
             urls = (urls,) if isinstance(urls, str) else tuple(urls)
             config = _replace_urls(config, urls)
         self.config = config
         self.detokenize = detokenize
+        self.media_token_ids = frozenset(int(t) for t in media_token_ids)
         self.servers = [ServerState(url=u) for u in config.urls]
         self._rr = itertools.count()
         self._session: aiohttp.ClientSession | None = None
@@ -246,6 +250,7 @@ class SGLangClient:
         rid: str | None = None,
         routed_experts_start_len: int = 0,
         image_data: Sequence[str] | None = None,
+        media_token_ids: Collection[int] | None = None,
     ) -> Generation:
         """Generates one turn for ``input_ids``; returns the validated, stitched `Generation`.
 
@@ -263,7 +268,12 @@ class SGLangClient:
         logprobs and routes are stitched (see `osworld_jax.rollout.wire.stitch`). Limits of a
         resubmission: the server checks stop strings on each part's own output, so a stop
         string straddling the abort point is not matched; ``sampling_seed`` restarts the
-        server's random stream for the new part.
+        server's random stream for the new part. An aborted part whose output holds one of
+        ``media_token_ids`` (default: the client's; a generated ``<|image_pad|>``, ``<|video_pad|>``, ...) is not
+        resubmitted: in a prompt the server (SGLang's processor as ours) would read it as a
+        media placeholder without its media and refuse the request. The turn ends there with
+        ``finish_reason = {"type": "stop", "matched": <that token>, "message": ...}``; the
+        agent trains a reply only up to its first generated media token anyway.
 
         Raises:
           ReplyValidationError: a reply broke the contract (names the rid).
@@ -273,6 +283,7 @@ class SGLangClient:
         """
         await self._ensure_started()
         sampling = self.config.sampling if sampling is None else sampling
+        media_ids = self.media_token_ids if media_token_ids is None else media_token_ids
         rid = rid or uuid.uuid4().hex
         prompt = [int(t) for t in input_ids]
         if not prompt:
@@ -335,6 +346,17 @@ class SGLangClient:
             if produced >= sampling.max_new_tokens and parts:
                 # Aborted exactly at the length limit: the turn is complete, not truncated.
                 parts[-1] = _with_finish(parts[-1], {"type": "length", "length": produced})
+                break
+            media = [t for t in reply.output_ids if t in media_ids]
+            if media:
+                parts[-1] = _with_finish(
+                    parts[-1],
+                    {
+                        "type": "stop",
+                        "matched": media[0],
+                        "message": "aborted after a generated media token: not resubmitted",
+                    },
+                )
                 break
             aborts += 1
             if aborts > self.config.max_abort_resubmits:

@@ -172,6 +172,29 @@ def test_abort_is_resubmitted_and_stitched_exactly():
     with_servers(1, body)
 
 
+def test_an_abort_after_a_generated_media_token_ends_the_turn_there():
+    """Resubmitting ``prompt + partial output`` would put the generated placeholder into a
+    prompt, where a server reads it as an image without its image (SGLang's processor and the
+    embedded server refuse it): the turn ends with the part, as a stop on that token."""
+
+    async def body(client: SGLangClient, s: FakeServer) -> None:
+        s.script = ["abort:3", "ok"]
+        ids, lps, routes = expected_generation(len(PROMPT), 6, start=4)
+        g = await client.generate(
+            PROMPT, rid="rm", routed_experts_start_len=4, media_token_ids={ids[1], 7}
+        )
+        assert g.output_ids == ids[:3] and g.output_logprobs == pytest.approx(lps[:3])
+        np.testing.assert_array_equal(g.routed_experts, routes[: len(PROMPT) + 3 - 1 - 4])
+        assert g.finish_reason["type"] == "stop" and g.finish_reason["matched"] == ids[1]
+        assert len(s.requests) == 1 and g.num_resubmits == 0
+        # without media ids among the output, the same abort is resubmitted as usual
+        s.script = ["abort:3", "ok"]
+        g = await client.generate(PROMPT, rid="rn", media_token_ids={7})
+        assert g.output_ids == ids and g.num_resubmits == 1
+
+    with_servers(1, body)
+
+
 def test_abort_beyond_budget_fails_the_owner():
     async def body(client: SGLangClient, s: FakeServer) -> None:
         s.script = ["abort:1"] * 10
