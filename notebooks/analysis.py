@@ -22,11 +22,10 @@
 # the run; the loaders live in `osworld_jax.rl.analysis`.
 
 # %%
-import os
-from pathlib import Path
-
 import json
+import os
 import textwrap
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -126,6 +125,41 @@ for name, seconds in stages.items():
 ax.set_xlabel("step")
 ax.set_ylabel("seconds")
 ax.legend(fontsize="small")
+plt.show()
+
+# %% [markdown]
+# ## Asynchronous RL: staleness and the timeline
+#
+# With `RLConfig.max_staleness = k >= 1` a step's rollout starts up to k steps before the step
+# trains. Left: how stale the trained tokens were (per step, the tokens `d` optimizer steps
+# older than the weights being trained; "beyond" were masked or refused). Right: when each
+# step's rollout (from its start to its result) and train ran; overlapping bars are the
+# overlap the asynchronous loop buys.
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(13, 3.5))
+hist_keys = sorted(k for k in metrics if k.startswith("staleness/tokens_"))
+bottom = np.zeros(len(steps))
+for key in hist_keys:
+    counts = np.nan_to_num(metrics[key])
+    axes[0].bar(steps, counts, bottom=bottom, label=key.removeprefix("staleness/tokens_"))
+    bottom = bottom + counts
+axes[0].set_xlabel("step")
+axes[0].set_ylabel("trainable tokens")
+axes[0].set_title("staleness (steps behind)")
+if hist_keys:
+    axes[0].legend(fontsize="small")
+for row, (name, color) in enumerate([("rollout", "tab:blue"), ("train", "tab:orange")]):
+    start, end = metrics.get(f"timeline/{name}_start"), metrics.get(f"timeline/{name}_end")
+    if start is None or end is None:
+        continue
+    for s, a, b in zip(steps, start, end, strict=True):
+        if np.isfinite(a) and np.isfinite(b):
+            axes[1].barh(s + 0.2 * row, b - a, left=a, height=0.35, color=color)
+    axes[1].barh([], [], color=color, label=name)
+axes[1].set_xlabel("seconds since the loop started")
+axes[1].set_ylabel("step")
+axes[1].legend(fontsize="small")
 plt.show()
 
 # %% [markdown]

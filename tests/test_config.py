@@ -118,6 +118,9 @@ def seed_recipe(size: str, alternative: str) -> ExperimentConfig:
             steps=200,
             estimator={"dr_grpo": "dr_grpo", "reinforce": "reinforce_baseline"}[alternative],
             mesh=MeshConfig(fsdp=8),
+            # the seed's "windowed sampler with staleness 1", its windows validated
+            max_staleness=1,
+            stale_owners="refuse",
         ),
         distributed=DistributedConfig(),
     )

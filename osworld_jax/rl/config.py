@@ -75,7 +75,10 @@ class MeshConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RLConfig:
-    """The shape and cadence of the RL loop (one optimizer step per rollout batch).
+    """The shape and cadence of the RL loop.
+
+    One rollout batch per step, trained in ``TrainerConfig.num_minibatches`` updates; rollouts
+    run up to ``max_staleness`` steps ahead.
 
     The checkpoint cadence is ``CheckpointConfig.save_every`` (every k steps, plus the run's last
     step); the trainer's config holds it so that it is declared once.
@@ -102,6 +105,15 @@ class RLConfig:
       episode_owners: the first this-many owners of every step write their episode (the
         screenshots each call showed, the replies, reward) under ``<metrics_dir>/episodes/``
         for the analysis notebook; 0 writes none.
+      max_staleness: k, how many optimizer steps older than the weights a step trains from its
+        tokens may be. 0 is the synchronous loop (rollout -> train -> refit). With k >= 1 the
+        rollouts of steps up to ``step + k`` run while step ``step`` trains (asynchronous RL,
+        `osworld_jax.rl.producer`); refits reach in-flight requests (the client stitches them,
+        each token keeps its weight version).
+      stale_owners: what a step does with an owner that has a trainable token from weights more
+        than ``max_staleness`` steps old (`stages.check_window`): ``mask`` (the owner is
+        failed: a masked row, its group's baseline unchanged) or ``refuse`` (an integrity error
+        stops the run).
     """
 
     num_prompts: int = 2
@@ -118,8 +130,13 @@ class RLConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     length_buckets: tuple[int, ...] = ()
     episode_owners: int = 1
+    max_staleness: int = 0
+    stale_owners: Literal["mask", "refuse"] = "mask"
 
     def __post_init__(self) -> None:
+        if self.max_staleness < 0:
+            raise ConfigError(f"RLConfig.max_staleness must be >= 0, got {self.max_staleness}")
+        check_choice(self.stale_owners, Literal["mask", "refuse"], "RLConfig.stale_owners")
         if self.episode_owners < 0:
             raise ConfigError(f"RLConfig.episode_owners must be >= 0, got {self.episode_owners}")
         for name in ("num_prompts", "num_owners", "steps", "weights_keep"):

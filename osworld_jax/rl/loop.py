@@ -1,10 +1,16 @@
 """The RL loop: ``train(experiment, run_dir, steps)``.
 
-Each step: B tasks from grain -> B x N owners rolled out concurrently -> segments -> group
-policy + advantages -> device batch -> train_step (R3) -> export + refit every server ->
-metrics -> orbax checkpoint (with the task-stream position). One optimizer step per rollout
-batch: pi_old is the current policy, whose logprobs ``train_step`` computes itself for the gate
-(no separate old-logprob pass). Set-up and tear-down live in
+Each step: B tasks from grain -> B x N owners rolled out concurrently -> segments -> the
+generation window checked (every trainable token's weight version) -> group policy + advantages
+-> device batch, cut into ``TrainerConfig.num_minibatches`` minibatches of whole groups ->
+one optimizer update per minibatch (R3) -> export + refit every server -> metrics -> orbax
+checkpoint (with the task-stream position). With one minibatch pi_old is the current policy,
+whose logprobs ``train_step`` computes itself for the gate; with several, ``Trainer.logprobs``
+computes pi_old of every minibatch first.
+
+``RLConfig.max_staleness = k``: 0 runs each step's rollout when the step starts (synchronous);
+k >= 1 starts the rollouts of the next k steps while this one trains (`rl.producer`), so a step
+trains on tokens from weights at most k steps older than its own. Set-up and tear-down live in
 `osworld_jax.rl.run` (`RunResources`), the stage helpers in `osworld_jax.rl.stages`.
 """
 
@@ -14,12 +20,13 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from osworld_jax.agent import pack_batch, select_groups
+from osworld_jax.agent import pack_batch, select_groups, split_selection
 from osworld_jax.rl import stages
 from osworld_jax.rl.config import ExperimentConfig
 from osworld_jax.rl.metrics import StageTimer
+from osworld_jax.rl.producer import RolloutProducer
 from osworld_jax.rl.run import RunResources
-from osworld_jax.trainer.distributed import broadcast_host_batch
+from osworld_jax.trainer.distributed import broadcast_host_batches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,34 +65,53 @@ def train(
         ``experiment.json`` once the run is starting (never by a start that fails).
     """
     rl, last_step = experiment.rl, steps if steps is not None else experiment.rl.steps
+    minibatches = experiment.trainer.num_minibatches
     run = RunResources(experiment, Path(run_dir), operative_gin)
-    with run, run.metrics_logger(last_step) as log:
+    with run, run.metrics_logger(last_step) as log, _producer(run, last_step) as producer:
         for step in range(run.start_step + 1, last_step + 1):
-            t, batch = StageTimer(), None
-            with t.stage("data"):
-                tasks = next(run.stream)  # every process draws: one checkpointed position
+            t, batches = StageTimer(), None
+            with t.stage("data"):  # every process draws: one checkpointed position
+                producer.launch_through(step, weights_step=step - 1)
             if run.rolls_out:  # process 0 of a multi-host job; the only process otherwise
                 with t.stage("rollout"):
-                    raw = run.runner.run(run.rollout(tasks, step))
+                    launched, raw = producer.take(step)
                 with t.stage("segments"):
                     rollouts = stages.collect_owners(raw, rl, step)
+                    rollouts, window = stages.check_window(rollouts, rl, step)
                 with t.stage("advantages"):
                     selection = select_groups(rollouts.owners, experiment.group, rl.num_prompts)
                     adv = stages.owner_advantages(selection, rl.estimator, run.trainer.bounds)
                 with t.stage("batch"):
-                    batch = pack_batch(selection, adv, **run.pack_kwargs)
+                    parts = split_selection(selection, adv, minibatches)
+                    batches = [pack_batch(sel, a, **run.pack_kwargs) for sel, a in parts]
+            else:
+                launched = producer.skip(step)
             with t.stage("broadcast"):
-                batch = broadcast_host_batch(batch)  # no-op for one process
+                batches = broadcast_host_batches(batches)  # no-op for one process
             with t.stage("train"):
-                run.state, tm = run.trainer.train_step(run.state, batch)
+                run.state, updates = run.trainer.train_minibatches(run.state, batches)
             with t.stage("refit"):
-                run.refit(step)
+                run.refit(step)  # rollouts in flight continue on the new weights
             with t.stage("checkpoint"):
-                run.save(step, force=step == last_step)
+                run.save(step, launched.data_state, force=step == last_step)
             if log is not None:
-                m = stages.step_metrics(rollouts, selection, adv, batch, tm, rl.success_reward)
-                log.log(step, {**m, **t.metrics(), **raw.timing()})
+                tm = stages.mean_update_metrics(updates)
+                m = stages.step_metrics(rollouts, selection, adv, batches, tm, rl.success_reward)
+                timeline = stages.timeline_metrics(launched, t, producer)
+                log.log(step, {**m, **window, **t.metrics(), **raw.timing(), **timeline})
                 run.write_owner_records(stages.owner_records(step, rollouts, selection, adv))
                 run.write_episodes(step, raw, rollouts)
         history, summary = (log.history, log.summary()) if log is not None else ([], "")
     return TrainResult(Path(run_dir), run.start_step + 1, last_step, history, summary)
+
+
+def _producer(run: RunResources, last_step: int) -> RolloutProducer:
+    """The run's rollout producer (closed before the run's resources: rollouts cancelled)."""
+    return RolloutProducer(
+        run.stream,
+        run.rollout if run.rolls_out else None,
+        run.runner,
+        max_staleness=run.experiment.rl.max_staleness,
+        last_step=last_step,
+        first_step=run.start_step + 1,
+    )

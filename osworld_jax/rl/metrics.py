@@ -45,15 +45,18 @@ class StageTimer:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.spans: dict[str, tuple[float, float]] = {}  # name -> first start, last end
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[None]:
-        """Times the ``with`` body, adding to ``seconds[name]``."""
+        """Times the ``with`` body, adding to ``seconds[name]`` (and its ``spans`` entry)."""
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.seconds[name] = self.seconds.get(name, 0.0) + t1 - t0
+            self.spans[name] = (self.spans.get(name, (t0, t1))[0], t1)
 
     def metrics(self) -> dict[str, float]:
         """``time/<stage>`` for every timed stage plus ``time/step`` (their sum)."""

@@ -35,6 +35,7 @@ from osworld_jax.rl.config import ExperimentConfig, SandboxConfig
 from osworld_jax.rl.lease import RunLease
 from osworld_jax.rl.metrics import MetricsLogger
 from osworld_jax.rl.preflight import run_preflight
+from osworld_jax.rl.producer import LoopThread
 from osworld_jax.rl.rundir import check_writable, trim_partial_line, write_run_config, writing
 from osworld_jax.rollout import SGLangClient
 from osworld_jax.trainer import Trainer
@@ -66,7 +67,9 @@ class RolloutResources(contextlib.ExitStack):
       run_dir: the run directory.
       model_path: the starting HF checkpoint.
       model_config: its architecture (``config.json``).
-      runner: the asyncio runner every async stage runs on (one event loop per run).
+      runner: the asyncio runner every async stage runs on (one event loop per run): an
+        ``asyncio.Runner`` on the calling thread, or with ``RLConfig.max_staleness >= 1`` a
+        `LoopThread` (the loop on its own thread, so rollouts run while the step trains).
       client: the rollout client.
       tokenizer: the agent's tokenizer + chat template (from the model dir).
       agent_env: the AgentEnv over the configured sandbox backend.
@@ -98,7 +101,12 @@ class RolloutResources(contextlib.ExitStack):
             stages.prepare_model(exp.model, self.run_dir)
         barrier("osworld_jax.rl:model")
         self.model_path = stages.model_dir(exp.model, self.run_dir)
-        self.runner = self.enter_context(asyncio.Runner())
+        # k >= 1: the event loop runs on its own thread, so rollouts go on while the step trains
+        runner: asyncio.Runner | LoopThread = (
+            LoopThread() if exp.rl.max_staleness > 0 else asyncio.Runner()
+        )
+        self.runner = runner
+        self.enter_context(runner)
         self.client: SGLangClient | None = None
         if self.rolls_out:
             backend = make_backend(self._sandbox())
@@ -114,7 +122,13 @@ class RolloutResources(contextlib.ExitStack):
         self.tokenizer = AgentTokenizer.from_model_dir(self.model_path)
         # decodes the text when servers send none (SGLang with --skip-tokenizer-init)
         rollout = exp.rollout_for(self.model_config)  # R3 and the route shape, derived
-        self.client = SGLangClient(urls, rollout, detokenize=self.tokenizer.decode)
+        media = (self.tokenizer.token_id(t) for t in exp.agent.media_tokens)
+        self.client = SGLangClient(
+            urls,
+            rollout,
+            detokenize=self.tokenizer.decode,
+            media_token_ids=[i for i in media if i is not None],
+        )
         self.callback(self.runner.run, self.client.aclose())
         self.agent_env = AgentEnv(backend, exp.env)
 
@@ -306,9 +320,15 @@ class RunResources(RolloutResources):
             copy_files_from=self.model_path,
         )
 
-    def save(self, step: int, *, force: bool = False) -> bool:
-        """Checkpoints the train state with the task stream's position (on the cadence)."""
-        return self.trainer.save(self.state, step, self.stream.get_state(), force=force)
+    def save(self, step: int, data_state: Any = None, *, force: bool = False) -> bool:
+        """Checkpoints the train state with the task stream's position (on the cadence).
+
+        ``data_state`` is the stream's position right after step ``step``'s tasks were drawn
+        (`producer.Launched.data_state`); None takes the stream's current one.
+        """
+        if data_state is None:
+            data_state = self.stream.get_state()
+        return self.trainer.save(self.state, step, data_state, force=force)
 
     def write_episodes(
         self, step: int, raw: stages.RawRollouts, rollouts: stages.StepRollouts

@@ -269,11 +269,12 @@ class SGLangClient:
         resubmission: the server checks stop strings on each part's own output, so a stop
         string straddling the abort point is not matched; ``sampling_seed`` restarts the
         server's random stream for the new part. An aborted part whose output holds one of
-        ``media_token_ids`` (default: the client's; a generated ``<|image_pad|>``, ``<|video_pad|>``, ...) is not
-        resubmitted: in a prompt the server (SGLang's processor as ours) would read it as a
-        media placeholder without its media and refuse the request. The turn ends there with
-        ``finish_reason = {"type": "stop", "matched": <that token>, "message": ...}``; the
-        agent trains a reply only up to its first generated media token anyway.
+        ``media_token_ids`` (default: the client's; a generated ``<|image_pad|>``,
+        ``<|video_pad|>``, ...) is not resubmitted: in a prompt the server (SGLang's processor
+        as ours) would read it as a media placeholder without its media and refuse it. The
+        turn ends there with ``finish_reason = {"type": "stop", "matched": <that token>,
+        "message": ...}``; the agent trains a reply only up to its first generated media token
+        anyway.
 
         Raises:
           ReplyValidationError: a reply broke the contract (names the rid).

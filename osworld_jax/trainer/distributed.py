@@ -495,6 +495,21 @@ def broadcast_host_batch(batch: Batch | None) -> Batch:
     return jax.tree.map(np.asarray, out)
 
 
+def broadcast_host_batches(batches: list[Batch] | None) -> list[Batch]:
+    """Process 0's minibatches on every process (`broadcast_host_batch` of each).
+
+    Process 0 passes its list, the others None; their count is broadcast first.
+    """
+    if is_primary() and batches is None:
+        raise DistributedError("broadcast_host_batches: process 0 passed no batches")
+    if jax.process_count() == 1:
+        assert batches is not None
+        return batches
+    count = np.asarray([len(batches) if batches is not None else 0], np.int64)
+    n = int(np.asarray(multihost_utils.broadcast_one_to_all(count))[0])
+    return [broadcast_host_batch(batches[i] if batches is not None else None) for i in range(n)]
+
+
 # ---------------------------------------------------------------------- parameters, export
 
 
