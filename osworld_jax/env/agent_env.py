@@ -8,6 +8,12 @@ until DONE, FAIL or ``max_turns``, then the sandbox evaluates. An infrastructure
 its siblings continue. Every sandbox is closed before ``run_group`` returns, also after failures
 and on cancellation (the backend's ``inventory()`` is empty again). Unparsable model output is
 not a failure: it is a FAIL action, scored and trained on.
+
+With ``max_owner_retries > 0`` the base stays open until every owner is final (it is the group's
+initialised task state): an owner that failed for an infrastructure reason is run again, alone,
+on ``backend.fork(base, 1)`` with a fresh agent, up to ``max_owner_retries`` more times. Its
+siblings are never re-run or disturbed; only the final attempt's agent sees ``on_episode_end``
+(earlier attempts' agents are dropped, so a retry adds no optimizer rows).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
@@ -33,6 +40,8 @@ from osworld_jax.env.tasks import Task
 from osworld_jax.errors import ConfigError, InfraError
 from osworld_jax.registry import check_choice
 
+log = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AgentEnvConfig:
@@ -49,6 +58,11 @@ class AgentEnvConfig:
       eval_attempts: tries of ``sandbox.evaluate`` on transient errors (5xx, timeouts).
       eval_retry_delay_s: the first back-off between evaluation attempts (doubles per retry).
       close_timeout_s: limit for closing one sandbox.
+      max_owner_retries: extra attempts of an owner whose episode failed for an infrastructure
+        reason (``InfraError``/``SandboxError``: not a bad action or a low reward), each on a
+        fresh ``fork(base, 1)`` of the group's initialised sandbox with a fresh agent. 0: none,
+        and the base is closed as soon as it is forked; > 0 keeps the base open until every
+        owner of the group is final (one more live sandbox per group).
     """
 
     max_turns: int = 15
@@ -61,6 +75,7 @@ class AgentEnvConfig:
     eval_attempts: int = 3
     eval_retry_delay_s: float = 1.0
     close_timeout_s: float = 60.0
+    max_owner_retries: int = 0
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:
@@ -68,6 +83,10 @@ class AgentEnvConfig:
         if self.eval_attempts < 1:
             raise ConfigError(
                 f"AgentEnvConfig.eval_attempts must be >= 1, got {self.eval_attempts}"
+            )
+        if self.max_owner_retries < 0:
+            raise ConfigError(
+                f"AgentEnvConfig.max_owner_retries must be >= 0, got {self.max_owner_retries}"
             )
         check_choice(self.action_space, ActionSpace, "AgentEnvConfig.action_space", "action space")
 
@@ -83,6 +102,8 @@ class OwnerResult:
       error: the failure, one line, or None.
       turns: how many agent turns ran.
       actions: the raw model text of each turn.
+      attempts: how many episodes the owner ran (> 1 after infrastructure retries,
+        ``AgentEnvConfig.max_owner_retries``); every other field is the last attempt's.
     """
 
     owner_index: int
@@ -91,6 +112,7 @@ class OwnerResult:
     error: str | None
     turns: int
     actions: tuple[str, ...]
+    attempts: int = 1
 
 
 class Agent(Protocol):
@@ -113,8 +135,9 @@ class EnvMetrics:
       creates: sandboxes created (base sandboxes).
       forks: forked sandboxes handed to owners.
       create_failures: failed or timed-out creates.
-      fork_failures: failed or timed-out forks.
-      owner_failures: owners that ended failed.
+      fork_failures: failed or timed-out forks (a retry's ``fork(base, 1)`` included).
+      owner_failures: owners that ended failed (final results only; retried attempts are not).
+      owner_retries: owner episodes re-run after an infrastructure failure.
       steps: actions stepped.
       evaluations: successful evaluations.
       eval_retries: evaluation retries after transient errors.
@@ -127,6 +150,7 @@ class EnvMetrics:
     create_failures: int = 0
     fork_failures: int = 0
     owner_failures: int = 0
+    owner_retries: int = 0
     steps: int = 0
     evaluations: int = 0
     eval_retries: int = 0
@@ -209,25 +233,17 @@ class AgentEnv:
                 return self._all_failed(owners, f"create failed: {_one_line(e)}")
             assert base is not None
             try:
-                forks = list(
-                    await self._timed(
-                        self.backend.fork(base, len(owners)),
-                        cfg.fork_timeout_s,
-                        f"fork({task.id}, {len(owners)})",
-                    )
-                )
-                if len(forks) != len(owners):
-                    raise SandboxCreateError(
-                        f"backend returned {len(forks)} forks for {len(owners)} owners"
-                    )
-                self.metrics.forks += len(forks)
+                forks = await self._fork(task, base, len(owners))
             except (InfraError, SandboxError) as e:
                 self.metrics.fork_failures += 1
                 return self._all_failed(owners, f"fork failed: {_one_line(e)}")
-            # The base is only a template once forked: free it before the episodes run.
-            await self._close([base])
+            template: Sandbox | None = base
+            if cfg.max_owner_retries == 0:
+                # The base is only a template once forked: free it before the episodes run.
+                await self._close([base])
+                template = None
             jobs = [
-                asyncio.create_task(self._run_owner(task, o, sb, make_agent))
+                asyncio.create_task(self._run_owner(task, o, sb, make_agent, template))
                 for o, sb in zip(owners, forks, strict=True)
             ]
             try:
@@ -239,6 +255,19 @@ class AgentEnv:
                 raise
         finally:
             await self._close([*forks, *([base] if base is not None else [])])
+
+    async def _fork(self, task: Task, base: Sandbox, n: int) -> list[Sandbox]:
+        """``backend.fork(base, n)`` under ``fork_timeout_s``; exactly n sandboxes or an error."""
+        forks = list(
+            await self._timed(
+                self.backend.fork(base, n), self.config.fork_timeout_s, f"fork({task.id}, {n})"
+            )
+        )
+        if len(forks) != n:
+            await self._close(forks)
+            raise SandboxCreateError(f"backend returned {len(forks)} forks for {n} owners")
+        self.metrics.forks += n
+        return forks
 
     def _all_failed(self, owners: Sequence[int], error: str) -> list[OwnerResult]:
         self.metrics.owner_failures += len(owners)
@@ -265,8 +294,58 @@ class AgentEnv:
         raise AssertionError("unreachable")
 
     async def _run_owner(
-        self, task: Task, owner: int, sb: Sandbox, make_agent: MakeAgent
+        self,
+        task: Task,
+        owner: int,
+        sb: Sandbox,
+        make_agent: MakeAgent,
+        base: Sandbox | None,
     ) -> OwnerResult:
+        """Runs the owner's episode on ``sb``; with a ``base``, retries infrastructure failures.
+
+        Each retry runs on ``fork(base, 1)`` with a fresh ``make_agent(owner)``; only the final
+        attempt's agent gets ``on_episode_end``.
+        """
+        cfg = self.config
+        attempt = 1
+        result, agent = await self._episode(task, owner, sb, make_agent)
+        while result.failed and base is not None and attempt <= cfg.max_owner_retries:
+            log.warning(
+                "task %s owner %d: attempt %d of %d failed (%s); retrying on a fork of the "
+                "group's initialised sandbox",
+                task.id,
+                owner,
+                attempt,
+                cfg.max_owner_retries + 1,
+                result.error,
+            )
+            try:
+                (sb,) = await self._fork(task, base, 1)
+            except (InfraError, SandboxError) as e:
+                self.metrics.fork_failures += 1
+                result = dataclasses.replace(
+                    result,
+                    error=f"retry fork failed: {_one_line(e)} (after attempt {attempt}: "
+                    f"{result.error})",
+                )
+                break
+            self.metrics.owner_retries += 1
+            attempt += 1
+            result, agent = await self._episode(task, owner, sb, make_agent)
+        result = dataclasses.replace(result, attempts=attempt)
+        if result.failed:
+            self.metrics.owner_failures += 1
+        hook = getattr(agent, "on_episode_end", None)
+        if hook is not None:
+            out = hook(result)
+            if inspect.isawaitable(out):
+                await out
+        return result
+
+    async def _episode(
+        self, task: Task, owner: int, sb: Sandbox, make_agent: MakeAgent
+    ) -> tuple[OwnerResult, Any]:
+        """One episode of ``owner`` on ``sb`` (closed afterwards): its result and its agent."""
         cfg = self.config
         texts: list[str] = []
         agent: Any = None
@@ -295,7 +374,6 @@ class AgentEnv:
                 actions=tuple(texts),
             )
         except (InfraError, SandboxError) as e:
-            self.metrics.owner_failures += 1
             result = OwnerResult(
                 owner_index=owner,
                 reward=None,
@@ -306,9 +384,4 @@ class AgentEnv:
             )
         finally:
             await self._close([sb])
-        hook = getattr(agent, "on_episode_end", None)
-        if hook is not None:
-            out = hook(result)
-            if inspect.isawaitable(out):
-                await out
-        return result
+        return result, agent
