@@ -222,8 +222,12 @@ async def rollout_step(
     """
     n = rl.num_owners
     agents: dict[int, TimedOwnerAgent] = {}
+    attempts: dict[int, int] = {}
 
     def make_agent(owner: int) -> TimedOwnerAgent:
+        # A retried owner (AgentEnvConfig.max_owner_retries) gets a new agent per attempt, with
+        # its own request ids; agents[owner] is the latest, whose history the rollout uses.
+        k = attempts[owner] = attempts.get(owner, -1) + 1
         agents[owner] = TimedOwnerAgent(
             client,
             tokenizer,
@@ -231,7 +235,7 @@ async def rollout_step(
             owner_id=owner,
             group_id=owner // n,
             sampling=sampling.replace(sampling_seed=owner_seed(rl.seed, step, owner)),
-            rid_prefix=f"s{step}",
+            rid_prefix=f"s{step}" if k == 0 else f"s{step}a{k}",
             action_space=agent_env.config.action_space,
         )
         return agents[owner]
