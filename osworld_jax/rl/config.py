@@ -132,6 +132,9 @@ class RLConfig:
     episode_owners: int = 1
     max_staleness: int = 0
     stale_owners: Literal["mask", "refuse"] = "mask"
+    extra_rollout_groups: int = 0
+    min_groups_for_streaming_train: int | None = None
+    max_buffered_rollouts: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
@@ -153,6 +156,39 @@ class RLConfig:
         if list(buckets) != sorted(set(buckets)) or any(b < 2 for b in buckets):
             raise ConfigError(f"RLConfig.length_buckets must be ascending and >= 2: {buckets}")
         object.__setattr__(self, "length_buckets", buckets)
+        self._check_streaming()
+
+    def _check_streaming(self) -> None:
+        b, e, m = self.num_prompts, self.extra_rollout_groups, self.min_groups_for_streaming_train
+        if e < 0:
+            raise ConfigError(f"RLConfig.extra_rollout_groups must be >= 0, got {e}")
+        if m is not None and not 1 <= m <= b:
+            raise ConfigError(
+                f"RLConfig.min_groups_for_streaming_train must be in [1, num_prompts = {b}], "
+                f"got {m}"
+            )
+        cap = self.max_buffered_rollouts
+        if cap is not None and cap < b + e:
+            raise ConfigError(
+                f"RLConfig.max_buffered_rollouts must be >= num_prompts + extra_rollout_groups "
+                f"= {b + e} (one step's groups), got {cap}"
+            )
+
+    @property
+    def rollout_groups(self) -> int:
+        """B + e, the groups each step draws and rolls out."""
+        return self.num_prompts + self.extra_rollout_groups
+
+    @property
+    def min_groups(self) -> int:
+        """m, the finished groups a step's rollout waits for (None in the config: B)."""
+        m = self.min_groups_for_streaming_train
+        return self.num_prompts if m is None else m
+
+    @property
+    def streaming(self) -> bool:
+        """Whether a step's rollout returns before all its groups finished (e > 0 or m < B)."""
+        return self.extra_rollout_groups > 0 or self.min_groups < self.num_prompts
 
     @property
     def num_logical_owners(self) -> int:

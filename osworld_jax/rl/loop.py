@@ -1,6 +1,7 @@
 """The RL loop: ``train(experiment, run_dir, steps)``.
 
-Each step: B tasks from grain -> B x N owners rolled out concurrently -> segments -> the
+Each step: B (+ e over-provisioned) tasks from grain -> their owners rolled out concurrently
+(streaming train: the first finished B groups) -> segments -> the
 generation window checked (every trainable token's weight version) -> group policy + advantages
 -> device batch, cut into ``TrainerConfig.num_minibatches`` minibatches of whole groups ->
 one optimizer update per minibatch (R3) -> export + refit every server -> metrics -> orbax
@@ -98,6 +99,7 @@ def train(
                 tm = stages.mean_update_metrics(updates)
                 m = stages.step_metrics(rollouts, selection, adv, batches, tm, rl.success_reward)
                 timeline = stages.timeline_metrics(launched, t, producer)
+                m.update(raw.group_metrics())  # groups/launched, stragglers, unused
                 log.log(step, {**m, **window, **t.metrics(), **raw.timing(), **timeline})
                 run.write_owner_records(stages.owner_records(step, rollouts, selection, adv))
                 run.write_episodes(step, raw, rollouts)

@@ -201,7 +201,7 @@ class RunResources(RolloutResources):
         # Every process draws the same stream (process 0 uses the tasks), so the checkpointed
         # stream position is the same on every process.
         self.stream = make_task_stream(
-            exp.data, rl.num_prompts, process_index=0, process_count=1, keep=keep
+            exp.data, rl.rollout_groups, process_index=0, process_count=1, keep=keep
         )
         if runnable.skipped and self.rolls_out:
             skipped = self.run_dir / "skipped_tasks.json"

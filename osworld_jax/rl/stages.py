@@ -184,14 +184,30 @@ class RawRollouts:
     """What the env returned for one step, before segments are built.
 
     Attributes:
-      tasks: the B task references (group ``g`` is ``tasks[g]``).
+      tasks: the B' trained task references (group ``g`` is ``tasks[g]``; B' = B without
+        streaming train, at most B with it).
       agents: owner index -> its agent (history, timing).
       results: per group, the env's ``OwnerResult`` list, or the group's exception.
+      launched: groups the step rolled out (B + e; None: ``len(tasks)``).
+      stragglers: groups still running when the step's rollout returned (cancelled).
+      unused: groups that finished but were not trained (beyond B).
     """
 
     tasks: tuple[TaskRef, ...]
     agents: dict[int, TimedOwnerAgent]
     results: tuple[list[Any] | BaseException, ...]
+    launched: int | None = None
+    stragglers: int = 0
+    unused: int = 0
+
+    def group_metrics(self) -> dict[str, float]:
+        """``groups/launched``, ``groups/stragglers`` (cancelled) and ``groups/unused``."""
+        launched = len(self.tasks) if self.launched is None else self.launched
+        return {
+            "groups/launched": float(launched),
+            "groups/stragglers": float(self.stragglers),
+            "groups/unused": float(self.unused),
+        }
 
     def timing(self) -> dict[str, float]:
         """Mean per-owner seconds spent generating (``act``) and in the sandbox (the rest)."""
@@ -215,10 +231,16 @@ async def rollout_step(
     step: int,
     load_task: Any,
 ) -> RawRollouts:
-    """Runs N owners on each of the B tasks, all B x N owners at once (asyncio).
+    """Runs N owners on each of the tasks (B + e of them), all owners at once (asyncio).
 
     Owner ``g * N + j`` is owner j of group g. A group whose run raised is recorded with its
-    exception (`collect_owners` decides what it means).
+    exception (`collect_owners` decides what it means). Without streaming train (``rl.streaming``
+    False) every group is awaited. With it, the rollout returns once ``rl.min_groups`` groups
+    have finished (a group that raised counts): the finished groups are taken in launch order
+    (at most B) and renumbered ``0 .. B' - 1`` (owner ids, group ids, result owner indices;
+    request ids already sent keep their names, sampling seeds are the launch index's), the
+    groups still running are cancelled (``AgentEnv.run_group`` closes their sandboxes) and
+    awaited.
     """
     n = rl.num_owners
     agents: dict[int, TimedOwnerAgent] = {}
@@ -244,13 +266,75 @@ async def rollout_step(
         task = load_task(ref.path)
         return await agent_env.run_group(task, list(range(g * n, (g + 1) * n)), make_agent)
 
-    results = await asyncio.gather(
-        *(group(g, ref) for g, ref in enumerate(tasks)), return_exceptions=True
+    if not rl.streaming:
+        results = await asyncio.gather(
+            *(group(g, ref) for g, ref in enumerate(tasks)), return_exceptions=True
+        )
+        for res in results:
+            if isinstance(res, BaseException) and not isinstance(res, Exception):
+                raise res  # cancellation / KeyboardInterrupt
+        return RawRollouts(tasks=tuple(tasks), agents=agents, results=tuple(results))
+    jobs = [asyncio.create_task(group(g, ref)) for g, ref in enumerate(tasks)]
+    try:
+        pending = set(jobs)
+        while pending and len(jobs) - len(pending) < rl.min_groups:
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # the stragglers (every group, when this wait was itself cancelled)
+        for job in jobs:
+            job.cancel()  # a no-op for the finished ones
+        stragglers = {job for job in jobs if not job.done()}
+        await asyncio.gather(*jobs, return_exceptions=True)
+    finished = [g for g, job in enumerate(jobs) if job not in stragglers]
+    outcomes = {g: _outcome(jobs[g]) for g in finished}  # every exception retrieved
+    trained = finished[: rl.num_prompts]
+    for g in finished[rl.num_prompts :]:
+        out = outcomes[g]
+        if isinstance(out, Exception) and not isinstance(out, InfraError):
+            raise out  # a bug, even in a group not trained
+    return RawRollouts(
+        tasks=tuple(tasks[g] for g in trained),
+        agents=_renumber(agents, trained, n),
+        results=tuple(_renumber_results(outcomes[g], g, new, n) for new, g in enumerate(trained)),
+        launched=len(jobs),
+        stragglers=len(stragglers),
+        unused=len(finished) - len(trained),
     )
-    for res in results:
-        if isinstance(res, BaseException) and not isinstance(res, Exception):
-            raise res  # cancellation / KeyboardInterrupt
-    return RawRollouts(tasks=tuple(tasks), agents=agents, results=tuple(results))
+
+
+def _outcome(job: asyncio.Task[list[Any]]) -> list[Any] | BaseException:
+    """A finished group's result or exception (cancellation / KeyboardInterrupt re-raised)."""
+    if job.cancelled():
+        raise asyncio.CancelledError(f"group task {job.get_name()} was cancelled")
+    exc = job.exception()
+    if exc is not None and not isinstance(exc, Exception):
+        raise exc
+    return exc if exc is not None else job.result()
+
+
+def _renumber(
+    agents: dict[int, TimedOwnerAgent], groups: Sequence[int], n: int
+) -> dict[int, TimedOwnerAgent]:
+    """The agents of launch groups ``groups``, renumbered: group ``groups[i]`` becomes group i."""
+    out: dict[int, TimedOwnerAgent] = {}
+    for new, g in enumerate(groups):
+        for j in range(n):
+            agent = agents.get(g * n + j)
+            if agent is not None:
+                agent.history.owner_id, agent.history.group_id = new * n + j, new
+                if agent.result is not None:
+                    agent.result = dataclasses.replace(agent.result, owner_index=new * n + j)
+                out[new * n + j] = agent
+    return out
+
+
+def _renumber_results(
+    res: list[Any] | BaseException, old: int, new: int, n: int
+) -> list[Any] | BaseException:
+    """Group ``old``'s ``OwnerResult`` list with owner indices moved to group ``new``."""
+    if isinstance(res, BaseException) or old == new:
+        return res
+    shift = (new - old) * n
+    return [dataclasses.replace(r, owner_index=r.owner_index + shift) for r in res]
 
 
 def collect_owners(raw: RawRollouts, rl: RLConfig, step: int) -> StepRollouts:
