@@ -1,17 +1,18 @@
 """The RL loop: ``train(experiment, run_dir, steps)``.
 
 Each step: B (+ e over-provisioned) tasks from grain -> their owners rolled out concurrently
-(streaming train: the first finished B groups) -> segments -> the
-generation window checked (every trainable token's weight version) -> group policy + advantages
--> device batch, cut into ``TrainerConfig.num_minibatches`` minibatches of whole groups ->
-one optimizer update per minibatch (R3) -> export + refit every server -> metrics -> orbax
-checkpoint (with the task-stream position). With one minibatch pi_old is the current policy,
+(streaming train: up to B groups, the first to finish) -> segments -> the generation window
+checked (every trainable token's weight version) -> group policy + advantages -> device batch,
+cut into ``TrainerConfig.num_minibatches`` minibatches of whole groups -> one optimizer update
+per minibatch (R3) -> export + refit every server -> metrics -> orbax checkpoint (with the
+task-stream position). With one minibatch pi_old is the current policy,
 whose logprobs ``train_step`` computes itself for the gate; with several, ``Trainer.logprobs``
 computes pi_old of every minibatch first.
 
 ``RLConfig.max_staleness = k``: 0 runs each step's rollout when the step starts (synchronous);
 k >= 1 starts the rollouts of the next k steps while this one trains (`rl.producer`), so a step
-trains on tokens from weights at most k steps older than its own. Set-up and tear-down live in
+trains on tokens from weights at most k steps older than its own (at most
+``RLConfig.max_buffered_rollouts`` groups running at once). Set-up and tear-down live in
 `osworld_jax.rl.run` (`RunResources`), the stage helpers in `osworld_jax.rl.stages`.
 """
 
@@ -116,4 +117,6 @@ def _producer(run: RunResources, last_step: int) -> RolloutProducer:
         max_staleness=run.experiment.rl.max_staleness,
         last_step=last_step,
         first_step=run.start_step + 1,
+        groups_per_step=run.experiment.rl.rollout_groups,
+        max_buffered_groups=run.experiment.rl.max_buffered_rollouts,
     )

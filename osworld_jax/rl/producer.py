@@ -127,6 +127,12 @@ class RolloutProducer:
       runner: runs coroutines: an `asyncio.Runner` for k = 0, a `LoopThread` for k >= 1.
       max_staleness: k.
       last_step: the run's last step (nothing is drawn beyond it).
+      first_step: the first step it draws.
+      groups_per_step: the rollout groups of one step (B + e).
+      max_buffered_groups: with k >= 1, a step after the current one is launched only while the
+        groups of the started, unfinished rollouts (``groups_per_step`` each) plus its own stay
+        within this cap (``RLConfig.max_buffered_rollouts``; None: no cap); the current step
+        always launches.
     """
 
     def __init__(
@@ -138,11 +144,14 @@ class RolloutProducer:
         max_staleness: int,
         last_step: int,
         first_step: int,
+        groups_per_step: int = 1,
+        max_buffered_groups: int | None = None,
     ) -> None:
         if max_staleness > 0 and not isinstance(runner, LoopThread):
             raise TypeError("RolloutProducer: max_staleness >= 1 needs a LoopThread runner")
         self.stream, self.rollout, self.runner = stream, rollout, runner
         self.max_staleness, self.last_step = max_staleness, last_step
+        self.groups_per_step, self.max_buffered_groups = groups_per_step, max_buffered_groups
         self._next = first_step
         self._queue: collections.deque[Launched] = collections.deque()
         self.started_at = time.perf_counter()  # the timeline's origin
@@ -158,13 +167,28 @@ class RolloutProducer:
         """Rollouts started and not yet taken."""
         return sum(1 for x in self._queue if x.future is not None)
 
+    @property
+    def running_groups(self) -> int:
+        """Rollout groups running: ``groups_per_step`` per started, unfinished rollout."""
+        running = sum(1 for x in self._queue if x.future is not None and not x.future.done())
+        return running * self.groups_per_step
+
     def launch_through(self, step: int, weights_step: int) -> None:
         """Draws (and with k >= 1 starts) every step up to ``min(step + k, last_step)``.
 
         Called at the start of step ``step``, once the weights of ``weights_step`` (``step -
-        1``) serve: a rollout started now trains at most k steps later.
+        1``) serve: a rollout started now trains at most k steps later. A step after ``step``
+        whose groups would take the running groups past ``max_buffered_groups`` is not drawn
+        yet (nor any later one): a later call launches it.
         """
         while self._next <= min(step + self.max_staleness, self.last_step):
+            cap = self.max_buffered_groups
+            if (
+                self._next > step
+                and cap is not None
+                and self.running_groups + self.groups_per_step > cap
+            ):
+                break
             tasks = next(self.stream)
             item = Launched(
                 step=self._next,

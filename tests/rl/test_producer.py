@@ -121,3 +121,70 @@ def test_loop_thread_close_unwinds_what_still_runs():
     loop.close()
     assert cleaned == [True]
     loop.close()  # idempotent
+
+
+def test_max_buffered_groups_stops_launching_ahead_but_never_the_current_step():
+    # k = 3, 2 groups per step (B + e), at most 4 groups running: two rollouts at a time.
+    stream, rollouts = Stream(), Rollouts()
+    running, peak = [0], [0]
+
+    async def counted(tasks, step):
+        running[0] += 2
+        peak[0] = max(peak[0], running[0])
+        try:
+            return await rollouts(tasks, step)
+        finally:
+            running[0] -= 2
+
+    with LoopThread() as loop:
+        producer = RolloutProducer(
+            stream,
+            counted,
+            loop,
+            max_staleness=3,
+            last_step=5,
+            first_step=1,
+            groups_per_step=2,
+            max_buffered_groups=4,
+        )
+
+        def release(step):
+            loop._loop.call_soon_threadsafe(rollouts.release[step].set)
+
+        producer.launch_through(1, weights_step=0)
+        loop.run(asyncio.sleep(0.05))
+        assert sorted(rollouts.started) == [1, 2]  # step 3 would make 6 groups
+        assert stream.drawn == 2 and producer.running_groups == 4
+        release(1)
+        launched, raw = producer.take(1)
+        assert launched.data_state == {"drawn": 1}
+        producer.launch_through(2, weights_step=1)  # 2 running + 2: step 3 fits, step 4 not
+        loop.run(asyncio.sleep(0.05))
+        assert sorted(rollouts.started) == [1, 2, 3] and stream.drawn == 3
+        release(3)  # finished, not taken: no longer running
+        loop.run(asyncio.sleep(0.05))
+        release(2)
+        producer.take(2)
+        producer.launch_through(3, weights_step=2)
+        loop.run(asyncio.sleep(0.05))
+        assert sorted(rollouts.started) == [1, 2, 3, 4, 5]  # 3 done: 4 and 5 fit
+        assert peak[0] == 4
+        producer.close()
+
+    # A cap of one step's groups still launches the current step (k ahead launches nothing).
+    stream, rollouts = Stream(), Rollouts()
+    with LoopThread() as loop:
+        producer = RolloutProducer(
+            stream,
+            rollouts,
+            loop,
+            max_staleness=2,
+            last_step=3,
+            first_step=1,
+            groups_per_step=2,
+            max_buffered_groups=2,
+        )
+        producer.launch_through(1, weights_step=0)
+        loop.run(asyncio.sleep(0.05))
+        assert rollouts.started == [1] and stream.drawn == 1
+        producer.close()
