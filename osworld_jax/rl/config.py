@@ -7,6 +7,7 @@ edge and passes the built `ExperimentConfig` to `osworld_jax.rl.train`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -385,6 +386,14 @@ class ExperimentConfig:
         problem = scoring_problem(self.rollout.sampling, self.server, self.trainer.loss.gate)
         if problem:
             raise ConfigError(problem)
+        need = math.ceil(self.group.min_step_batch_fraction * self.rl.num_prompts - 1e-9)
+        if self.rl.min_groups < need:
+            raise ConfigError(
+                f"RLConfig.min_groups_for_streaming_train = {self.rl.min_groups} may train only "
+                f"that many of {self.rl.num_prompts} groups, below the {need} that "
+                f"GroupPolicyConfig.min_step_batch_fraction = "
+                f"{self.group.min_step_batch_fraction} requires"
+            )
         derived = RolloutConfig()
         for name, source in (
             ("return_routed_experts", "TrainerConfig.router_replay"),

@@ -20,7 +20,7 @@ from osworld_jax.agent import (
 from osworld_jax.data import TaskRef, make_task_stream
 from osworld_jax.env import AgentEnvConfig, OwnerResult, SandboxCreateError
 from osworld_jax.errors import ConfigError
-from osworld_jax.rl import RLConfig, stages
+from osworld_jax.rl import ExperimentConfig, RLConfig, stages
 from osworld_jax.rollout import SamplingParams
 from tests.agent.conftest import build_tokenizer
 from tests.rl.runs import (
@@ -250,6 +250,13 @@ def test_cancelling_a_streaming_rollout_cancels_every_group():
 def test_streaming_config_is_validated(changes, field):
     with pytest.raises(ConfigError, match=field):
         RLConfig(num_prompts=2, num_owners=2, **changes)
+
+
+def test_m_below_the_step_batch_fraction_is_refused():
+    group = GroupPolicyConfig(min_step_batch_fraction=0.5)
+    with pytest.raises(ConfigError, match="RLConfig.min_groups_for_streaming_train = 1 .*0.5"):
+        ExperimentConfig(rl=RLConfig(num_prompts=4, min_groups_for_streaming_train=1), group=group)
+    ExperimentConfig(rl=RLConfig(num_prompts=4, min_groups_for_streaming_train=2), group=group)
 
 
 def test_streaming_config_accepts_its_bounds():
