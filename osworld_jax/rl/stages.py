@@ -68,6 +68,8 @@ VERSION_ALIASES = {"default": 0}
 class StepRollouts:
     """The B x N owners of one step, in group-major order (owner ``g * N + j``).
 
+    With streaming train B' <= B groups (`RawRollouts.tasks`) take B's place.
+
     Attributes:
       tasks: the B task references (group ``g`` is ``tasks[g]``).
       owners: B x N owner rollouts (``group_id`` = g).
