@@ -201,3 +201,24 @@ def test_every_env_module_imports_first():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
     )
     assert len(mods) > 30 and out.stdout.strip() == "", out.stdout
+
+
+def test_the_env_and_agent_rooms_import_no_jax():
+    """Rooms rule: no jax in ``env/`` or ``agent/``. Every module of both rooms is imported in a
+    fresh interpreter; neither jax nor torch may be loaded by any of them."""
+    modules = sorted(
+        ".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        for room in ("env", "agent")
+        for p in (REPO / "osworld_jax" / room).rglob("*.py")
+        if "shim" not in p.parts and p.stem not in ("__main__", "vmserver")
+    )
+    assert len(modules) > 30, modules
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}:\n"
+        "    importlib.import_module(m)\n"
+        "    assert 'jax' not in sys.modules, f'{m} imported jax'\n"
+        "    assert 'torch' not in sys.modules, f'{m} imported torch'\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

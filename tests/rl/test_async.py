@@ -59,12 +59,18 @@ def _experiment(tasks, *extra):
 
 @pytest.mark.slow
 def test_k0_one_minibatch_is_the_synchronous_loop_bit_for_bit(tmp_path):
+    """Two runs agree bit for bit only if their rollouts do: the embedded server batches the
+    requests that arrive together and shares cached prefixes between owners, so with several
+    requests in flight a logprob can differ in its last bit with the arrival order. One
+    request at a time and no prefix cache make each request's numbers its own."""
     tasks = quick_tasks(tmp_path)
     exp = _experiment(
         tasks,
         "RLConfig.max_staleness = 0",
         "AgentEnvConfig.max_turns = 2",
         "SamplingParams.max_new_tokens = 4",
+        "ServerConfig.max_running_requests = 1",
+        "ServerConfig.extra_args = ('--disable-radix-cache',)",
     )
     reference = _synchronous_loop(exp, tmp_path / "reference", 2)
     ours = train(exp, tmp_path / "ours", 2).history
