@@ -60,7 +60,7 @@ import json, os, signal, sys, time, uno
 from com.sun.star.beans import PropertyValue
 
 signal.signal(signal.SIGALRM, lambda *_: os._exit(124))  # a dialog blocked LibreOffice
-signal.alarm(int(float(sys.argv[6])) + 60)
+signal.alarm(int(float(sys.argv[6])) + 30)  # before /execute's own 120 s limit
 
 def prop(name, value):
     p = PropertyValue()
@@ -250,13 +250,14 @@ class RealApps:
         argv.append(filter_options)
         argv += ["60", "view" if view else "hidden"]
         res = self.execute(argv)
-        stuck = res.get("returncode") == 124
+        stuck = res.get("returncode") in (124, -9)  # our alarm, or /execute's time limit
         if stuck or (res.get("returncode") != 0 and "NoConnectException" in str(res.get("error"))):
-            # soffice is gone (it crashed on an earlier document) or stuck: start another one
+            # soffice is gone (it crashed on an earlier document) or stuck (seen once on a
+            # loaded machine with a plain view-mode document): start another one and try once
+            # more; a document that blocks LibreOffice blocks the second one too and fails.
             log = self.desktop.log_tail(1500)
             self._restart_office()
-            if not stuck:  # a document that blocks LibreOffice would block it again
-                res = self.execute(argv)
+            res = self.execute(argv)
             if res.get("returncode") != 0:
                 res["error"] = f"{res.get('error')} (jail log before the restart: {log})"
         self._check(res, f"LibreOffice {name} -> {ext}")

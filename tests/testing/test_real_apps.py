@@ -1,0 +1,85 @@
+"""RealApps.office restarts a stuck or vanished LibreOffice and tries once more (no desktop)."""
+
+from __future__ import annotations
+
+import pytest
+
+from osworld_jax.testing.apps import RealAppError, RealApps
+
+
+class _Desktop:
+    def log_tail(self, n: int) -> str:
+        return "jail log"
+
+
+class _Scripted(RealApps):
+    """RealApps whose desktop answers conversions from a script of results."""
+
+    def __init__(self, conversions: list[dict]) -> None:
+        super().__init__()
+        self.conversions, self.launched = conversions, []
+
+    @property
+    def desktop(self):  # type: ignore[override]
+        return _Desktop()
+
+    def execute(self, command, *, shell=False):
+        if command[:2] == ["python3", "/tmp/osworld_apps/lo_convert.py"]:
+            return self.conversions.pop(0)
+        return {"status": "success", "output": "", "error": "", "returncode": 0}
+
+    def launch(self, command, *, shell=False):
+        self.launched.append(command[0] if command[0] != "pkill" else "pkill")
+
+    def upload(self, path, data):
+        pass
+
+    def file(self, path):
+        return b"converted " + path.encode()
+
+
+OK = {"status": "success", "output": "", "error": "", "returncode": 0}
+TIMED_OUT = {
+    "status": "error",
+    "output": "",
+    "error": "command timed out after 120 s",
+    "returncode": -9,
+}
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        TIMED_OUT,  # /execute's time limit
+        {"status": "error", "output": "", "error": "", "returncode": 124},  # the script's alarm
+        {"status": "error", "output": "", "error": "NoConnectException", "returncode": 1},
+    ],
+)
+def test_a_stuck_or_gone_office_is_restarted_and_the_document_tried_once_more(first):
+    apps = _Scripted([first, OK])
+    try:
+        assert apps.office(b"x", "a.xlsx", "xlsx") == b"converted /tmp/osworld_apps/1/out/a.xlsx"
+        assert apps.launched == ["soffice", "pkill", "soffice"]
+        assert apps.conversions == []
+    finally:
+        apps.close()
+
+
+def test_a_document_that_blocks_office_twice_fails_naming_it_and_the_log():
+    apps = _Scripted([TIMED_OUT, TIMED_OUT])
+    try:
+        with pytest.raises(RealAppError, match=r"LibreOffice a\.xlsx -> xlsx failed .*jail log"):
+            apps.office(b"x", "a.xlsx", "xlsx")
+    finally:
+        apps.close()
+
+
+def test_other_failures_are_not_retried():
+    bad = {"status": "error", "output": "", "error": "could not load", "returncode": 1}
+    apps = _Scripted([bad])
+    try:
+        with pytest.raises(RealAppError, match="could not load"):
+            apps.office(b"x", "a.xlsx", "xlsx")
+        assert apps.launched == ["soffice"]
+    finally:
+        apps.close()
