@@ -112,12 +112,14 @@ def test_server_killed_mid_step_then_refit_skips_it(servers):
             await asyncio.sleep(0.1)  # let the victim start prefilling / decoding
             in_flight_at_kill = by_url[victim.url].outstanding
             dispatched_before = {u: s.dispatched for u, s in by_url.items()}
+            # The spread is the load up to the kill: afterwards the victim's requests are retried
+            # on the live servers while their own may still run (seen: 10 outstanding on each).
+            stop.set()
+            await sampler
             victim.process.kill()  # SIGKILL: no goodbye, sockets reset mid-request
             t0 = time.monotonic()
             gens = await asyncio.gather(*tasks)
             recovery_s = time.monotonic() - t0
-            stop.set()
-            await sampler
             drained = {u: (s.healthy, s.dispatched, s.failed) for u, s in by_url.items()}
 
             report = await client.refit(str(new_weights), "v1")
@@ -147,7 +149,8 @@ def test_server_killed_mid_step_then_refit_skips_it(servers):
         f"dispatched/failed {r['drained']}"
     )
 
-    # Load was spread by outstanding requests: 24 at once over 3 equal servers -> 8 each.
+    # Load was spread by outstanding requests: 24 at once over 3 equal servers -> 8 each
+    # (dispatched, and at most outstanding on each, up to the kill).
     assert r["dispatched_before"] == dict.fromkeys(r["peak"], SLOTS)
     assert set(r["peak"].values()) == {SLOTS}
     # The kill happened mid-step, with requests of this step on the victim.
