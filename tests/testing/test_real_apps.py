@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from osworld_jax.testing.apps import RealAppError, RealApps
+from osworld_jax.testing.apps import WORK, RealAppError, RealApps
 
 
 class _Desktop:
@@ -24,18 +24,32 @@ class _Scripted(RealApps):
         return _Desktop()
 
     def execute(self, command, *, shell=False):
-        if command[:2] == ["python3", "/tmp/osworld_apps/lo_convert.py"]:
+        if command[:2] == ["python3", f"{WORK}/lo_convert.py"]:
             return self.conversions.pop(0)
         return {"status": "success", "output": "", "error": "", "returncode": 0}
 
     def launch(self, command, *, shell=False):
-        self.launched.append(command[0] if command[0] != "pkill" else "pkill")
+        self.launched.append(command[0])
 
     def upload(self, path, data):
         pass
 
     def file(self, path):
         return b"converted " + path.encode()
+
+
+@pytest.fixture
+def scripted():
+    """Makes `_Scripted` apps; closes them after the test."""
+    made: list[_Scripted] = []
+
+    def make(conversions: list[dict]) -> _Scripted:
+        made.append(_Scripted(conversions))
+        return made[-1]
+
+    yield make
+    for apps in made:
+        apps.close()
 
 
 OK = {"status": "success", "output": "", "error": "", "returncode": 0}
@@ -55,31 +69,21 @@ TIMED_OUT = {
         {"status": "error", "output": "", "error": "NoConnectException", "returncode": 1},
     ],
 )
-def test_a_stuck_or_gone_office_is_restarted_and_the_document_tried_once_more(first):
-    apps = _Scripted([first, OK])
-    try:
-        assert apps.office(b"x", "a.xlsx", "xlsx") == b"converted /tmp/osworld_apps/1/out/a.xlsx"
-        assert apps.launched == ["soffice", "pkill", "soffice"]
-        assert apps.conversions == []
-    finally:
-        apps.close()
+def test_a_stuck_or_gone_office_is_restarted_and_the_document_tried_once_more(first, scripted):
+    apps = scripted([first, OK])
+    assert apps.office(b"x", "a.xlsx", "xlsx") == f"converted {WORK}/1/out/a.xlsx".encode()
+    assert apps.launched == ["soffice", "pkill", "soffice"]
+    assert apps.conversions == []
 
 
-def test_a_document_that_blocks_office_twice_fails_naming_it_and_the_log():
-    apps = _Scripted([TIMED_OUT, TIMED_OUT])
-    try:
-        with pytest.raises(RealAppError, match=r"LibreOffice a\.xlsx -> xlsx failed .*jail log"):
-            apps.office(b"x", "a.xlsx", "xlsx")
-    finally:
-        apps.close()
+def test_a_document_that_blocks_office_twice_fails_naming_it_and_the_log(scripted):
+    apps = scripted([TIMED_OUT, TIMED_OUT])
+    with pytest.raises(RealAppError, match=r"LibreOffice a\.xlsx -> xlsx failed .*jail log"):
+        apps.office(b"x", "a.xlsx", "xlsx")
 
 
-def test_other_failures_are_not_retried():
-    bad = {"status": "error", "output": "", "error": "could not load", "returncode": 1}
-    apps = _Scripted([bad])
-    try:
-        with pytest.raises(RealAppError, match="could not load"):
-            apps.office(b"x", "a.xlsx", "xlsx")
-        assert apps.launched == ["soffice"]
-    finally:
-        apps.close()
+def test_other_failures_are_not_retried(scripted):
+    apps = scripted([{"status": "error", "output": "", "error": "could not load", "returncode": 1}])
+    with pytest.raises(RealAppError, match="could not load"):
+        apps.office(b"x", "a.xlsx", "xlsx")
+    assert apps.launched == ["soffice"]
