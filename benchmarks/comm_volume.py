@@ -321,21 +321,6 @@ def hlo_bytes(bench, mesh: dict[str, int], rows: int, seq: int) -> dict[str, flo
     return hlo_collective_bytes(lowered.compile().as_text(), n)
 
 
-# ----------------------------------------------------------------------------------- presets
-
-
-def load_preset(path: Path) -> tuple[dict[str, int], object, str]:
-    """``(mesh axes, ModelRuntimeConfig bindings applied to bench-moe's, overlap)`` of a gin."""
-    from osworld_jax import config as gin_config
-    from osworld_jax.model import ModelRuntimeConfig
-    from osworld_jax.rl.config import MeshConfig
-
-    gin_config.parse_gin([path])
-    mesh = gin_config.build(MeshConfig)
-    runtime = gin_config.build(ModelRuntimeConfig)
-    return mesh.axes(), runtime, mesh.overlap
-
-
 def _rows(
     presets: Iterable[tuple[str, dict[str, int], bool, str]], bench, args
 ) -> list[dict[str, object]]:
@@ -413,6 +398,7 @@ def main(argv: list[str] | None = None) -> None:
         if "device_count" not in flags:
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8"
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    from mesh_presets import load_preset  # type: ignore[import-not-found]
     from train_step import CONFIGS  # type: ignore[import-not-found]
 
     bench = CONFIGS["bench-moe"]

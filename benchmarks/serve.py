@@ -101,7 +101,7 @@ async def embedded_rate(engine, prompts: list[list[int]], n: int) -> float:
     import aiohttp
     from aiohttp import web
 
-    from osworld_jax.rollout.server import build_app
+    from osworld_jax.server.app import build_app
 
     runner = web.AppRunner(build_app(engine))
     await runner.setup()
@@ -164,7 +164,7 @@ async def embedded_image_rates(
     import aiohttp
     from aiohttp import web
 
-    from osworld_jax.rollout.server import build_app
+    from osworld_jax.server.app import build_app
 
     runner = web.AppRunner(build_app(engine))
     await runner.setup()
@@ -209,13 +209,13 @@ async def embedded_image_rates(
 
 def compiled() -> tuple[int, int]:
     """Compiled prefill and decode shapes so far (a timed run should add none)."""
-    from osworld_jax.rollout import runner
+    from osworld_jax.server import runner
 
     return runner._prefill._cache_size(), runner._decode._cache_size()
 
 
 def image_rows(args: argparse.Namespace, path: Path, dtype: str, levels: list[int]) -> None:
-    from osworld_jax.rollout.engine import Engine, EngineConfig
+    from osworld_jax.server.engine import Engine, EngineConfig
 
     n = args.max_new_tokens
     rows = []
@@ -281,7 +281,7 @@ def main() -> None:
     args = parse_args()
     import jax
 
-    from osworld_jax.rollout.engine import Engine, EngineConfig
+    from osworld_jax.server.engine import Engine, EngineConfig
 
     on_gpu = jax.default_backend() == "gpu"
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")

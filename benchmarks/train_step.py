@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> None:
 
     overlap = args.overlap
     if args.preset:  # before the backend starts: the overlap flags are read at start-up
-        from comm_volume import load_preset  # type: ignore[import-not-found]
+        from mesh_presets import load_preset  # type: ignore[import-not-found]
 
         path = Path(args.preset)
         if not path.exists():

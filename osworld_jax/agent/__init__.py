@@ -37,7 +37,8 @@ from osworld_jax.agent.owner import (
 )
 from osworld_jax.agent.prompts import render_observation, system_prompt
 from osworld_jax.agent.segments import Segment, build_segments
-from osworld_jax.agent.template import QWEN_CHAT_TEMPLATE, AgentTokenizer, ChatTemplate
+from osworld_jax.agent.tokenizer import AgentTokenizer
+from osworld_jax.model.chat_template import QWEN_CHAT_TEMPLATE, ChatTemplate
 
 __all__ = [
     "QWEN_CHAT_TEMPLATE",

@@ -44,7 +44,7 @@ from osworld_jax.agent.prompts import (
 )
 
 if TYPE_CHECKING:
-    from osworld_jax.agent.template import AgentTokenizer
+    from osworld_jax.agent.tokenizer import AgentTokenizer
     from osworld_jax.env.backend import Observation
 
 _SENTINEL = "\u2063OSWORLD_JAX_TURN_SENTINEL\u2063"

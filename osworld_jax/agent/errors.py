@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-from osworld_jax.errors import ConfigError, InfraError, OsworldJaxError
+from osworld_jax.errors import InfraError, OsworldJaxError
+from osworld_jax.model.errors import ChatTemplateError
 
-
-class ChatTemplateError(ConfigError):
-    """A chat template is missing, does not compile, or renders inconsistently."""
+__all__ = [
+    "AgentCallError",
+    "ChatTemplateError",
+    "ContextOverflowError",
+    "GroupPolicyError",
+    "PackingError",
+    "SegmentIntegrityError",
+    "WeightVersionError",
+]
 
 
 class ContextOverflowError(OsworldJaxError):

@@ -20,7 +20,7 @@ from osworld_jax.errors import InfraError
 _DECIMAL = re.compile(r"[0-9]+")
 
 if TYPE_CHECKING:
-    from osworld_jax.agent.template import AgentTokenizer
+    from osworld_jax.agent.tokenizer import AgentTokenizer
     from osworld_jax.env.agent_env import OwnerResult
     from osworld_jax.env.backend import Observation
     from osworld_jax.rollout import Generation, SamplingParams

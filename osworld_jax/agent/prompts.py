@@ -17,7 +17,7 @@ from osworld_jax.env.actions import ActionSpace
 from osworld_jax.registry import check_choice
 
 if TYPE_CHECKING:
-    from osworld_jax.agent.template import AgentTokenizer
+    from osworld_jax.agent.tokenizer import AgentTokenizer
     from osworld_jax.env.backend import Observation
 
 _SPECIAL_ACTIONS = """\

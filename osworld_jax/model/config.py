@@ -37,6 +37,17 @@ _HF_DEFAULTS: dict[str, Any] = {
     "pad_token_id": None,
     "initializer_range": 0.02,
 }
+#: ``model_type`` -> the `Qwen3MoeConfig` subclass that reads such a ``config.json`` (filled by
+#: `register_model_type` when the subclass's module is imported: ``vl_config`` for
+#: ``qwen3_vl_moe``).
+MODEL_TYPES: dict[str, type[Qwen3MoeConfig]] = {}
+
+
+def register_model_type(model_type: str, cls: type[Qwen3MoeConfig]) -> None:
+    """Makes `Qwen3MoeConfig.from_hf_dict` read a ``config.json`` of ``model_type`` as ``cls``."""
+    MODEL_TYPES[model_type] = cls
+
+
 _REQUIRED = (
     "vocab_size",
     "hidden_size",
@@ -165,16 +176,18 @@ class Qwen3MoeConfig:
         """Reads a HF ``config.json`` dict; unsupported values raise `ModelConfigError`.
 
         A ``qwen3_vl_moe`` dict gives a `Qwen3VLMoeConfig` (a subclass: its text fields are
-        these), so code that reads a checkpoint's config keeps working on VL checkpoints.
+        these), so code that reads a checkpoint's config keeps working on VL checkpoints. The
+        subclasses register their model type in `MODEL_TYPES` (`register_model_type`) when
+        their module is imported (``osworld_jax.model`` imports ``vl_config``), so this module
+        imports none of them.
         """
         d = dict(d)
         model_type = d.get("model_type", "qwen3_moe")
-        if model_type == "qwen3_vl_moe" and cls is Qwen3MoeConfig:
-            from osworld_jax.model.vl_config import Qwen3VLMoeConfig
-
-            return Qwen3VLMoeConfig.from_hf_dict(d)
+        if model_type in MODEL_TYPES and cls is Qwen3MoeConfig:
+            return MODEL_TYPES[model_type].from_hf_dict(d)
         if model_type != "qwen3_moe":
-            raise ModelConfigError(f"config.json model_type: {model_type!r} is not 'qwen3_moe'")
+            known = ", ".join(repr(t) for t in ("qwen3_moe", *MODEL_TYPES))
+            raise ModelConfigError(f"config.json model_type: {model_type!r} is not one of {known}")
         for key, want in (("hidden_act", "silu"), ("attention_bias", False)):
             if key in d and d[key] != want:
                 raise ModelConfigError(f"config.json {key}: {d[key]!r} unsupported (need {want!r})")

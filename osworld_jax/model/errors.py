@@ -17,3 +17,7 @@ class CheckpointError(OsworldJaxError, ValueError):
 
 class ImageInputError(OsworldJaxError, ValueError):
     """An image given to the `ImageProcessor` cannot be used (undecodable, wrong shape/dtype)."""
+
+
+class ChatTemplateError(ConfigError):
+    """A chat template is missing, does not compile, or renders inconsistently."""

@@ -23,7 +23,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from osworld_jax.model.config import Qwen3MoeConfig
+from osworld_jax.model.config import Qwen3MoeConfig, register_model_type
 from osworld_jax.model.errors import ModelConfigError
 
 VISION_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
@@ -351,3 +351,6 @@ def _pop_mrope(text: dict[str, Any]) -> dict[str, Any]:
     if "mrope_interleaved" in found:
         out["mrope_interleaved"] = bool(found["mrope_interleaved"])
     return out
+
+
+register_model_type("qwen3_vl_moe", Qwen3VLMoeConfig)

@@ -232,7 +232,7 @@ class ServerConfig:
 
     Attributes:
       launch: ``none`` (use ``RolloutConfig.urls``), ``embedded`` (start ``python -m
-        osworld_jax.rollout.serve`` on the run's model) or ``sglang`` (start real SGLang
+        osworld_jax.server.serve`` on the run's model) or ``sglang`` (start real SGLang
         servers, ``python -m sglang.launch_server``, configured by ``sglang``); started
         servers replace ``RolloutConfig.urls`` and stop when the run ends (see
         `ServerLauncher`).
@@ -241,7 +241,7 @@ class ServerConfig:
       max_running_requests: each started server's concurrent-request cap (its decode batch).
       dtype: the started servers' compute dtype (``--dtype``).
       startup_timeout_s: how long to wait for a started server to serve.
-      extra_args: further ``osworld_jax.rollout.serve`` flags of the embedded server (e.g.
+      extra_args: further ``osworld_jax.server.serve`` flags of the embedded server (e.g.
         ``("--context-length", "4096")``); the trainer's ``ModelRuntimeConfig.expert_backend``
         is always passed.
       return_original_logprob: the servers report output logprobs at temperature 1

@@ -1,6 +1,6 @@
 """The rollout servers a run starts (``ServerConfig.launch``) and their preflight checks.
 
-``embedded`` starts one ``python -m osworld_jax.rollout.serve``; ``sglang`` starts
+``embedded`` starts one ``python -m osworld_jax.server.serve``; ``sglang`` starts
 ``ServerConfig.sglang.num_servers`` real SGLang servers (``python -m sglang.launch_server``, as
 verl and slime do). Either way the run waits until they serve, points the client at them and
 stops them (their whole process groups) when it ends.

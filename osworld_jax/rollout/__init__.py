@@ -1,6 +1,11 @@
-"""osworld_jax.rollout: the SGLang client, the embedded SGLang-compatible server, weight refit.
+"""osworld_jax.rollout: the trainer's side of any SGLang server (client, wire format, launchers).
 
-See docs/INTERFACES.md and ../shared/SGLANG_API.md (the wire contract).
+`SGLangClient` (``client.py``: generate, abort/resubmit, refit), the wire format shared with the
+servers (``wire.py``), their configs (``config.py``) and errors (``errors.py``), and the
+launchers of real SGLang or the embedded server as subprocesses (``launch.py``). The embedded
+SGLang-compatible JAX server itself is the `osworld_jax.server` room; nothing here imports it
+(``launch.py`` starts it by module name). See docs/INTERFACES.md and ../shared/SGLANG_API.md
+(the wire contract).
 """
 
 from osworld_jax.rollout.client import ServerState, SGLangClient

@@ -258,7 +258,7 @@ class SGLangClient:
         image (base64 PNG/JPEG, a ``data:`` URL, or a file path the server can read), filling
         the prompt's image placeholders in order (each ``<|vision_start|><|image_pad|>
         <|vision_end|>``, expanded by the server, or already expanded to the processor's count
-        with `osworld_jax.rollout.images.expand_image_tokens`). ``prompt_tokens`` and the
+        with `osworld_jax.server.images.expand_image_tokens`). ``prompt_tokens`` and the
         route rows then count the expanded prompt; send expanded prompts for token-exact
         training (every position the trainer sees is then one the caller sent).
 

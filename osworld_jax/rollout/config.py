@@ -15,7 +15,7 @@ from osworld_jax.registry import check_choice
 LoadBalancer = Literal["least_outstanding", "round_robin"]
 
 #: How the RL loop gets its rollout servers (``ServerConfig.launch``): the running ones at
-#: ``RolloutConfig.urls``, ``python -m osworld_jax.rollout.serve`` (CPU or GPU), or
+#: ``RolloutConfig.urls``, ``python -m osworld_jax.server.serve`` (CPU or GPU), or
 #: ``python -m sglang.launch_server`` (CUDA GPUs; the sglang extra).
 ServerLauncher = Literal["none", "embedded", "sglang"]
 

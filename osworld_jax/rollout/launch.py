@@ -1,6 +1,6 @@
 """Rollout servers as subprocesses: start them, wait until they serve, stop them at exit.
 
-- `EmbeddedServer` (`launch_embedded`): ``python -m osworld_jax.rollout.serve``, ready when
+- `EmbeddedServer` (`launch_embedded`): ``python -m osworld_jax.server.serve``, ready when
   ``/health`` is 200.
 - `SGLangServer` (`launch_sglang`): real SGLang, ``python -m sglang.launch_server`` with the
   flags of SGLang 0.5.x (`sglang_command`), ready when ``/health_generate`` is 200 (a one-token
@@ -196,7 +196,7 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
 
 
 class EmbeddedServer(ServerProcess):
-    """A ``python -m osworld_jax.rollout.serve`` subprocess (a context manager).
+    """A ``python -m osworld_jax.server.serve`` subprocess (a context manager).
 
     Args:
       model_path: HF checkpoint directory.
@@ -231,7 +231,7 @@ class EmbeddedServer(ServerProcess):
     ) -> None:
         port = port if port is not None else free_port(host)
         cmd = [
-            sys.executable, "-m", "osworld_jax.rollout.serve",
+            sys.executable, "-m", "osworld_jax.server.serve",
             "--model-path", str(model_path), "--host", host, "--port", str(port),
             "--max-running-requests", str(max_running_requests),
             "--weight-version", weight_version,

@@ -97,7 +97,7 @@ async def roll_out(url, tok, model):
 def test_a_packed_batch_with_images_reproduces_every_behaviour_logprob(vl_ckpt):
     tok = AgentTokenizer.from_model_dir(vl_ckpt)
     model = Qwen3MoeConfig.from_json(vl_ckpt / "config.json")
-    from osworld_jax.rollout.engine import Engine, EngineConfig
+    from osworld_jax.server.engine import Engine, EngineConfig
 
     kw = dict(VL_ENGINE_KW, context_length=1024)
     engine = Engine(EngineConfig(model_path=str(vl_ckpt), weight_version="v0", **kw)).start()

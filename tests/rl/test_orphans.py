@@ -71,7 +71,7 @@ def _wait_for_server_and_jail(proc: subprocess.Popen) -> dict[int, tuple[int, st
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
         tree = _descendants(proc.pid)
         cmds = [c for _, c in tree.values()]
-        if any("osworld_jax.rollout.serve" in c for c in cmds) and any("bwrap" in c for c in cmds):
+        if any("osworld_jax.server.serve" in c for c in cmds) and any("bwrap" in c for c in cmds):
             return tree
         time.sleep(0.5)
     raise AssertionError("the embedded server and a jail never ran together")
@@ -120,7 +120,7 @@ def test_kill_9_of_the_trainer_leaves_nothing_and_a_restart_cleans_up(tmp_path):
     tree = _wait_for_server_and_jail(trainer)
     dirs = json.loads((run_dir / LEASE_FILE).read_text())["dirs"]
     (reaper,) = [p for p, (_, c) in tree.items() if "osworld_jax.reaper" in c]
-    server = {p: v for p, v in tree.items() if "osworld_jax.rollout.serve" in v[1]}
+    server = {p: v for p, v in tree.items() if "osworld_jax.server.serve" in v[1]}
     subprocess.run(["kill", "-9", str(reaper), str(trainer.pid)], check=True)
     trainer.wait()
     jails = {p: v for p, v in tree.items() if "bwrap" in v[1]}
@@ -132,7 +132,7 @@ def test_kill_9_of_the_trainer_leaves_nothing_and_a_restart_cleans_up(tmp_path):
     try:
         assert _gone(server, within_s=120) == []
         assert _removed(dirs, within_s=10)
-        while "osworld_jax.rollout.serve" not in " ".join(
+        while "osworld_jax.server.serve" not in " ".join(
             c for _, c in _descendants(restart.pid).values()
         ):  # the restart goes on and starts its own server
             assert restart.poll() is None, restart.stderr.read().decode()[-3000:]

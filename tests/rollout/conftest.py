@@ -40,7 +40,7 @@ def tiny_ckpt_b(tmp_path_factory):
 
 
 def start_engine(path, weight_version: str = "v0"):
-    from osworld_jax.rollout.engine import Engine, EngineConfig
+    from osworld_jax.server.engine import Engine, EngineConfig
 
     cfg = EngineConfig(model_path=str(path), weight_version=weight_version, **ENGINE_KW)
     return Engine(cfg).start()
@@ -58,7 +58,7 @@ async def serving(engine, limits=None) -> AsyncIterator[str]:
     """Serves ``engine`` over HTTP on 127.0.0.1:<free port> for the duration of the block."""
     from aiohttp import web
 
-    from osworld_jax.rollout.server import build_app
+    from osworld_jax.server.app import build_app
 
     runner = web.AppRunner(build_app(engine, {"model_path": engine.model_path}, limits))
     await runner.setup()
@@ -121,7 +121,7 @@ def vl_ckpt(tmp_path_factory):
 
 
 def start_vl_engine(path, weight_version: str = "v0"):
-    from osworld_jax.rollout.engine import Engine, EngineConfig
+    from osworld_jax.server.engine import Engine, EngineConfig
 
     cfg = EngineConfig(model_path=str(path), weight_version=weight_version, **VL_ENGINE_KW)
     return Engine(cfg).start()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from osworld_jax.model.safetensors_io import SafetensorsFile, write_safetensors
-from osworld_jax.rollout.protocol import ServerLimits
+from osworld_jax.server.protocol import ServerLimits
 
 from .conftest import make_ckpt, serving
 from .test_server import post

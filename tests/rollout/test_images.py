@@ -26,7 +26,7 @@ from PIL import Image
 
 from osworld_jax.model import ImageProcessor, forward, load_hf_checkpoint, mrope_positions
 from osworld_jax.rollout import RolloutConfig, SamplingParams, SGLangClient
-from osworld_jax.rollout.images import expand_image_tokens
+from osworld_jax.server.images import expand_image_tokens
 
 from .conftest import hf_vl_logits_and_routes, hf_vl_model, log_softmax, serving
 from .test_server import post, routes_of
@@ -448,7 +448,7 @@ def test_client_refit_mid_generation_on_image_prompts_stitches_exactly(vl_engine
 def test_dropped_patches_are_restored_from_the_encoded_bytes(vl_ckpt):
     """A prefilled request keeps only its images' encoded bytes; a re-prefill (a retracted
     request whose kept rows were taken) recomputes exactly the same patches."""
-    from osworld_jax.rollout.images import ImageLimits, load_request_images
+    from osworld_jax.server.images import ImageLimits, load_request_images
 
     processor = ImageProcessor.from_pretrained(vl_ckpt)
     items = [b64(png(40, 64, 96)), b64(png(41, 96, 64, "JPEG"))]

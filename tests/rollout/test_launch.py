@@ -1,4 +1,4 @@
-"""The real subprocess: ``python -m osworld_jax.rollout.serve`` via `launch_embedded`."""
+"""The real subprocess: ``python -m osworld_jax.server.serve`` via `launch_embedded`."""
 
 from __future__ import annotations
 

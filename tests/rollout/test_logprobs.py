@@ -93,7 +93,7 @@ def test_output_logprobs_are_at_the_sampling_temperature(engine, tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def original_engine(tiny_ckpt):
-    from osworld_jax.rollout.engine import Engine, EngineConfig
+    from osworld_jax.server.engine import Engine, EngineConfig
 
     cfg = EngineConfig(model_path=str(tiny_ckpt), return_original_logprob=True, **ENGINE_KW)
     eng = Engine(cfg).start()
@@ -109,7 +109,7 @@ def test_original_logprobs_are_at_temperature_one(original_engine, tiny_ckpt):
 
 
 def test_serve_flag_follows_sglang_env(monkeypatch):
-    from osworld_jax.rollout.serve import parse_args
+    from osworld_jax.server.serve import parse_args
 
     for value, want in (("1", True), ("True", True), ("0", False), ("yes", False)):
         monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", value)

@@ -6,8 +6,8 @@ import hashlib
 
 import numpy as np
 
-from osworld_jax.rollout.images import RequestImages
-from osworld_jax.rollout.prefix_cache import PrefixCache, common_prefix, prefix_key, whole_images
+from osworld_jax.server.images import RequestImages
+from osworld_jax.server.prefix_cache import PrefixCache, common_prefix, prefix_key, whole_images
 
 PAD = 5
 

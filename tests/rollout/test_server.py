@@ -437,7 +437,7 @@ def test_pause_retract_and_in_place_resume_exactly(engine):
 
 def test_precompile_leaves_no_compile_for_traffic(engine):
     """After `precompile`, serving prompts of that length compiles nothing new."""
-    from osworld_jax.rollout import runner
+    from osworld_jax.server import runner
 
     engine.precompile(len(PROMPTS[0]), len(PROMPTS[0]) + 12)
     before = (runner._prefill._cache_size(), runner._decode._cache_size())
@@ -455,7 +455,8 @@ def test_precompile_leaves_no_compile_for_traffic(engine):
 def test_endpoints_answer_503_until_the_engine_is_ready():
     from aiohttp import web
 
-    from osworld_jax.rollout.server import ENGINE_KEY, build_app
+    from osworld_jax.server.app import build_app
+    from osworld_jax.server.http_base import ENGINE_KEY
 
     async def main():
         app = build_app(None)

@@ -302,7 +302,7 @@ def bare_ckpt(tiny_ckpt, tmp_path_factory):
 
 
 def test_skip_tokenizer_init_serves_tokens(engine, bare_ckpt):
-    from osworld_jax.rollout.engine import Engine, EngineConfig
+    from osworld_jax.server.engine import Engine, EngineConfig
 
     with pytest.raises(EngineError, match=r"no tokenizer\.json.*--skip-tokenizer-init"):
         Engine(EngineConfig(model_path=str(bare_ckpt), **ENGINE_KW))

@@ -1,7 +1,7 @@
 """Three embedded servers behind one `SGLangClient`; one is SIGKILLed in the middle of a step.
 
 A step's worth of concurrent generations (24) is spread by outstanding requests over the three
-real ``python -m osworld_jax.rollout.serve`` subprocesses; one server is killed while it holds
+real ``python -m osworld_jax.server.serve`` subprocesses; one server is killed while it holds
 requests; every request still completes (retried on the live servers), the dead server is
 drained, and the refit that follows reaches the two live servers and takes the dead one out of
 rotation, with the weight version checked on every reply.

@@ -32,8 +32,8 @@ from osworld_jax.model import (
 )
 from osworld_jax.model.mrope import mrope_positions
 from osworld_jax.rollout.errors import EngineError
-from osworld_jax.rollout.images import RequestImages
-from osworld_jax.rollout.sampling import sample, step_keys, token_logprobs, top_logprobs
+from osworld_jax.server.images import RequestImages
+from osworld_jax.server.sampling import sample, step_keys, token_logprobs, top_logprobs
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from osworld_jax.rollout.images import RequestImages
+from osworld_jax.server.images import RequestImages
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,7 +39,7 @@ class EngineConfig:
         distribution) instead of at the request's temperature, as SGLang does under
         ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (see `osworld_jax.rollout.logprob_temperature`).
       enable_prefix_cache: a free slot keeps the KV of the sequence it held and a request
-        extending it reuses it (`osworld_jax.rollout.prefix_cache`; False is SGLang's
+        extending it reuses it (`osworld_jax.server.prefix_cache`; False is SGLang's
         ``--disable-radix-cache``).
       skip_tokenizer_init: serve token ids only, without loading a tokenizer (SGLang's
         ``--skip-tokenizer-init``): ``text`` prompts, ``stop`` strings and ``min_new_tokens``

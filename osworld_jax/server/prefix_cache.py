@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from osworld_jax.rollout.images import RequestImages
+from osworld_jax.server.images import RequestImages
 
 
 def prefix_key(

@@ -1,11 +1,13 @@
-"""Chat templates and the tokenizer the agent speaks through.
+"""A model's chat template, rendered as HF ``transformers`` renders it (no jax, no tokenizer).
 
 The model's own ``chat_template`` (``tokenizer_config.json``, ``chat_template.jinja`` or a
 processor's ``chat_template.json``) is rendered
 with jinja2 in an immutable sandbox, with the same environment HF ``transformers`` uses
 (``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, ``raise_exception``, ``tojson``,
 ``strftime_now``), so a prompt renders exactly as ``apply_chat_template(..., tokenize=False)``
-would. A built-in Qwen-style (ChatML) template serves models without one.
+would. A built-in Qwen-style (ChatML) template serves models without one. The agent room renders
+its prompts with it (`osworld_jax.agent.tokenizer.AgentTokenizer`), the embedded server its
+``/v1/chat/completions`` messages (`osworld_jax.server.openai_api`).
 """
 
 from __future__ import annotations
@@ -19,11 +21,8 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
-import numpy as np
-import tokenizers
 
-from osworld_jax.agent.errors import ChatTemplateError
-from osworld_jax.model.processor import PREPROCESSOR_FILE, ImageProcessor
+from osworld_jax.model.errors import ChatTemplateError
 
 #: ChatML, as the Qwen2.5 / Qwen3 (non-thinking) templates render plain string messages.
 QWEN_CHAT_TEMPLATE = (
@@ -156,66 +155,3 @@ class ChatTemplate:
             )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"{self.name}: rendering failed: {e}") from e
-
-
-class AgentTokenizer:
-    """A ``tokenizers.Tokenizer``, the chat template and the image processor of one model.
-
-    Encoding never adds special tokens of its own (no BOS): prompts are ids of rendered text.
-
-    Attributes:
-      tokenizer: the underlying fast tokenizer.
-      template: the chat template.
-      image_processor: the model's image processor (``preprocessor_config.json``; it alone
-        decides how many image tokens a screenshot takes), or None for a text model.
-    """
-
-    def __init__(
-        self,
-        tokenizer: tokenizers.Tokenizer,
-        template: ChatTemplate,
-        image_processor: ImageProcessor | None = None,
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.template = template
-        self.image_processor = image_processor
-        self._special = tuple(
-            t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special
-        )
-
-    @classmethod
-    def from_model_dir(cls, path: str | Path, *, allow_builtin: bool = True) -> AgentTokenizer:
-        """Loads ``tokenizer.json``, the chat template and (when present) the image processor
-        (``preprocessor_config.json``) of a HF model directory."""  # noqa: D205, D209
-        path = Path(path)
-        tok_path = path / "tokenizer.json"
-        if not tok_path.exists():
-            raise ChatTemplateError(f"{tok_path}: missing (a fast tokenizer file is required)")
-        tok = tokenizers.Tokenizer.from_file(str(tok_path))
-        processor = None
-        if (path / PREPROCESSOR_FILE).is_file():
-            processor = ImageProcessor.from_pretrained(path)
-        template = ChatTemplate.from_model_dir(path, allow_builtin=allow_builtin)
-        return cls(tok, template, processor)
-
-    @property
-    def special_tokens(self) -> tuple[str, ...]:
-        """The special token strings of the vocabulary."""
-        return self._special
-
-    def encode(self, text: str) -> np.ndarray:
-        """Token ids of ``text`` as i32[n] (special token strings map to their ids)."""
-        return np.asarray(self.tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
-
-    def decode(self, ids: Sequence[int] | np.ndarray, *, skip_special_tokens: bool = True) -> str:
-        """Text of ``ids``."""
-        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
-
-    def token_id(self, token: str) -> int | None:
-        """The id of a single token string, or None when it is not in the vocabulary."""
-        i = self.tokenizer.token_to_id(token)
-        return None if i is None else int(i)
-
-    def count(self, text: str) -> int:
-        """Number of tokens of ``text``."""
-        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)

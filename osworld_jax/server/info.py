@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from osworld_jax.rollout.server import ARGS_KEY, VERSION, error_response, ready_engine
+from osworld_jax.server.http_base import ARGS_KEY, VERSION, error_response, ready_engine
 
 #: ``/v1/loads?include=`` sections SGLang accepts.
 LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")

@@ -16,17 +16,17 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from osworld_jax.rollout.images import (
+from osworld_jax.server.images import (
     ImageLimits,
     ImageRequestError,
     RequestImages,
     expand_image_tokens,
     normalize_image_data,
 )
-from osworld_jax.rollout.runner import MAX_BANNED, MAX_TOP_LOGPROBS
+from osworld_jax.server.runner import MAX_BANNED, MAX_TOP_LOGPROBS
 
 if TYPE_CHECKING:
-    from osworld_jax.rollout.engine import Engine, GenRequest
+    from osworld_jax.server.engine import Engine, GenRequest
 
 #: SGLang's ``MAX_STOP_COUNT`` (``sampling_params.py``).
 SGLANG_MAX_STOP_COUNT = 32
@@ -355,7 +355,7 @@ def parse_generate(
 
     ``tokenized`` holds the token ids of the body's ``text`` prompts (see `prompt_texts`);
     ``images`` each request's processed images (`image_items` read in a thread with
-    `osworld_jax.rollout.images.load_request_images`; None: the body must hold none). Each
+    `osworld_jax.server.images.load_request_images`; None: the body must hold none). Each
     image placeholder of a prompt is expanded to its image's token count
     (`expand_image_tokens`).
     """

@@ -1,9 +1,9 @@
 """The OpenAI-compatible endpoints' requests and replies as pure functions (no aiohttp).
 
 A completion or chat request becomes a native ``/generate`` body (SGLang's ``GenerateReqInput``,
-validated afterwards by `osworld_jax.rollout.protocol`); the engine's ``/generate`` replies
+validated afterwards by `osworld_jax.server.protocol`); the engine's ``/generate`` replies
 become OpenAI's logprobs and usage objects. Shapes and defaults follow SGLang 0.5.x
-``srt/entrypoints/openai/protocol.py`` and ``serving_*.py`` (see `osworld_jax.rollout.openai_api`).
+``srt/entrypoints/openai/protocol.py`` and ``serving_*.py`` (see `osworld_jax.server.openai_api`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from typing import Any
 import jinja2
 import jinja2.nodes
 
-from osworld_jax.rollout.protocol import BadRequest
-from osworld_jax.rollout.runner import MAX_TOP_LOGPROBS
+from osworld_jax.model.chat_template import ChatTemplate
+from osworld_jax.model.errors import ChatTemplateError
+from osworld_jax.server.protocol import BadRequest
+from osworld_jax.server.runner import MAX_TOP_LOGPROBS
 
 #: Sampling keys of a chat request that default to the checkpoint's generation_config.json.
 MODEL_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
@@ -312,18 +314,16 @@ def generation_defaults(path: str) -> dict[str, Any]:
 
 
 def chat_body(
-    body: dict[str, Any], template: Any, defaults: dict[str, Any], context_length: int
+    body: dict[str, Any], template: ChatTemplate, defaults: dict[str, Any], context_length: int
 ) -> dict[str, Any]:
     """The ``/generate`` body of a chat request.
 
     Args:
       body: the request.
-      template: the model's `osworld_jax.agent.template.ChatTemplate`.
+      template: the model's chat template.
       defaults: sampling defaults of its ``generation_config.json`` (`generation_defaults`).
       context_length: the server's; the default ``max_new_tokens`` (clamped by the engine).
     """
-    from osworld_jax.agent.errors import ChatTemplateError
-
     fmt = content_format(template.source)
     messages, images, prefix = chat_messages(body, fmt)
     choice = body.get("tool_choice")

@@ -1,16 +1,16 @@
 """OpenAI-compatible endpoints of the embedded server, as SGLang 0.5.x serves them.
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``GET /v1/models`` is in
-`osworld_jax.rollout.info`). Like SGLang (``srt/entrypoints/openai/serving_completions.py``,
+`osworld_jax.server.info`). Like SGLang (``srt/entrypoints/openai/serving_completions.py``,
 ``serving_chat.py``, ``protocol.py``, ``sse_utils.py``, ``usage_processor.py``), a request is
-turned into a native ``/generate`` body (validated by `osworld_jax.rollout.protocol`, images
+turned into a native ``/generate`` body (validated by `osworld_jax.server.protocol`, images
 read in threads) and the engine's replies into OpenAI's shapes:
 
 - completions: ``prompt`` a string, strings, token ids or lists of ids (one choice each);
   ``max_tokens`` (default 16), ``echo``, ``logprobs`` (top-k count), ``stop``, ``seed``, the
   SGLang extras (``top_k``, ``min_p``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ...);
 - chat: ``messages`` rendered with the checkpoint's own chat template (jinja2 sandbox, HF's
-  environment: `osworld_jax.agent.template.ChatTemplate`); ``image_url`` content parts
+  environment: `osworld_jax.model.chat_template.ChatTemplate`); ``image_url`` content parts
   (``data:`` URLs, base64, file paths) become ``image_data`` and ``{"type": "image"}`` parts for
   templates that iterate over a message's content (SGLang's "openai" content format; other
   templates get the text parts joined by spaces); unset ``temperature`` / ``top_p`` / ``top_k``
@@ -29,7 +29,7 @@ Not served (400 naming the field): ``n`` > 1, penalties, ``logit_bias``, grammar
 ``best_of`` > 1. Errors are SGLang's ``{"object": "error", "message", "type", "param", "code"}``.
 Differences: a streamed chat step whose text is held back keeps its logprobs for the next chunk
 (SGLang drops them). The request / reply conversions are pure functions in
-`osworld_jax.rollout.openai_protocol`; this module holds the handlers and the SSE plumbing.
+`osworld_jax.server.openai_protocol`; this module holds the handlers and the SSE plumbing.
 """
 
 from __future__ import annotations
@@ -41,7 +41,16 @@ from typing import Any
 
 from aiohttp import web
 
-from osworld_jax.rollout.openai_protocol import (
+from osworld_jax.model.chat_template import ChatTemplate
+from osworld_jax.server.http_base import (
+    LIMITS_KEY,
+    Submission,
+    TooLarge,
+    parse_body_requests,
+    read_json,
+    ready_engine,
+)
+from osworld_jax.server.openai_protocol import (
     bool_field,
     chat_body,
     chat_logprobs,
@@ -54,15 +63,7 @@ from osworld_jax.rollout.openai_protocol import (
     stream_usage,
     usage,
 )
-from osworld_jax.rollout.protocol import BadRequest
-from osworld_jax.rollout.server import (
-    LIMITS_KEY,
-    Submission,
-    TooLarge,
-    parse_body_requests,
-    read_json,
-    ready_engine,
-)
+from osworld_jax.server.protocol import BadRequest
 
 _TEMPLATE_KEY: web.AppKey[dict[str, Any]] = web.AppKey("openai_templates", dict)
 
@@ -191,10 +192,8 @@ async def _stream_completions(
 # ------------------------------------------------------------------------- chat
 
 
-def _template(app: web.Application, engine: Any) -> tuple[Any, dict[str, Any]]:
+def _template(app: web.Application, engine: Any) -> tuple[ChatTemplate, dict[str, Any]]:
     """(chat template, generation defaults) of the served model, cached per model path."""
-    from osworld_jax.agent.template import ChatTemplate
-
     cache = app[_TEMPLATE_KEY]
     if cache.get("path") != engine.config.model_path:
         template = ChatTemplate.from_model_dir(engine.config.model_path)

@@ -22,18 +22,17 @@ from typing import Any
 
 import numpy as np
 
-from osworld_jax.rollout import replies
 from osworld_jax.rollout.config import GREEDY_EPS, logprob_temperature
 from osworld_jax.rollout.errors import EngineError
-from osworld_jax.rollout.model_files import eos_ids, load_processor, load_tokenizer
-from osworld_jax.rollout.prefix_cache import PrefixCache, prefix_key
-from osworld_jax.rollout.refit_check import (
+from osworld_jax.server.model_files import eos_ids, load_processor, load_tokenizer
+from osworld_jax.server.prefix_cache import PrefixCache, prefix_key
+from osworld_jax.server.refit_check import (
     CheckpointMismatch,
     checkpoint_signature,
     first_difference,
 )
-from osworld_jax.rollout.requests import EngineConfig, GenRequest
-from osworld_jax.rollout.runner import (
+from osworld_jax.server.requests import EngineConfig, GenRequest
+from osworld_jax.server.runner import (
     MAX_BANNED,
     MAX_TOP_LOGPROBS,
     ModelRunner,
@@ -586,16 +585,6 @@ class Engine:
             self._finish(req, reason)
         else:
             self._notify(req, False)
-
-    # ----------------------------------------------------------------- replies
-
-    def text_of(self, req: GenRequest) -> str:
-        """Decoded output text with SGLang's stop trimming (see `replies.output_text`)."""
-        return replies.output_text(self, req)
-
-    def response(self, req: GenRequest, final: bool = True) -> dict[str, Any]:
-        """The SGLang ``/generate`` reply object of ``req`` (see `replies.generate_reply`)."""
-        return replies.generate_reply(self, req, final)
 
 
 def _num_top(reqs: Sequence[GenRequest | None]) -> int:

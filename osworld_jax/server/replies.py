@@ -1,8 +1,8 @@
 """The embedded server's ``/generate`` replies, in SGLang 0.5.23's shape (../shared/SGLANG_API.md).
 
 Pure functions of an `Engine` (its tokenizer, model config, weight version) and a `GenRequest`'s
-progress; called on the engine thread (`Engine.response` after each step of a streamed request,
-once at the end otherwise).
+progress; called on the engine thread (`osworld_jax.server.http_base.Submission` after each step
+of a streamed request, once at the end otherwise). The engine does not import this module.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from osworld_jax.rollout.wire import encode_routed_experts
+from osworld_jax.server.requests import GenRequest
 
 if TYPE_CHECKING:
-    from osworld_jax.rollout.engine import Engine, GenRequest
+    from osworld_jax.server.engine import Engine
 
 
 def output_text(engine: Engine, req: GenRequest) -> str:

@@ -1,8 +1,8 @@
-r"""``python -m osworld_jax.rollout.serve``: the embedded SGLang-compatible JAX server.
+r"""``python -m osworld_jax.server.serve``: the embedded SGLang-compatible JAX server.
 
 Flags mirror ``python -m sglang.launch_server`` (those that apply to one JAX process)::
 
-  python -m osworld_jax.rollout.serve --model-path DIR --host 127.0.0.1 --port 30000 \\
+  python -m osworld_jax.server.serve --model-path DIR --host 127.0.0.1 --port 30000 \\
       --enable-return-routed-experts --max-running-requests 16 --weight-version step0
 
 The port opens at once; ``/health`` answers 503 until the model is loaded and a warm-up
@@ -21,11 +21,12 @@ from typing import Any
 
 from aiohttp import web
 
-from osworld_jax.rollout.engine import Engine, EngineConfig
-from osworld_jax.rollout.protocol import ServerLimits
-from osworld_jax.rollout.server import ENGINE_KEY, build_app
+from osworld_jax.server.app import build_app
+from osworld_jax.server.engine import Engine, EngineConfig
+from osworld_jax.server.http_base import ENGINE_KEY
+from osworld_jax.server.protocol import ServerLimits
 
-log = logging.getLogger("osworld_jax.rollout.serve")
+log = logging.getLogger("osworld_jax.server.serve")
 
 
 def _env_flag(name: str) -> bool:
@@ -35,7 +36,7 @@ def _env_flag(name: str) -> bool:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parses the launch flags."""
-    p = argparse.ArgumentParser(prog="python -m osworld_jax.rollout.serve", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m osworld_jax.server.serve", description=__doc__)
     p.add_argument("--model-path", required=True, help="HF checkpoint directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
