@@ -110,7 +110,7 @@ def seed_recipe(size: str, alternative: str) -> ExperimentConfig:
                 max_context_tokens=32768, reserved_generation_tokens=2048, every_k_actions=5
             ),
         ),
-        group=GroupPolicyConfig(min_healthy_per_group=2, baseline_population="all_owners"),
+        group=GroupPolicyConfig(min_healthy_per_group=2, baseline_population="logical_owners"),
         data=DataConfig(task_set=f"/data/osworld/band_{size}"),
         rl=RLConfig(
             num_prompts=8 if b8 else 17,
@@ -139,7 +139,7 @@ def test_seed_recipes_field_by_field(size, alternative):
     assert (
         exp.rl.estimator == {"dr_grpo": "dr_grpo", "reinforce": "reinforce_baseline"}[alternative]
     )
-    assert exp.group.baseline_population == "all_owners"
+    assert exp.group.baseline_population == "logical_owners"
     loss = exp.trainer.loss
     assert (loss.gate, loss.gate_threshold, loss.gate_level) == ("binary_kl", 0.01, "sequence")
     assert loss.agg_mode == "prompt-mean-token-mean"

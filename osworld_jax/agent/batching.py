@@ -39,7 +39,8 @@ class GroupSelection:
       owners: the kept owners, in input order.
       dropped_group_ids: prompt groups dropped for too few healthy owners.
       rewards: f32[N] reward per kept owner (0 for failed owners).
-      valid: bool[N] owners in the baseline population (see ``baseline_population``).
+      valid: bool[N] owners in the baseline population: the owners with a known reward (not
+        ``failed``), each once (``GroupPolicyConfig.baseline_population``).
       failed: bool[N] owners masked for an infrastructure failure.
       group_index: i32[N] dense group index in ``[0, num_groups)`` (rank of the sorted ids).
       num_groups: number of kept groups.
@@ -73,14 +74,15 @@ class GroupSelection:
     def of(
         cls,
         owners: Sequence[OwnerRollout],
-        baseline_population: BaselinePopulation = "healthy",
+        baseline_population: BaselinePopulation = "logical_owners",
         dropped_group_ids: tuple[int, ...] = (),
     ) -> GroupSelection:
         """The selection of exactly ``owners`` (no group policy applied).
 
-        Failed owners have reward 0; ``valid`` is the healthy owners (``healthy``) or everyone
-        (``all_owners``: failed owners count with reward 0). Group indices are the rank of each
-        owner's ``group_id`` among the sorted distinct ids.
+        Failed owners (infrastructure failures, stale-masked: unknown rewards) have reward 0 and
+        are never ``valid``: ``valid`` is the complete logical-owner population of each group,
+        every owner with a known reward, once (``logical_owners``). Group indices are the rank
+        of each owner's ``group_id`` among the sorted distinct ids.
         """
         check_choice(baseline_population, BaselinePopulation, "baseline_population")
         owners = tuple(owners)
@@ -92,7 +94,7 @@ class GroupSelection:
             owners=owners,
             dropped_group_ids=dropped_group_ids,
             rewards=rewards.astype(np.float32),
-            valid=~failed if baseline_population == "healthy" else np.ones_like(failed),
+            valid=~failed,
             failed=failed,
             group_index=index.astype(np.int32).reshape(-1),
             num_groups=int(uniq.size),

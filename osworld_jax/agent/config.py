@@ -12,8 +12,17 @@ from osworld_jax.registry import check_choice
 #: What a step does with a group below ``min_healthy_per_group``: train on the rest, or fail.
 OnDroppedGroup = Literal["shrink", "fail"]
 
-#: Who forms the baseline: the healthy owners, or every owner (failed ones with reward 0).
-BaselinePopulation = Literal["healthy", "all_owners"]
+#: Who forms a group's baseline: ``logical_owners``, every logical owner of the group whose
+#: reward is known, each once however many segments (rows) it has. An owner masked for an
+#: infrastructure failure or as stale has an unknown reward and never enters (docs/DESIGN.md,
+#: "Baseline population"); the former ``all_owners`` (those owners as reward 0) is refused.
+BaselinePopulation = Literal["logical_owners"]
+#: Former population names, refused with the reason (a recipe naming one fails loudly).
+_RETIRED_POPULATIONS = {
+    "all_owners": "it counted owners that failed for an infrastructure reason (or were masked "
+    "as stale) as reward 0, an unknown reward in the baseline",
+    "healthy": "it is now called 'logical_owners'",
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,14 +171,15 @@ class GroupPolicyConfig:
       on_dropped_group: ``shrink`` trains on the remaining groups; ``fail`` fails the step.
       min_step_batch_fraction: the step fails when fewer than this fraction of the step's prompt
         groups survive.
-      baseline_population: ``healthy`` excludes failed owners from the group statistics;
-        ``all_owners`` counts them with reward 0.
+      baseline_population: who forms the group statistics: ``logical_owners`` (the one
+        choice), every logical owner of the group with a known reward, each once; owners masked
+        for an infrastructure failure or as stale stay out of every statistic.
     """
 
     min_healthy_per_group: int = 2
     on_dropped_group: OnDroppedGroup = "shrink"
     min_step_batch_fraction: float = 0.5
-    baseline_population: BaselinePopulation = "healthy"
+    baseline_population: BaselinePopulation = "logical_owners"
 
     def __post_init__(self) -> None:
         if self.min_healthy_per_group < 1:
@@ -178,6 +188,12 @@ class GroupPolicyConfig:
                 f"{self.min_healthy_per_group}"
             )
         check_choice(self.on_dropped_group, OnDroppedGroup, "GroupPolicyConfig.on_dropped_group")
+        retired = _RETIRED_POPULATIONS.get(str(self.baseline_population))
+        if retired is not None:
+            raise ConfigError(
+                f"GroupPolicyConfig.baseline_population = {self.baseline_population!r} is "
+                f"retired: {retired}; use 'logical_owners'"
+            )
         check_choice(
             self.baseline_population, BaselinePopulation, "GroupPolicyConfig.baseline_population"
         )

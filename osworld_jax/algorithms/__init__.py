@@ -14,7 +14,13 @@ from osworld_jax.algorithms.advantages import (
 )
 from osworld_jax.algorithms.aggregation import aggregate_loss
 from osworld_jax.algorithms.filtering import dapo_band_keep, dynamic_sampling_keep
-from osworld_jax.algorithms.gates import binary_kl, flash_reinforce_gate, no_gate, ratio_band_gate
+from osworld_jax.algorithms.gates import (
+    binary_kl,
+    flash_reinforce_gate,
+    no_gate,
+    ratio_band_gate,
+    truncate_is_weights,
+)
 from osworld_jax.algorithms.loss import LossConfig, policy_loss
 from osworld_jax.algorithms.registries import (
     ESTIMATORS,
@@ -49,4 +55,5 @@ __all__ = [
     "ratio_band_gate",
     "reinforce_baseline_advantages",
     "rloo_advantages",
+    "truncate_is_weights",
 ]

@@ -279,6 +279,33 @@ def no_gate(
     return keep, _finite_weights(jnp.ones(loss_mask.shape, bool), behavior, train)
 
 
+def truncate_is_weights(is_weight: Float[Array, "R T"], cap: float | None) -> Float[Array, "R T"]:
+    """Truncated importance sampling: each per-token IS weight capped from above.
+
+    ``w'_t = min(w_t, C)`` with ``w_t = keep * exp(pi_old - mu)`` from a gate; ``cap=None`` (no
+    truncation) returns ``is_weight`` unchanged. A rare token the engine sampled far below the
+    trainer's probability (``mu << pi_old``) would otherwise carry an unbounded weight; the cap
+    bounds the variance at the cost of a bias towards the behaviour policy (gated-out tokens stay
+    exactly 0).
+
+    Reference: Ionides, Truncated importance sampling (2008); verl rollout correction
+    (``rollout_is_threshold``, token-level truncated IS).
+
+    Args:
+      is_weight: f32[R, T] per-token IS weights from a gate (>= 0).
+      cap: the upper bound C > 0, or None.
+
+    Returns:
+      f32[R, T] the truncated weights.
+
+    >>> import jax.numpy as jnp
+    >>> [float(x) for x in truncate_is_weights(jnp.array([[0.5, 1.0, 4.0]]), 2.0)[0]]
+    [0.5, 1.0, 2.0]
+    """
+    w = jnp.asarray(is_weight, jnp.float32)
+    return w if cap is None else jnp.minimum(w, jnp.float32(cap))
+
+
 GATES.add(Gate.BINARY_KL.value, flash_reinforce_gate)
 GATES.add(Gate.RATIO.value, ratio_band_gate)
 GATES.add(Gate.NONE.value, no_gate)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from osworld_jax.algorithms.aggregation import aggregate_loss
-from osworld_jax.algorithms.gates import binary_kl
+from osworld_jax.algorithms.gates import binary_kl, truncate_is_weights
 from osworld_jax.algorithms.registries import GATES, LOSS_AGG_MODES, GateLevel, check_gate_level
 from osworld_jax.errors import ConfigError
 from osworld_jax.registry import check_choice
@@ -33,6 +34,9 @@ class LossConfig:
       ratio_clip: PPO ratio bounds ``(low, high)`` with ``0 < low <= 1 <= high`` (e.g.
         ``(0.8, 1.28)`` for clip epsilons 0.2 / 0.28), or ``None`` (one update per rollout
         batch needs none: the ratio is 1).
+      is_weight_cap: truncated importance sampling: every kept token's weight ``exp(pi_old -
+        mu)`` is capped at this value (`truncate_is_weights`, verl's rollout correction), or
+        ``None`` (the seed's recipes: the gate alone bounds the drift). Must be > 0.
     """
 
     gate: str = "binary_kl"
@@ -40,6 +44,7 @@ class LossConfig:
     gate_level: GateLevel = "sequence"
     agg_mode: str = "prompt-mean-token-mean"
     ratio_clip: tuple[float, float] | None = None
+    is_weight_cap: float | None = None
 
     def __post_init__(self) -> None:
         GATES.validate(self.gate, "LossConfig.gate")
@@ -47,6 +52,10 @@ class LossConfig:
         check_choice(self.gate_level, GateLevel, "LossConfig.gate_level", "gate level")
         if self.ratio_clip is not None:
             object.__setattr__(self, "ratio_clip", _check_ratio_clip(self.ratio_clip))
+        cap = self.is_weight_cap
+        finite = isinstance(cap, int | float) and math.isfinite(cap)
+        if cap is not None and not (finite and cap > 0):
+            raise ConfigError(f"LossConfig.is_weight_cap must be a finite number > 0, got {cap!r}")
 
 
 def _masked_mean(x: Float[Array, "R T"], mask: Array) -> Float[Array, ""]:
@@ -88,7 +97,8 @@ def policy_loss(
     behaviour (rollout-engine) logprobs:
 
     - gate: ``(keep, w) = GATES[config.gate](mu, pi_old, mask, threshold, level)`` compares mu
-      with pi_old; ``coef = stop_gradient(keep * exp(pi_old - mu))`` (0 on masked tokens);
+      with pi_old; ``coef = stop_gradient(min(keep * exp(pi_old - mu), C))`` (0 on masked
+      tokens; ``C = config.is_weight_cap``, no cap when None: truncated IS);
     - ``ratio = exp(pi - pi_old)``; ``l_t = -coef * ratio * A``, or with
       ``config.ratio_clip=(lo, hi)`` the PPO form ``l_t = -coef * min(ratio A, clip(ratio, lo,
       hi) A)``;
@@ -120,7 +130,8 @@ def policy_loss(
       fraction of rows with loss tokens; of owners at owner level; of loss tokens at token
       level),
       ``gate_rejected_token_fraction``, ``binary_kl_mean`` (token mean of binary KL(mu, pi_old)
-      over loss tokens with finite mu), ``is_weight_mean``, ``ratio_mean``, ``clip_fraction``,
+      over loss tokens with finite mu), ``is_weight_mean`` / ``is_weight_max`` (the applied,
+      truncated weights over loss tokens), ``ratio_mean``, ``clip_fraction``,
       ``loss_tokens``, ``nonfinite_behavior_tokens``.
     """
     gate_fn = GATES.get(config.gate)
@@ -143,6 +154,7 @@ def policy_loss(
         owner_ids=owner_ids,
         num_owners=num_owners,
     )
+    is_weight = truncate_is_weights(is_weight, config.is_weight_cap)
     coef = jax.lax.stop_gradient(jnp.where(mask, is_weight, 0.0))
     ratio = jnp.exp(logprobs - pi_old)
     surrogate = ratio * advantages
@@ -185,6 +197,7 @@ def policy_loss(
         "gate_rejected_token_fraction": _masked_mean(rejected_tok.astype(jnp.float32), mask),
         "binary_kl_mean": _masked_mean(kl, mask & finite),
         "is_weight_mean": _masked_mean(coef, mask),
+        "is_weight_max": jnp.max(jnp.where(mask, coef, 0.0), initial=0.0),
         "ratio_mean": _masked_mean(jax.lax.stop_gradient(ratio), mask),
         "clip_fraction": _masked_mean(clipped.astype(jnp.float32), mask),
         "loss_tokens": jnp.sum(mask_f),

@@ -8,8 +8,12 @@ Two OSWorld action spaces:
   also sit at the top level) with ``action_type`` one of ``ACTION_SPACE`` (OSWorld's
   ``desktop_env/actions.py``), validated here and lowered to pyautogui code by ``to_pyautogui``.
 
-Unparsable output is data, not an infrastructure failure: it becomes a ``FAIL`` action with a
-``parse_error`` (the episode fails and is trained on).
+Unparsable output is data, not an infrastructure failure, and never an answer: it becomes an
+``UNPARSED`` action with a ``parse_error``, which runs nothing and ends nothing (``AgentEnv``
+spends the turn and the episode continues, as upstream OSWorld's agents do: ``PromptAgent``'s
+``parse_code_from_string`` finds no code and ``run_single_example`` executes the empty action
+list and takes the next step). It is never ``FAIL`` (which scores 1 on infeasible tasks) or
+``DONE``.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class ActionKind(enum.StrEnum):
     WAIT = "WAIT"
     DONE = "DONE"
     FAIL = "FAIL"
+    UNPARSED = "UNPARSED"
 
 
 SPECIAL = (ActionKind.WAIT, ActionKind.DONE, ActionKind.FAIL)
@@ -50,7 +55,7 @@ class Action:
       code: the pyautogui code (``PYAUTOGUI``), else "".
       params: the validated computer_13 action (``action_type`` plus its parameters) for
         ``COMPUTER_13``, else an empty mapping.
-      parse_error: why the text could not be parsed (then ``kind`` is ``FAIL``), else None.
+      parse_error: why the text could not be parsed (then ``kind`` is ``UNPARSED``), else None.
       text: the raw model text the action came from.
     """
 
@@ -255,7 +260,7 @@ _KEYWORD = re.compile(r"^\s*(WAIT|DONE|FAIL)\s*$")
 
 
 def _fail(text: str, why: str) -> Action:
-    return Action(kind=ActionKind.FAIL, parse_error=why, text=text)
+    return Action(kind=ActionKind.UNPARSED, parse_error=why, text=text)
 
 
 def _special(s: str) -> ActionKind | None:
@@ -338,7 +343,7 @@ def _parse_computer_13(text: str) -> Action:
 
 
 def parse_action(text: str, action_space: str = "pyautogui") -> Action:
-    """Turns model output into one action; unparsable output becomes FAIL with ``parse_error``.
+    """Turns model output into one action; unparsable output is ``UNPARSED`` with ``parse_error``.
 
     ``pyautogui``: fenced code blocks (any language tag) are concatenated into one program; a
     block (or the whole text, or its last line) that is exactly ``WAIT``/``DONE``/``FAIL`` is that

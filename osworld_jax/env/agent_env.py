@@ -7,7 +7,11 @@ until DONE, FAIL or ``max_turns``, then the sandbox evaluates. An infrastructure
 (``InfraError``/``SandboxError``, a timeout) fails only that owner (reward None, error text);
 its siblings continue. Every sandbox is closed before ``run_group`` returns, also after failures
 and on cancellation (the backend's ``inventory()`` is empty again). Unparsable model output is
-not a failure: it is a FAIL action, scored and trained on.
+neither a failure nor an answer: an ``UNPARSED`` action runs nothing, spends its turn and the
+episode continues (as upstream OSWorld's agents: no code parsed, no action run, next step); it is
+counted (``OwnerResult.parse_errors``, ``env/parse_errors``) and never becomes the last action
+the evaluator sees (that is the last action run, as upstream's ``action_history[-1]``), so
+gibberish never scores as ``FAIL`` on an infeasible task.
 
 With ``max_owner_retries > 0`` the base stays open until every owner is final (it is the group's
 initialised task state): an owner that failed for an infrastructure reason is run again, alone,
@@ -25,7 +29,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
-from osworld_jax.env.actions import Action, ActionSpace, parse_action
+from osworld_jax.env.actions import Action, ActionKind, ActionSpace, parse_action
 from osworld_jax.env.backend import (
     Observation,
     Sandbox,
@@ -102,6 +106,8 @@ class OwnerResult:
       error: the failure, one line, or None.
       turns: how many agent turns ran.
       actions: the raw model text of each turn.
+      parse_errors: per turn (aligned with ``actions``), why its text did not parse (an
+        ``UNPARSED`` turn: nothing ran), else None.
       attempts: how many episodes the owner ran (> 1 after infrastructure retries,
         ``AgentEnvConfig.max_owner_retries``); every other field is the last attempt's.
     """
@@ -112,7 +118,13 @@ class OwnerResult:
     error: str | None
     turns: int
     actions: tuple[str, ...]
+    parse_errors: tuple[str | None, ...] = ()
     attempts: int = 1
+
+    @property
+    def num_parse_errors(self) -> int:
+        """Turns whose reply did not parse."""
+        return sum(e is not None for e in self.parse_errors)
 
 
 class Agent(Protocol):
@@ -139,6 +151,7 @@ class EnvMetrics:
       owner_failures: owners that ended failed (final results only; retried attempts are not).
       owner_retries: owner episodes re-run after an infrastructure failure.
       steps: actions stepped.
+      parse_errors: replies that did not parse (``UNPARSED`` turns: nothing stepped).
       evaluations: successful evaluations.
       eval_retries: evaluation retries after transient errors.
       timeouts: operations that hit their limit.
@@ -152,6 +165,7 @@ class EnvMetrics:
     owner_failures: int = 0
     owner_retries: int = 0
     steps: int = 0
+    parse_errors: int = 0
     evaluations: int = 0
     eval_retries: int = 0
     timeouts: int = 0
@@ -348,17 +362,23 @@ class AgentEnv:
         """One episode of ``owner`` on ``sb`` (closed afterwards): its result and its agent."""
         cfg = self.config
         texts: list[str] = []
+        errors: list[str | None] = []
         agent: Any = None
         try:
             agent = make_agent(owner)
             if inspect.isawaitable(agent):
                 agent = await agent
             obs = await self._timed(sb.observe(), cfg.step_timeout_s, f"observe({sb.id})")
-            last: Action | None = None
+            last: Action | None = None  # the last action run (upstream's action_history[-1])
             for _ in range(cfg.max_turns):
                 text = await self._timed(agent.act(obs), cfg.act_timeout_s, f"act(owner {owner})")
                 texts.append(text)
-                last = parse_action(text, cfg.action_space)
+                action = parse_action(text, cfg.action_space)
+                errors.append(action.parse_error)
+                if action.kind == ActionKind.UNPARSED:  # the turn is spent, nothing runs
+                    self.metrics.parse_errors += 1
+                    continue
+                last = action
                 if last.is_terminal:
                     break
                 obs = await self._timed(sb.step(last), cfg.step_timeout_s, f"step({sb.id})")
@@ -372,6 +392,7 @@ class AgentEnv:
                 error=None,
                 turns=len(texts),
                 actions=tuple(texts),
+                parse_errors=tuple(errors),
             )
         except (InfraError, SandboxError) as e:
             result = OwnerResult(
@@ -381,6 +402,7 @@ class AgentEnv:
                 error=_one_line(e),
                 turns=len(texts),
                 actions=tuple(texts),
+                parse_errors=tuple(errors),
             )
         finally:
             await self._close([sb])

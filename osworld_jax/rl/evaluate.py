@@ -6,7 +6,8 @@ owners on forks of one initialised sandbox (the same AgentEnv path as training, 
 training); ``num_prompts`` tasks run concurrently. One line per task::
 
     {"task_id": ..., "reps": healthy attempts, "passes": attempts with reward >= success_reward,
-     "failed": infrastructure failures, "mean_reward": ...}
+     "failed": infrastructure failures, "mean_reward": ..., "parse_errors": replies of the
+     task's attempts that did not parse (UNPARSED turns)}
 
 `osworld_jax.data.freeze_band` reads this file to freeze the DAPO band.
 """
@@ -96,6 +97,7 @@ def _line(task_id: str, results: Any, success: float, group: int) -> dict[str, A
             "failed": -1,
             "error": f"group {group}: {results!r}",
             "mean_reward": None,
+            "parse_errors": 0,
         }
     healthy = [r.reward for r in results if not r.failed]
     return {
@@ -104,6 +106,7 @@ def _line(task_id: str, results: Any, success: float, group: int) -> dict[str, A
         "passes": sum(r >= success for r in healthy),
         "failed": len(results) - len(healthy),
         "mean_reward": sum(healthy) / len(healthy) if healthy else None,
+        "parse_errors": sum(r.num_parse_errors for r in results),
     }
 
 

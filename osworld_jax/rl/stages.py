@@ -1,20 +1,16 @@
 """The stages of one RL step, as small helpers the loop in `osworld_jax.rl.loop` calls in order.
 
-Rollout (all B x N owners concurrently under asyncio), segments, advantages, weight export +
-refit, and the step's metrics. No math that belongs in ``algorithms/`` lives here: the
-advantages are one call of the jitted, registered estimator (``compute_advantages``) over the
-arrays `select_groups` built.
+Rollout (`osworld_jax.rl.rollouts`: all B x N owners concurrently under asyncio), segments and
+the generation window, advantages, weight export + refit, and the step's records
+(`osworld_jax.rl.metrics_step`); this module re-exports the other two's helpers. No math that
+belongs in ``algorithms/`` lives here: the advantages are one call of the jitted, registered
+estimator (``compute_advantages``) over the arrays `select_groups` built.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import hashlib
-import json
 import shutil
-import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +18,13 @@ import numpy as np
 
 from osworld_jax.agent import (
     AgentConfig,
-    AgentTokenizer,
     GroupSelection,
-    OwnerAgent,
     OwnerRollout,
     VisionPacking,
     weight_version_number,
 )
 from osworld_jax.algorithms import compute_advantages
-from osworld_jax.batch import Batch, BatchBounds
+from osworld_jax.batch import BatchBounds
 from osworld_jax.data import TaskRef
 from osworld_jax.env import capabilities, load_task
 from osworld_jax.errors import ConfigError, InfraError, OsworldJaxError
@@ -42,9 +36,47 @@ from osworld_jax.model import (
 )
 from osworld_jax.model.processor import PREPROCESSOR_FILE
 from osworld_jax.rl.config import ModelSourceConfig, RLConfig
+from osworld_jax.rl.metrics_step import (
+    episode_files,
+    mean_update_metrics,
+    owner_records,
+    step_metrics,
+    timeline_metrics,
+)
+from osworld_jax.rl.rollouts import (
+    RawRollouts,
+    StepRollouts,
+    TimedOwnerAgent,
+    owner_seed,
+    rollout_step,
+)
 from osworld_jax.rl.rundir import writing
-from osworld_jax.rollout import SamplingParams, SGLangClient
+from osworld_jax.rollout import SGLangClient
 from osworld_jax.trainer.distributed import export_hf_all_processes, is_primary
+
+__all__ = [  # the stage helpers, with those of rl/rollouts.py and rl/metrics_step.py
+    "VERSION_ALIASES",
+    "RawRollouts",
+    "RolloutStepError",
+    "RunnableFilter",
+    "StalenessError",
+    "StepRollouts",
+    "TimedOwnerAgent",
+    "check_window",
+    "collect_owners",
+    "episode_files",
+    "export_and_refit",
+    "mean_update_metrics",
+    "model_dir",
+    "owner_advantages",
+    "owner_records",
+    "owner_seed",
+    "prepare_model",
+    "rollout_step",
+    "step_metrics",
+    "timeline_metrics",
+    "vision_packing",
+]
 
 
 class RolloutStepError(OsworldJaxError):
@@ -62,23 +94,6 @@ class StalenessError(OsworldJaxError):
 # The version servers report before the first refit (SGLang's and the embedded server's
 # default ``weight_version``): the base model, step 0.
 VERSION_ALIASES = {"default": 0}
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class StepRollouts:
-    """The B x N owners of one step, in group-major order (owner ``g * N + j``).
-
-    With streaming train B' <= B groups (`RawRollouts.tasks`) take B's place.
-
-    Attributes:
-      tasks: the B task references (group ``g`` is ``tasks[g]``).
-      owners: B x N owner rollouts (``group_id`` = g).
-      turns: B x N episode lengths (actions taken).
-    """
-
-    tasks: tuple[TaskRef, ...]
-    owners: tuple[OwnerRollout, ...]
-    turns: tuple[int, ...]
 
 
 def model_dir(config: ModelSourceConfig, run_dir: Path) -> Path:
@@ -150,195 +165,6 @@ class RunnableFilter:
         return bool(verdict)
 
 
-def owner_seed(seed: int | None, step: int, owner: int) -> int | None:
-    """A per-(step, owner) sampling seed derived from the run seed (stable across resumes)."""
-    if seed is None:
-        return None
-    digest = hashlib.sha256(f"{seed}:{step}:{owner}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
-
-
-class TimedOwnerAgent(OwnerAgent):
-    """An `OwnerAgent` that also measures its episode: wall time and time inside ``act``."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.started = time.perf_counter()
-        self.act_seconds = 0.0
-        self.episode_seconds = 0.0
-
-    async def act(self, observation: Any) -> str:
-        """Times `OwnerAgent.act` (prompting + generation)."""
-        t0 = time.perf_counter()
-        try:
-            return await super().act(observation)
-        finally:
-            self.act_seconds += time.perf_counter() - t0
-
-    async def on_episode_end(self, result: Any) -> None:
-        """Records the episode's wall time."""
-        self.episode_seconds = time.perf_counter() - self.started
-        await super().on_episode_end(result)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RawRollouts:
-    """What the env returned for one step, before segments are built.
-
-    Attributes:
-      tasks: the B' trained task references (group ``g`` is ``tasks[g]``; B' = B without
-        streaming train, at most B with it).
-      agents: owner index -> its agent (history, timing).
-      results: per group, the env's ``OwnerResult`` list, or the group's exception.
-      launched: groups the step rolled out (B + e; None: ``len(tasks)``).
-      stragglers: groups still running when the step's rollout returned (cancelled).
-      unused: groups that finished but were not trained (beyond B).
-    """
-
-    tasks: tuple[TaskRef, ...]
-    agents: dict[int, TimedOwnerAgent]
-    results: tuple[list[Any] | BaseException, ...]
-    launched: int | None = None
-    stragglers: int = 0
-    unused: int = 0
-
-    def group_metrics(self) -> dict[str, float]:
-        """``groups/launched``, ``groups/stragglers`` (cancelled) and ``groups/unused``."""
-        launched = len(self.tasks) if self.launched is None else self.launched
-        return {
-            "groups/launched": float(launched),
-            "groups/stragglers": float(self.stragglers),
-            "groups/unused": float(self.unused),
-        }
-
-    def timing(self) -> dict[str, float]:
-        """Mean per-owner seconds spent generating (``act``) and in the sandbox (the rest)."""
-        eps = [a for a in self.agents.values() if a.episode_seconds > 0]
-        if not eps:
-            return {}
-        gen = float(np.mean([a.act_seconds for a in eps]))
-        wall = float(np.mean([a.episode_seconds for a in eps]))
-        return {"time/owner_generate": gen, "time/owner_env": max(wall - gen, 0.0)}
-
-
-async def rollout_step(
-    agent_env: Any,
-    client: SGLangClient,
-    tokenizer: AgentTokenizer,
-    agent_config: AgentConfig,
-    sampling: SamplingParams,
-    tasks: Sequence[TaskRef],
-    *,
-    rl: RLConfig,
-    step: int,
-    load_task: Any,
-) -> RawRollouts:
-    """Runs N owners on each of the tasks (B + e of them), all owners at once (asyncio).
-
-    Owner ``g * N + j`` is owner j of group g. A group whose run raised is recorded with its
-    exception (`collect_owners` decides what it means). Without streaming train (``rl.streaming``
-    False) every group is awaited. With it, the rollout returns once ``rl.min_groups`` groups
-    have finished (a group that raised counts): the finished groups are taken in launch order
-    (at most B) and renumbered ``0 .. B' - 1`` (owner ids, group ids, result owner indices;
-    request ids already sent keep their names, sampling seeds are the launch index's), the
-    groups still running are cancelled (``AgentEnv.run_group`` closes their sandboxes) and
-    awaited.
-    """
-    n = rl.num_owners
-    agents: dict[int, TimedOwnerAgent] = {}
-    attempts: dict[int, int] = {}
-
-    def make_agent(owner: int) -> TimedOwnerAgent:
-        # A retried owner (AgentEnvConfig.max_owner_retries) gets a new agent per attempt, with
-        # its own request ids; agents[owner] is the latest, whose history the rollout uses.
-        k = attempts[owner] = attempts.get(owner, -1) + 1
-        agents[owner] = TimedOwnerAgent(
-            client,
-            tokenizer,
-            agent_config,
-            owner_id=owner,
-            group_id=owner // n,
-            sampling=sampling.replace(sampling_seed=owner_seed(rl.seed, step, owner)),
-            rid_prefix=f"s{step}" if k == 0 else f"s{step}a{k}",
-            action_space=agent_env.config.action_space,
-        )
-        return agents[owner]
-
-    async def group(g: int, ref: TaskRef) -> list[Any]:
-        task = load_task(ref.path)
-        return await agent_env.run_group(task, list(range(g * n, (g + 1) * n)), make_agent)
-
-    if not rl.streaming:
-        results = await asyncio.gather(
-            *(group(g, ref) for g, ref in enumerate(tasks)), return_exceptions=True
-        )
-        for res in results:
-            if isinstance(res, BaseException) and not isinstance(res, Exception):
-                raise res  # cancellation / KeyboardInterrupt
-        return RawRollouts(tasks=tuple(tasks), agents=agents, results=tuple(results))
-    jobs = [asyncio.create_task(group(g, ref)) for g, ref in enumerate(tasks)]
-    try:
-        pending = set(jobs)
-        while pending and len(jobs) - len(pending) < rl.min_groups:
-            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-    finally:  # the stragglers (every group, when this wait was itself cancelled)
-        for job in jobs:
-            job.cancel()  # a no-op for the finished ones
-        stragglers = {job for job in jobs if not job.done()}
-        await asyncio.gather(*jobs, return_exceptions=True)
-    finished = [g for g, job in enumerate(jobs) if job not in stragglers]
-    outcomes = {g: _outcome(jobs[g]) for g in finished}  # every exception retrieved
-    trained = finished[: rl.num_prompts]
-    for g in finished[rl.num_prompts :]:
-        out = outcomes[g]
-        if isinstance(out, Exception) and not isinstance(out, InfraError):
-            raise out  # a bug, even in a group not trained
-    return RawRollouts(
-        tasks=tuple(tasks[g] for g in trained),
-        agents=_renumber(agents, trained, n),
-        results=tuple(_renumber_results(outcomes[g], g, new, n) for new, g in enumerate(trained)),
-        launched=len(jobs),
-        stragglers=len(stragglers),
-        unused=len(finished) - len(trained),
-    )
-
-
-def _outcome(job: asyncio.Task[list[Any]]) -> list[Any] | BaseException:
-    """A finished group's result or exception (cancellation / KeyboardInterrupt re-raised)."""
-    if job.cancelled():
-        raise asyncio.CancelledError(f"group task {job.get_name()} was cancelled")
-    exc = job.exception()
-    if exc is not None and not isinstance(exc, Exception):
-        raise exc
-    return exc if exc is not None else job.result()
-
-
-def _renumber(
-    agents: dict[int, TimedOwnerAgent], groups: Sequence[int], n: int
-) -> dict[int, TimedOwnerAgent]:
-    """The agents of launch groups ``groups``, renumbered: group ``groups[i]`` becomes group i."""
-    out: dict[int, TimedOwnerAgent] = {}
-    for new, g in enumerate(groups):
-        for j in range(n):
-            agent = agents.get(g * n + j)
-            if agent is not None:
-                agent.history.owner_id, agent.history.group_id = new * n + j, new
-                if agent.result is not None:
-                    agent.result = dataclasses.replace(agent.result, owner_index=new * n + j)
-                out[new * n + j] = agent
-    return out
-
-
-def _renumber_results(
-    res: list[Any] | BaseException, old: int, new: int, n: int
-) -> list[Any] | BaseException:
-    """Group ``old``'s ``OwnerResult`` list with owner indices moved to group ``new``."""
-    if isinstance(res, BaseException) or old == new:
-        return res
-    shift = (new - old) * n
-    return [dataclasses.replace(r, owner_index=r.owner_index + shift) for r in res]
-
-
 def collect_owners(raw: RawRollouts, rl: RLConfig, step: int) -> StepRollouts:
     """Builds every owner's segments (`OwnerAgent.to_rollout`) in group-major order.
 
@@ -347,7 +173,7 @@ def collect_owners(raw: RawRollouts, rl: RLConfig, step: int) -> StepRollouts:
     owners raise `RolloutStepError` listing the errors.
     """
     n = rl.num_owners
-    owners, turns = [], []
+    owners, turns, unparsed = [], [], []
     for g, res in enumerate(raw.results):
         if isinstance(res, BaseException):
             if not isinstance(res, InfraError):
@@ -355,6 +181,7 @@ def collect_owners(raw: RawRollouts, rl: RLConfig, step: int) -> StepRollouts:
             for owner in range(g * n, (g + 1) * n):
                 owners.append(_failed(owner, g, f"group {g} ({raw.tasks[g].task_id}): {res!r}"))
                 turns.append(0)
+                unparsed.append(0)
             continue
         by_owner = {r.owner_index: r for r in res}
         for owner in range(g * n, (g + 1) * n):
@@ -362,9 +189,11 @@ def collect_owners(raw: RawRollouts, rl: RLConfig, step: int) -> StepRollouts:
             if r is None or owner not in raw.agents:
                 owners.append(_failed(owner, g, "no result from the environment"))
                 turns.append(0)
+                unparsed.append(0)
             else:
                 owners.append(raw.agents[owner].to_rollout(r))
                 turns.append(int(r.turns))
+                unparsed.append(int(r.num_parse_errors))
     failed = [o for o in owners if o.failed]
     if len(failed) > rl.max_failed_fraction * len(owners):
         errors = sorted({str(o.error) for o in failed})
@@ -372,7 +201,9 @@ def collect_owners(raw: RawRollouts, rl: RLConfig, step: int) -> StepRollouts:
             f"step {step}: {len(failed)}/{len(owners)} owners failed (max_failed_fraction="
             f"{rl.max_failed_fraction}); errors: {errors[:3]}"
         )
-    return StepRollouts(tasks=raw.tasks, owners=tuple(owners), turns=tuple(turns))
+    return StepRollouts(
+        tasks=raw.tasks, owners=tuple(owners), turns=tuple(turns), parse_errors=tuple(unparsed)
+    )
 
 
 def check_window(
@@ -513,161 +344,3 @@ def export_and_refit(
             if old != path:
                 shutil.rmtree(old, ignore_errors=True)
     return path
-
-
-def mean_update_metrics(updates: Sequence[dict[str, float]]) -> dict[str, float]:
-    """One step's train metrics: the mean over its optimizer updates (the update's own for one)."""
-    if len(updates) == 1:
-        return dict(updates[0])
-    keys = [k for k in updates[0] if all(k in u for u in updates)]
-    out = {k: float(np.mean([float(u[k]) for u in updates])) for k in keys}
-    out["updates"] = float(len(updates))
-    return out
-
-
-def timeline_metrics(launched: Any, timer: Any, producer: Any) -> dict[str, float]:
-    """When the step's rollout and train ran (seconds since the loop started) and how far ahead.
-
-    ``timeline/rollout_start`` / ``_end`` (from the rollout's launch to its result),
-    ``timeline/train_start`` / ``_end``; ``rollout/wall`` (the rollout's own duration, which
-    may overlap earlier steps' training: ``time/rollout`` is only the wait for it) and
-    ``rollout/in_flight`` (later steps' rollouts running when this one trained).
-    """
-    t0, out = producer.started_at, {}
-    if launched.launched_at is not None and launched.finished_at is not None:
-        out["timeline/rollout_start"] = launched.launched_at - t0
-        out["timeline/rollout_end"] = launched.finished_at - t0
-        out["rollout/wall"] = launched.finished_at - launched.launched_at
-    if "train" in timer.spans:
-        start, end = timer.spans["train"]
-        out["timeline/train_start"], out["timeline/train_end"] = start - t0, end - t0
-    out["rollout/in_flight"] = float(producer.in_flight)
-    return out
-
-
-def step_metrics(
-    rollouts: StepRollouts,
-    selection: GroupSelection,
-    adv: np.ndarray,
-    batches: Batch | Sequence[Batch],
-    train_metrics: dict[str, float],
-    success_reward: float,
-) -> dict[str, float]:
-    """The scalars logged for one step (rewards, gate, KL, R3 agreement, tokens, failures).
-
-    ``batches``: the step's device batch, or its minibatches (token and row counts are summed,
-    ``batch/length`` is the longest).
-    """
-    parts = [batches] if isinstance(batches, Batch) else list(batches)
-    healthy = [o for o in rollouts.owners if not o.failed]
-    rewards = np.array([o.reward for o in healthy], np.float64)
-    seg_counts = [len(o.segments) for o in healthy]
-    real_tokens = sum(float((np.asarray(b.segment_ids) > 0).sum()) for b in parts)
-    grids = [np.asarray(b.image_grid_thw) for b in parts if b.image_grid_thw is not None]
-    m: dict[str, float] = {
-        "reward/mean": float(rewards.mean()) if rewards.size else float("nan"),
-        "reward/std": float(rewards.std()) if rewards.size else float("nan"),
-        "reward/pass_rate": float((rewards >= success_reward).mean())
-        if rewards.size
-        else float("nan"),
-        "owners/total": len(rollouts.owners),
-        "owners/failed": len(rollouts.owners) - len(healthy),
-        "owners/trained": len(selection.owners),
-        "groups/dropped": len(selection.dropped_group_ids),
-        "segments/per_owner": float(np.mean(seg_counts)) if seg_counts else 0.0,
-        "turns/mean": float(np.mean(rollouts.turns)),
-        "tokens/trainable": float(sum(np.asarray(b.loss_mask).sum() for b in parts)),
-        "tokens/total": real_tokens,
-        "batch/rows": float(sum(b.tokens.shape[0] for b in parts)),
-        "batch/length": float(max(b.tokens.shape[1] for b in parts)),
-        "advantage/mean": float(adv.mean()) if adv.size else 0.0,
-        "advantage/abs_mean": float(np.abs(adv).mean()) if adv.size else 0.0,
-    }
-    m["batch/images"] = float(sum((g[..., 0] > 0).sum() for g in grids))
-    if grids:
-        m["batch/image_patches"] = float(
-            sum(np.prod(g.astype(np.int64), axis=-1).sum() for g in grids)
-        )
-    renames = {
-        "gate_rejected_fraction": "gate/rejected_fraction",
-        "binary_kl_mean": "gate/binary_kl_mean",
-        "logprob_abs_diff": "logprob/train_rollout_abs_diff",
-        "route_agreement": "r3/route_agreement",
-    }
-    for k, v in train_metrics.items():
-        if k != "step":
-            m[renames.get(k, f"train/{k}")] = float(v)
-    return m
-
-
-def episode_files(
-    step: int, raw: RawRollouts, rollouts: StepRollouts, owners: int
-) -> dict[str, bytes]:
-    """The episodes of the step's first ``owners`` owners, as files relative to ``episodes/``.
-
-    ``step_{step:08d}_owner_{o}.json`` holds the task, reward and, per model call, the
-    screenshots its prompt showed (``images/<sha256>.png``, each PNG written once), the reply
-    text and the finish reason; declared compactions are listed with the call they precede.
-    """
-    files: dict[str, bytes] = {}
-    for o in rollouts.owners[:owners]:
-        agent = raw.agents.get(o.owner_id)
-        if agent is None:
-            continue
-        calls = []
-        for i, call in enumerate(agent.history.calls):
-            names = []
-            for png in call.images:
-                name = f"images/{hashlib.sha256(png).hexdigest()[:20]}.png"
-                files.setdefault(name, png)
-                names.append(name)
-            calls.append(
-                {
-                    "call": i,
-                    "images": names,
-                    "reply": call.text,
-                    "finish_reason": call.finish_reason.get("type"),
-                    "prompt_tokens": int(call.prompt_ids.size),
-                    "output_tokens": int(call.output_ids.size),
-                }
-            )
-        record = {
-            "step": step,
-            "owner": o.owner_id,
-            "task_id": rollouts.tasks[o.group_id].task_id,
-            "reward": o.reward,
-            "failed": o.failed,
-            "error": o.error,
-            "calls": calls,
-            "compactions": [dataclasses.asdict(c) for c in agent.history.compactions],
-        }
-        name = f"step_{step:08d}_owner_{o.owner_id}.json"
-        files[name] = json.dumps(record, indent=1).encode()
-    return files
-
-
-def owner_records(
-    step: int, rollouts: StepRollouts, selection: GroupSelection, adv: np.ndarray
-) -> list[dict[str, Any]]:
-    """One ``rollouts.jsonl`` record per owner of the step (reward, advantage, failure, ...)."""
-    adv_of = {o.owner_id: float(a) for o, a in zip(selection.owners, adv, strict=True)}
-    n = len(rollouts.owners) // max(len(rollouts.tasks), 1)
-    out = []
-    for o, turns in zip(rollouts.owners, rollouts.turns, strict=True):
-        ref = rollouts.tasks[o.owner_id // n]
-        out.append(
-            {
-                "step": step,
-                "task_id": ref.task_id,
-                "group_id": ref.group_id,
-                "owner": o.owner_id,
-                "reward": o.reward,
-                "failed": o.failed,
-                "error": o.error,
-                "advantage": adv_of.get(o.owner_id),
-                "turns": turns,
-                "segments": len(o.segments),
-                "trainable_tokens": o.num_trainable,
-            }
-        )
-    return out

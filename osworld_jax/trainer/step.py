@@ -528,6 +528,7 @@ def batch_metrics(
         "gate_rejected_fraction": pm["gate_rejected_fraction"],
         "binary_kl_mean": pm["binary_kl_mean"],
         "is_weight_mean": pm["is_weight_mean"],
+        "is_weight_max": pm["is_weight_max"],
         "clip_fraction": pm["clip_fraction"],
         "loss_tokens": pm["loss_tokens"],
         "logprob_abs_diff": _masked_mean(abs_diff, finite_mask),

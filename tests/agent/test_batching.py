@@ -35,9 +35,9 @@ from osworld_jax.rl.stages import owner_advantages as selection_advantages
 L, K = 2, 2
 
 
-def owner_advantages(owners, estimator, *, baseline_population="healthy"):
+def owner_advantages(owners, estimator):
     """The RL loop's reward -> advantage path over exactly ``owners``."""
-    return selection_advantages(GroupSelection.of(owners, baseline_population), estimator)
+    return selection_advantages(GroupSelection.of(owners), estimator)
 
 
 def pack(owners, adv, **kw):
@@ -408,22 +408,55 @@ def test_group_below_minimum_is_dropped():
 
 
 def test_failed_owner_baseline_population():
-    # One group: rewards 1, 0, failed. healthy: dr_grpo over {1, 0} -> mean 0.5 -> [+.5, -.5, 0].
-    # all_owners: the failed owner counts with reward 0 -> mean 1/3 -> [2/3, -1/3, (masked) 0].
+    # One group: rewards 1, 0, failed (an unknown reward). dr_grpo over the logical owners with a
+    # known reward {1, 0} -> mean 0.5 -> [+.5, -.5, (masked) 0]; never the retired all_owners
+    # mean 1/3 that counted the failed owner as 0.
     owners = [
         owner(0, 0, 1.0, [segment(0, 0, 3, 2)]),
         owner(1, 0, 0.0, [segment(1, 0, 3, 2)]),
         owner(2, 0, None, failed=True),
     ]
     np.testing.assert_allclose(owner_advantages(owners, "dr_grpo"), [0.5, -0.5, 0.0], atol=1e-6)
-    np.testing.assert_allclose(
-        owner_advantages(owners, "dr_grpo", baseline_population="all_owners"),
-        [2 / 3, -1 / 3, 0.0],
-        atol=1e-6,
-    )
-    sel = select_groups(owners, GroupPolicyConfig(baseline_population="all_owners"), 1)
-    np.testing.assert_array_equal(sel.valid, [True, True, True])
-    np.testing.assert_array_equal(sel.rewards, [1, 0, 0])
+    sel = select_groups(owners, GroupPolicyConfig(baseline_population="logical_owners"), 1)
+    np.testing.assert_array_equal(sel.valid, [True, True, False])
+    for retired in ("all_owners", "healthy"):
+        with pytest.raises(ConfigError, match=f"baseline_population = '{retired}' is retired"):
+            GroupPolicyConfig(baseline_population=retired)
+
+
+@pytest.mark.parametrize("estimator", ["dr_grpo", "grpo", "rloo", "reinforce_baseline"])
+def test_one_infra_failure_in_a_group_of_4_gives_the_advantages_of_a_group_of_3(estimator):
+    # Rewards 1, 0, 0 and an infrastructure failure. The 3 healthy owners get exactly the
+    # advantages of the group of 3 {1, 0, 0} (mean 1/3), by hand:
+    #   dr_grpo: r - 1/3 = [2/3, -1/3, -1/3]
+    #   grpo: std (Bessel, n-1 = 2) = sqrt((4/9 + 1/9 + 1/9) / 2) = sqrt(1/3) = 0.57735
+    #         -> [2/3, -1/3, -1/3] / 0.57735 = [1.1547, -0.57735, -0.57735]
+    #   rloo: 3/2 (r - 1/3) = [1, -0.5, -0.5]
+    #   reinforce_baseline (1 token each): centred [2/3, -1/3, -1/3] already has mean 0 and var
+    #         (4/9 + 1/9 + 1/9) / 3 = 2/9 -> / sqrt(2/9) = [1.41421, -0.70711, -0.70711]
+    # A 4-segment owner counts once: the population is logical owners, not rows.
+    want = {
+        "dr_grpo": [2 / 3, -1 / 3, -1 / 3],
+        "grpo": [2 / 3 / math.sqrt(1 / 3), -1 / 3 / math.sqrt(1 / 3), -1 / 3 / math.sqrt(1 / 3)],
+        "rloo": [1.0, -0.5, -0.5],
+        "reinforce_baseline": [math.sqrt(2), -1 / math.sqrt(2), -1 / math.sqrt(2)],
+    }[estimator]
+    four = [
+        owner(0, 0, 1.0, [segment(0, 0, 3, 1, seed=s) for s in range(4)]),
+        owner(1, 0, 0.0, [segment(1, 0, 3, 1)]),
+        owner(2, 0, 0.0, [segment(2, 0, 3, 1)]),
+        owner(3, 0, None, failed=True),
+    ]
+    three = four[:3]
+    if estimator == "reinforce_baseline":  # equal token counts: one trainable token per owner
+        four[0] = owner(0, 0, 1.0, [segment(0, 0, 3, 1)])
+        three = four[:3]
+    sel = select_groups(four, GroupPolicyConfig(), 1)
+    adv4 = selection_advantages(sel, estimator)
+    adv3 = selection_advantages(GroupSelection.of(three), estimator)
+    np.testing.assert_allclose(adv4[:3], want, rtol=1e-5)
+    np.testing.assert_allclose(adv4[:3], adv3, rtol=1e-6)
+    assert adv4[3] == 0.0  # the failed owner: a masked row, no advantage
 
 
 def test_reinforce_baseline_gets_token_counts_per_owner():

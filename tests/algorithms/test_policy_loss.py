@@ -15,7 +15,7 @@ from osworld_jax.errors import ConfigError
 
 SETTINGS = settings(max_examples=25, deadline=None)
 STATIC = ("config", "num_groups", "num_owners", "norm_length")
-LOSS_KEYS = ("gate", "gate_threshold", "gate_level", "agg_mode", "ratio_clip")
+LOSS_KEYS = ("gate", "gate_threshold", "gate_level", "agg_mode", "ratio_clip", "is_weight_cap")
 # the production path is jitted; one compile per configuration is also far faster than eager
 _jit_loss = jax.jit(policy_loss, static_argnames=STATIC)
 # ((loss, metrics), d loss / d logprobs) in one compile
@@ -67,6 +67,24 @@ def test_hand_loss_gradient_and_metrics():
     assert float(metrics["clip_fraction"]) == 0.0
     assert float(metrics["loss_tokens"]) == 5.0
     assert float(metrics["is_weight_mean"]) == pytest.approx((2 + C1) / 5, rel=1e-5)
+    assert float(metrics["is_weight_max"]) == pytest.approx(C1, rel=1e-6)
+
+
+def test_is_weight_cap_truncates_the_applied_weight():
+    # gate none: uncapped coef = exp(pi - mu) = [[1, 1], [C1, -], [2, 2]]; cap 1.5 ->
+    # [[1, 1], [C1, -], [1.5, 1.5]] (C1 = 1.0417 < 1.5 stays). token-mean over 5 tokens:
+    # loss = -(1 - 2 + C1 * 0.5 + 1.5 * 2 + 1.5 * 2) / 5; is_weight max 1.5, mean (3.5 + C1 + 1.5) / 5
+    kw = dict(gate="none", agg_mode="token-mean", is_weight_cap=1.5)
+    (loss, m), grad = loss_and_grad(LP, BEH, ADV, MASK, **kw)
+    assert float(loss) == pytest.approx(-(5 + C1 * 0.5) / 5, rel=1e-5)
+    coef = np.array([[1, 1], [C1, 0], [1.5, 1.5]])
+    chex.assert_trees_all_close(grad, (-coef * np.asarray(ADV) / 5).astype(np.float32), rtol=1e-5)
+    assert float(m["is_weight_max"]) == pytest.approx(1.5)
+    assert float(m["is_weight_mean"]) == pytest.approx((2 + C1 + 3) / 5, rel=1e-5)
+    (_, uncapped), _ = loss_and_grad(LP, BEH, ADV, MASK, gate="none", agg_mode="token-mean")
+    assert float(uncapped["is_weight_max"]) == pytest.approx(2.0)
+    with pytest.raises(ConfigError, match="is_weight_cap"):
+        LossConfig(is_weight_cap=0.0)
 
 
 def test_hand_token_mean_and_gate_none():

@@ -84,9 +84,9 @@ def test_special_computer_13(kind):
         ({"action_type": "WAIT", "seconds": 3}, "unexpected parameters"),
     ],
 )
-def test_invalid_computer_13_is_fail_with_error(obj, msg):
+def test_invalid_computer_13_is_unparsed_with_error(obj, msg):
     a = c13(obj)
-    assert a.kind == ActionKind.FAIL
+    assert a.kind == ActionKind.UNPARSED and not a.is_terminal
     assert msg in a.parse_error
     with pytest.raises(ValueError, match=msg):
         validate_computer_13(obj)
@@ -96,7 +96,7 @@ def test_computer_13_bare_json_and_garbage():
     a = parse_action('I will click. {"action_type": "CLICK", "x": 3, "y": 4}', "computer_13")
     assert a.kind == ActionKind.COMPUTER_13 and a.params == {"action_type": "CLICK", "x": 3, "y": 4}
     bad = parse_action("click the button please", "computer_13")
-    assert bad.kind == ActionKind.FAIL and bad.parse_error
+    assert bad.kind == ActionKind.UNPARSED and bad.parse_error
 
 
 def test_pyautogui_code_blocks():
@@ -122,18 +122,20 @@ def test_pyautogui_bare_code_and_keywords():
 def test_think_is_ignored():
     a = parse_action("<think>```python\nos.remove('/')\n```</think>\n```python\nx()\n```")
     assert a.code == "x()"
-    assert parse_action("<think>DONE</think>").kind == ActionKind.FAIL
+    assert parse_action("<think>DONE</think>").kind == ActionKind.UNPARSED
 
 
 @pytest.mark.parametrize(
     "text",
     ["", "   ", "hello there", "```python\ndef f(:\n```", "```python\n\n```", "just words."],
 )
-def test_garbage_becomes_fail_with_parse_error(text):
+def test_garbage_is_its_own_outcome_never_fail_or_done(text):
+    # A parse failure is UNPARSED: not FAIL (1 on infeasible tasks), not DONE, not terminal
+    # (the episode continues, as upstream's agents do: the turn runs no action).
     a = parse_action(text)
-    assert a.kind == ActionKind.FAIL
+    assert a.kind == ActionKind.UNPARSED
     assert a.parse_error
-    assert a.is_terminal
+    assert not a.is_terminal
 
 
 def test_unknown_action_space_is_config_error():

@@ -80,6 +80,36 @@ def test_fork_exactly_n_and_rewards():
     assert m["env/creates"] == 1 and m["env/forks"] == 3 and m["env/evaluations"] == 3
 
 
+def infeasible_task():
+    from osworld_jax.env.tasks import load_task
+
+    return load_task(
+        {"id": "os-infeasible-x", "instruction": "Do the impossible.", "config": [],
+         "evaluator": {"func": "infeasible"}}
+    )  # fmt: skip
+
+
+def test_gibberish_on_an_infeasible_task_scores_0_a_real_fail_scores_1():
+    # A parse failure is its own outcome (UNPARSED): never FAIL, which scores 1 on an infeasible
+    # task. The episode continues (upstream: no code parsed, nothing run, next step) to
+    # max_turns; the evaluator sees the last action *run* (none), so the reward is 0.
+    env = env_for(MemoryBackend(), max_turns=3)
+    scripts = {
+        0: ["asdf qwer zxcv"] * 5,  # gibberish every turn
+        1: ["FAIL"],  # the real answer
+        2: ["!!", "```python\ndef (:\n```", "FAIL"],  # two parse errors, then FAIL
+        3: ["FAIL.", "x"],  # "FAIL." is not the keyword: unparsed, not an answer
+    }
+    res = run(env.run_group(infeasible_task(), [0, 1, 2, 3], lambda i: Scripted(scripts[i])))
+    assert [(r.reward, r.turns, r.num_parse_errors) for r in res] == [
+        (0.0, 3, 3), (1.0, 1, 0), (1.0, 3, 2), (0.0, 3, 2),
+    ]  # fmt: skip
+    assert res[0].parse_errors[0] and res[1].parse_errors == (None,)
+    assert not any(r.failed for r in res)
+    assert env.metrics.as_dict()["env/parse_errors"] == 7
+    assert env.metrics.as_dict()["env/steps"] == 0  # nothing unparsed was stepped
+
+
 def test_zero_owners_no_sandbox():
     be = Spy()
     assert run(env_for(be).run_group(word_task("x"), [], lambda i: Scripted([]))) == []
@@ -92,12 +122,13 @@ def test_episode_ends_on_done_fail_or_max_turns():
         0: [TYPE.format("hi"), "DONE"],  # 2 turns, reward 1
         1: ["WAIT", "WAIT", "WAIT", "never read"],  # max_turns, nothing typed -> 0
         2: [TYPE.format("hi"), "FAIL"],  # FAIL on a feasible task -> 0
-        3: ["I refuse to write code"],  # unparsable -> FAIL: data (reward 0), not a failure
+        3: ["I refuse to write code"],  # unparsable: a spent turn, then DONE (reward 0)
     }
     res = run(env.run_group(word_task("hi"), [0, 1, 2, 3], lambda i: Scripted(scripts[i])))
     assert [(r.reward, r.turns, r.failed) for r in res] == [
-        (1.0, 2, False), (0.0, 3, False), (0.0, 2, False), (0.0, 1, False),
+        (1.0, 2, False), (0.0, 3, False), (0.0, 2, False), (0.0, 2, False),
     ]  # fmt: skip
+    assert [r.num_parse_errors for r in res] == [0, 0, 0, 1]
 
 
 def test_failed_owner_isolated_and_unclaimed_fork_closed():

@@ -130,6 +130,34 @@ def test_advantages_and_metrics_over_logical_owners():
     assert records[2]["task_id"] == "t1" and records[0]["step"] == 4
 
 
+def test_parse_errors_valid_rows_and_is_weight_metrics():
+    # Owner 3 failed (infra): its masked row is in batch/rows but not in rows/valid. Parse
+    # errors 2 + 0 + 1 + 0 = 3 over 2 + 1 + 3 + 0 = 6 turns.
+    rl = RLConfig(num_prompts=2, num_owners=2, estimator="dr_grpo")
+    owners = owners_with_segments([1.0, 0.0, 1.0, 0.0], n=2)
+    owners[3] = OwnerRollout(owner_id=3, group_id=1, segments=(), reward=None, failed=True)
+    ro = stages.StepRollouts(
+        tasks=refs(2), owners=tuple(owners), turns=(2, 1, 3, 0), parse_errors=(2, 0, 1, 0)
+    )
+    sel = select_groups(ro.owners, GroupPolicyConfig(min_healthy_per_group=1), rl.num_prompts)
+    adv = stages.owner_advantages(sel, rl.estimator)
+    batch = pack_batch(sel, adv, num_layers=3, top_k=2, dp_size=8)
+    tm = stages.mean_update_metrics(
+        [
+            {"is_weight_mean": 1.0, "is_weight_max": 3.0},
+            {"is_weight_mean": 2.0, "is_weight_max": 1.5},
+        ]
+    )
+    assert tm == {"is_weight_mean": 1.5, "is_weight_max": 3.0, "updates": 2.0}  # max of maxes
+    m = stages.step_metrics(ro, sel, adv, batch, tm, 1.0)
+    assert m["batch/rows"] == 8  # 3 owners' rows + the failed owner's masked row + 4 padding
+    assert m["rows/valid"] == 3 and m["tokens/valid"] == 12  # 3 rows x 4 real tokens
+    assert m["actions/parse_errors"] == 3 and m["actions/parse_error_rate"] == pytest.approx(0.5)
+    assert m["is_weight/mean"] == 1.5 and m["is_weight/max"] == 3.0
+    records = stages.owner_records(1, ro, sel, adv)
+    assert [r["parse_errors"] for r in records] == [2, 0, 1, 0]
+
+
 def test_dropped_group_is_excluded_from_advantages():
     rl = RLConfig(num_prompts=2, num_owners=2)
     owners = owners_with_segments([1.0, 0.0, 1.0, 0.0], n=2)
@@ -144,15 +172,14 @@ def test_dropped_group_is_excluded_from_advantages():
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_baseline"])
-@pytest.mark.parametrize("population", ["healthy", "all_owners"])
-def test_padding_to_the_bounds_leaves_the_advantages_unchanged(estimator, population):
+def test_padding_to_the_bounds_leaves_the_advantages_unchanged(estimator):
     # Group 1 of 3 is dropped (one healthy owner) and owner 4 failed: 5 of the 9 bound owners
     # and 2 of 3 bound groups are used; the padded call equals the unpadded one.
     owners = owners_with_segments([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.5, 0.5], n=3)
     for i in (4, 5):
         owners[i] = OwnerRollout(owner_id=i, group_id=1, segments=(), reward=None, failed=True)
     owners[6] = OwnerRollout(owner_id=6, group_id=2, segments=(), reward=None, failed=True)
-    sel = select_groups(owners, GroupPolicyConfig(baseline_population=population), 3)
+    sel = select_groups(owners, GroupPolicyConfig(baseline_population="logical_owners"), 3)
     assert sel.dropped_group_ids == (1,) and len(sel.owners) == 6
     bounds = BatchBounds(num_owners=9, num_groups=3, norm_length=8)
     padded = stages.owner_advantages(sel, estimator, bounds)
