@@ -92,8 +92,8 @@ class RLConfig:
         ``osworld_jax.algorithms.ESTIMATORS``).
       seed: seed of the rollout sampling seeds (``fold(seed, step, owner)``; ``None`` leaves
         sampling to the server's randomness).
-      max_failed_fraction: the step fails (with the infrastructure errors listed) when more than
-        this fraction of its owners failed.
+      max_failed_fraction: the step is bad (skipped, with the infrastructure errors listed: see
+        ``max_consecutive_skipped_steps``) when more than this fraction of its owners failed.
       metrics_dir: where ``metrics.jsonl`` and TensorBoard events go, relative to the run dir.
       weights_keep: how many exported HF weight directories (``weights/step_*``) to keep.
       progress_bar: show a tqdm bar with per-stage timing.
@@ -115,6 +115,11 @@ class RLConfig:
         than ``max_staleness`` steps old (`stages.check_window`): ``mask`` (the owner is
         failed: a masked row, its group's baseline unchanged) or ``refuse`` (an integrity error
         stops the run).
+      max_consecutive_skipped_steps: a bad step (more than ``max_failed_fraction`` of its owners
+        failed, or too few groups survive the group policy) is skipped, not fatal: it trains
+        nothing, is logged (``steps/skipped``, its cause) and checkpointed, and the task stream
+        advances as for any step. Up to this many skipped steps in a row are allowed; one more
+        stops the run naming their causes (0: the first bad step stops it).
     """
 
     num_prompts: int = 2
@@ -136,11 +141,17 @@ class RLConfig:
     extra_rollout_groups: int = 0
     min_groups_for_streaming_train: int | None = None
     max_buffered_rollouts: int | None = None
+    max_consecutive_skipped_steps: int = 3
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
             raise ConfigError(f"RLConfig.max_staleness must be >= 0, got {self.max_staleness}")
         check_choice(self.stale_owners, Literal["mask", "refuse"], "RLConfig.stale_owners")
+        if self.max_consecutive_skipped_steps < 0:
+            raise ConfigError(
+                "RLConfig.max_consecutive_skipped_steps must be >= 0, got "
+                f"{self.max_consecutive_skipped_steps}"
+            )
         if self.episode_owners < 0:
             raise ConfigError(f"RLConfig.episode_owners must be >= 0, got {self.episode_owners}")
         for name in ("num_prompts", "num_owners", "steps", "weights_keep"):

@@ -12,7 +12,9 @@ computes pi_old of every minibatch first.
 ``RLConfig.max_staleness = k``: 0 runs each step's rollout when the step starts (synchronous);
 k >= 1 starts the rollouts of the next k steps while this one trains (`rl.producer`), so a step
 trains on tokens from weights at most k steps older than its own (at most
-``RLConfig.max_buffered_rollouts`` groups running at once). Set-up and tear-down live in
+``RLConfig.max_buffered_rollouts`` groups running at once). A bad step (too many failed owners,
+too few usable groups) is skipped (`stages.StepSkips`: refit, checkpoint and the task stream go
+on; ``RLConfig.max_consecutive_skipped_steps`` in a row at most). Set-up and tear-down live in
 `osworld_jax.rl.run` (`RunResources`), the stage helpers in `osworld_jax.rl.stages`.
 """
 
@@ -69,39 +71,51 @@ def train(
     rl, last_step = experiment.rl, steps if steps is not None else experiment.rl.steps
     minibatches = experiment.trainer.num_minibatches
     run = RunResources(experiment, Path(run_dir), operative_gin)
+    skips = stages.StepSkips(rl.max_consecutive_skipped_steps)
     with run, run.metrics_logger(last_step) as log, _producer(run, last_step) as producer:
         for step in range(run.start_step + 1, last_step + 1):
-            t, batches = StageTimer(), None
+            t, batches, skip = StageTimer(), None, None
             with t.stage("data"):  # every process draws: one checkpointed position
                 producer.launch_through(step, weights_step=step - 1)
             if run.rolls_out:  # process 0 of a multi-host job; the only process otherwise
                 with t.stage("rollout"):
                     launched, raw = producer.take(step)
-                with t.stage("segments"):
-                    rollouts = stages.collect_owners(raw, rl, step)
-                    rollouts, window = stages.check_window(rollouts, rl, step)
-                with t.stage("advantages"):
-                    selection = select_groups(rollouts.owners, experiment.group, rl.num_prompts)
-                    adv = stages.owner_advantages(selection, rl.estimator, run.trainer.bounds)
-                with t.stage("batch"):
-                    parts = split_selection(selection, adv, minibatches)
-                    batches = [pack_batch(sel, a, **run.pack_kwargs) for sel, a in parts]
+                try:  # a bad step (too many failed owners, too few groups) is skipped
+                    with t.stage("segments"):
+                        rollouts = stages.collect_owners(raw, rl, step)
+                        rollouts, window = stages.check_window(rollouts, rl, step)
+                    with t.stage("advantages"):
+                        selection = select_groups(rollouts.owners, experiment.group, rl.num_prompts)
+                        adv = stages.owner_advantages(selection, rl.estimator, run.trainer.bounds)
+                    with t.stage("batch"):
+                        parts = split_selection(selection, adv, minibatches)
+                        batches = [pack_batch(sel, a, **run.pack_kwargs) for sel, a in parts]
+                except stages.BAD_STEP_ERRORS as e:
+                    skip, batches = f"{type(e).__name__}: {e}", []
             else:
                 launched = producer.skip(step)
             with t.stage("broadcast"):
                 batches = broadcast_host_batches(batches)  # no-op for one process
-            with t.stage("train"):
-                run.state, updates = run.trainer.train_minibatches(run.state, batches)
-            with t.stage("refit"):
+            if not batches:  # every process skips the step process 0 skipped
+                skipped = skips.skip(step, skip or "process 0 skipped it (its log names why)")
+            else:
+                with t.stage("train"):
+                    run.state, updates = run.trainer.train_minibatches(run.state, batches)
+                skipped = skips.trained()
+            with t.stage("refit"):  # a skipped step refits the same weights as its version
                 run.refit(step)  # rollouts in flight continue on the new weights
             with t.stage("checkpoint"):
                 run.save(step, launched.data_state, force=step == last_step)
-            if log is not None:
+            if log is not None and skip is not None:
+                timeline = stages.timeline_metrics(launched, t, producer)
+                extra = {**raw.group_metrics(), **t.metrics(), **raw.timing(), **timeline}
+                log.log(step, {**skipped, **extra})
+            elif log is not None:
                 tm = stages.mean_update_metrics(updates)
                 m = stages.step_metrics(rollouts, selection, adv, batches, tm, rl.success_reward)
                 timeline = stages.timeline_metrics(launched, t, producer)
                 m.update(raw.group_metrics())  # groups/launched, stragglers, unused
-                log.log(step, {**m, **window, **t.metrics(), **raw.timing(), **timeline})
+                log.log(step, {**m, **window, **skipped, **t.metrics(), **raw.timing(), **timeline})
                 run.write_owner_records(stages.owner_records(step, rollouts, selection, adv))
                 run.write_episodes(step, raw, rollouts)
         history, summary = (log.history, log.summary()) if log is not None else ([], "")

@@ -10,6 +10,7 @@ estimator (``compute_advantages``) over the arrays `select_groups` built.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import numpy as np
 
 from osworld_jax.agent import (
     AgentConfig,
+    GroupPolicyError,
     GroupSelection,
     OwnerRollout,
     VisionPacking,
@@ -59,6 +61,8 @@ __all__ = [  # the stage helpers, with those of rl/rollouts.py and rl/metrics_st
     "RawRollouts",
     "RolloutStepError",
     "RunnableFilter",
+    "SkippedStepsError",
+    "StepSkips",
     "StalenessError",
     "StepRollouts",
     "TimedOwnerAgent",
@@ -89,6 +93,54 @@ class StalenessError(OsworldJaxError):
     Raised for tokens staler than ``max_staleness`` under ``stale_owners='refuse'``, and always
     for tokens of weights newer than the step trains (never possible in a sound run).
     """
+
+
+log = logging.getLogger(__name__)
+
+
+class SkippedStepsError(OsworldJaxError):
+    """More bad steps in a row than ``RLConfig.max_consecutive_skipped_steps``; names causes."""
+
+
+#: A bad step (too many failed owners, too few usable groups): skipped, not fatal (`StepSkips`).
+BAD_STEP_ERRORS = (RolloutStepError, GroupPolicyError)
+
+
+class StepSkips:
+    """Skips bad steps and stops the run after too many in a row.
+
+    A step whose rollout is unusable (`BAD_STEP_ERRORS`: more than ``max_failed_fraction`` of
+    its owners failed, or too few groups survive the group policy) trains nothing: the loop
+    still refits (the same weights under the step's version, so the next step's window is as
+    always), checkpoints (the task stream's position after the step's draw: a resumed run goes
+    on exactly where this one would) and logs ``steps/skipped = 1`` with the cause. Up to
+    ``limit`` skipped steps in a row are allowed; one more raises `SkippedStepsError` naming
+    every cause of the run of skips (``limit = 0``: the first bad step stops the run).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.causes: list[str] = []
+
+    def skip(self, step: int, cause: str) -> dict[str, Any]:
+        """Records a skipped step: its metrics, or `SkippedStepsError` past the limit."""
+        self.causes.append(f"step {step}: {cause}")
+        log.warning("step %d skipped (%d in a row): %s", step, len(self.causes), cause)
+        if len(self.causes) > self.limit:
+            raise SkippedStepsError(
+                f"{len(self.causes)} bad steps in a row (RLConfig.max_consecutive_skipped_steps"
+                f" = {self.limit}); causes: {'; '.join(self.causes)}"
+            )
+        return {
+            "steps/skipped": 1.0,
+            "steps/consecutive_skipped": float(len(self.causes)),
+            "steps/skip_cause": cause,
+        }
+
+    def trained(self) -> dict[str, float]:
+        """Records a trained step (the run of skips ends): its metrics."""
+        self.causes.clear()
+        return {"steps/skipped": 0.0, "steps/consecutive_skipped": 0.0}
 
 
 # The version servers report before the first refit (SGLang's and the embedded server's
