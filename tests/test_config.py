@@ -121,9 +121,9 @@ def seed_recipe(size: str, alternative: str) -> ExperimentConfig:
             # the seed's "windowed sampler with staleness 1", its windows validated
             max_staleness=1,
             stale_owners="refuse",
-            # B17/N16: streaming train over 2 over-provisioned groups, once 17 are in
-            extra_rollout_groups=0 if b8 else 2,
-            min_groups_for_streaming_train=None if b8 else 17,
+            # no over-provisioning: every drawn group is trained (issue 29 item 3)
+            extra_rollout_groups=0,
+            min_groups_for_streaming_train=None,
         ),
         distributed=DistributedConfig(),
     )

@@ -120,6 +120,15 @@ class RLConfig:
         nothing, is logged (``steps/skipped``, its cause) and checkpointed, and the task stream
         advances as for any step. Up to this many skipped steps in a row are allowed; one more
         stops the run naming their causes (0: the first bad step stops it).
+      extra_rollout_groups: e, groups drawn and rolled out beyond B per step (streaming train).
+        Off by default and in every recipe: the step trains the first B groups to finish and
+        cancels the rest, so slow (long, often hard) tasks are trained less often than drawn
+        (benchmarks/streaming_fairness.py: the slowest quartile 0.62 of the others' share with
+        e = 2 over B = 17; benchmarks/NOTES.md).
+      min_groups_for_streaming_train: m, the finished groups a step's rollout waits for (None:
+        B, every group). m < B has the same bias towards fast groups as e > 0.
+      max_buffered_rollouts: with ``max_staleness >= 1``, at most this many groups of started,
+        unfinished rollouts at once (a later step launches only within it; None: no cap).
     """
 
     num_prompts: int = 2
