@@ -56,6 +56,10 @@ def test_the_server_room_never_imports_the_agent_room():
     edges = _graph()
     assert len([m for m in edges if m.startswith("osworld_jax.server.")]) >= 15
     assert _ic().forbidden(edges, "osworld_jax.server", "osworld_jax.agent") == []
+    # of the client room it uses only what both sides share: the wire format, config, errors
+    shared = {f"osworld_jax.rollout.{m}" for m in ("wire", "config", "errors")}
+    used = {b for _, b in _ic().forbidden(edges, "osworld_jax.server", "osworld_jax.rollout")}
+    assert used and used <= shared, used - shared
     # the chat template both use lives in the model room
     assert "osworld_jax.model.chat_template" in edges["osworld_jax.server.openai_api"]
     assert _ic().forbidden(edges, "osworld_jax.model", "osworld_jax.agent") == []
@@ -93,8 +97,12 @@ def test_finder_reads_script_folders_type_only_imports_and_forbidden_edges(tmp_p
     assert ic.main([str(pkg)]) == 0  # without --fail it only reports
 
 
-def test_the_server_images_module_imports_no_jax():
-    """``osworld_jax.server.images`` stays jax-free (the server's ``__init__`` imports nothing)."""
-    code = "import sys, osworld_jax.server.images; assert 'jax' not in sys.modules"
+def test_the_client_room_and_the_server_images_module_import_no_jax():
+    """The client side and ``osworld_jax.server.images`` stay jax-free (``server/__init__`` is
+    empty), so the agent and env rooms may use them."""  # noqa: D205, D209
+    code = (
+        "import sys, osworld_jax.rollout, osworld_jax.rollout.launch, osworld_jax.server.images\n"
+        "assert 'jax' not in sys.modules"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
