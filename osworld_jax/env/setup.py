@@ -93,7 +93,17 @@ async def _download(vm: VMProtocol, params: Mapping[str, Any], ctx: SetupContext
 
 @SETUP_STEPS.register("launch")
 async def _launch(vm: VMProtocol, params: Mapping[str, Any], ctx: SetupContext) -> None:
-    await vm.launch(_require(params, "command", "launch"), shell=bool(params.get("shell", False)))
+    """Starts ``command`` without waiting (upstream ``SetupController._launch_setup``).
+
+    A string command with ``shell`` false and more than one word is split on whitespace, as
+    upstream's controller does before sending it (``command.split()``: quotes are not shell
+    syntax there, so ``gedit '/home/user/My File.txt'`` launches ``gedit`` with the two
+    arguments ``'/home/user/My`` and ``File.txt'``); a one-word string goes as it is.
+    """
+    command, shell = _require(params, "command", "launch"), bool(params.get("shell", False))
+    if isinstance(command, str) and not shell and len(command.split()) > 1:
+        command = command.split()
+    await vm.launch(command, shell=shell)
 
 
 def _until_met(result: Mapping[str, Any], until: Mapping[str, Any]) -> bool:

@@ -162,6 +162,42 @@ def test_execute_until_launch_open_and_only_types(tmp_path):
         run(run_setup([SetupStep(type="launch", parameters={})], vm))
 
 
+def test_launch_splits_a_string_command_on_whitespace_as_upstream():
+    # Upstream's SetupController._launch_setup: a non-shell string of several words is
+    # command.split() (quotes are literal characters), a one-word string goes as it is.
+    vm = MemoryDesktop()
+    cmd = "vlc '/home/user/My File.mp4'"
+    run(run_setup([SetupStep(type="launch", parameters={"command": cmd})], vm))
+    split = ["vlc", "'/home/user/My", "File.mp4'"]
+    assert vm.log[-1] == f"launch {split!r}"
+    run(run_setup([SetupStep(type="launch", parameters={"command": ["vlc", "a b"]})], vm))
+    assert vm.log[-1] == f"launch {['vlc', 'a b']!r}"  # a list is left alone
+    shell = SetupStep(type="launch", parameters={"command": cmd, "shell": True})
+    run(run_setup([shell], vm))
+    assert vm.log[-1] == f"launch {['vlc', '/home/user/My File.mp4']!r}"  # shell: unsplit
+
+
+def test_vm_terminal_output_is_none_without_a_terminal(tmp_path):
+    # Upstream's /terminal answers null when no terminal is found (not ""): check_include_exclude
+    # scores None 0 whatever the rules (tasks 13584542, 4127319a).
+    from osworld_jax.env.evaluators.registry import EvalContext
+
+    vm = MemoryDesktop()
+    getter, ctx = GETTERS.get("vm_terminal_output"), EvalContext(work_dir=tmp_path)
+    vm.terminal_text = ""
+    assert run(getter(vm, {}, ctx)) is None
+    vm.terminal_text = "user@host:~$ stty size\n43 132"
+    assert run(getter(vm, {}, ctx)) == "user@host:~$ stty size\n43 132"
+    t = task(
+        {"func": "check_include_exclude", "result": {"type": "vm_terminal_output"},
+         "expected": {"type": "rule", "rules": {"include": [], "exclude": ["error"]}}}
+    )  # fmt: skip
+    vm.terminal_text = ""
+    assert run(evaluate_task(t, vm, DONE)) == 0.0  # no terminal: None scores 0 (upstream)
+    vm.terminal_text = "fine"
+    assert run(evaluate_task(t, vm, DONE)) == 1.0
+
+
 # ------------------------------------------------------------------ evaluate_task
 
 

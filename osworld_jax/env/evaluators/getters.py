@@ -147,8 +147,14 @@ async def vm_command_error(vm: VMProtocol, params: Mapping[str, Any], ctx: EvalC
 
 @GETTERS.register("vm_terminal_output")
 async def vm_terminal_output(vm: VMProtocol, params: Mapping[str, Any], ctx: EvalContext) -> Any:
-    """The text of the desktop's terminal."""
-    return await vm.terminal()
+    """The text of the desktop's terminal, or None when there is none (upstream's ``null``).
+
+    Upstream's ``/terminal`` answers ``{"output": null}`` when no terminal window is found; our
+    VM protocol reads that as "": an empty text is taken as no terminal (tasks ``13584542``,
+    ``4127319a``: ``check_include_exclude`` scores None 0 without looking at the rules).
+    """
+    text = await vm.terminal()
+    return text if text else None
 
 
 @GETTERS.register("accessibility_tree")

@@ -86,10 +86,16 @@ def indel_ratio(a: str, b: str) -> float:
 
 @METRICS.register("fuzzy_match")
 def fuzzy_match(result: Any, rules: Mapping[str, Any]) -> float:
-    """Indel similarity between ``result`` and ``rules["expected"]`` (a score in [0, 1])."""
-    if result is None:
+    """Indel similarity between ``result`` and ``rules["expected"]`` (a score in [0, 1]).
+
+    Both must be strings: upstream's ``fuzz.ratio(result, expected)`` raises ``TypeError`` on a
+    number (``fuzzy_match(123, {"expected": "123"})``: no score), so a non-string scores 0 here,
+    never the 1.0 that ``str(123)`` would give (docs/EVALUATORS.md: where upstream crashes).
+    """
+    expected = rules["expected"]
+    if not isinstance(result, str) or not isinstance(expected, str):
         return 0.0
-    return indel_ratio(str(result), str(rules["expected"]))
+    return indel_ratio(result, expected)
 
 
 def _read(path: str | None) -> str | None:

@@ -116,14 +116,17 @@ def read_text(path: str | Path | None) -> str | None:
         return None
 
 
-_FALLBACK_ENCODINGS = ("utf-8-sig", "latin-1")
+# Upstream tries "utf-8" before "utf-8-sig": a byte-order mark is kept as U+FEFF (a CSV with a
+# BOM equals only a CSV with the same BOM), never dropped.
+_FALLBACK_ENCODINGS = ("utf-8", "latin-1")
 
 
 def read_lines_any_encoding(path: str | Path) -> list[str]:
-    """The file's lines, decoded as UTF-8 (a BOM dropped), else Latin-1 (never fails).
+    """The file's lines, decoded as UTF-8 (a BOM kept as U+FEFF), else Latin-1 (never fails).
 
-    Upstream ``table._safe_read_file``: its list of encodings ends in Latin-1, which decodes any
-    byte string, so the later entries are never reached.
+    Upstream ``table._safe_read_file``: its list of encodings starts with ``utf-8`` (so its
+    ``utf-8-sig`` entry is never reached and a BOM stays in the first line) and reaches Latin-1,
+    which decodes any byte string, so the later entries are never reached.
 
     Raises:
       OSError: the file cannot be read.

@@ -327,7 +327,8 @@ compare_table.unsupported_options = _unsupported  # type: ignore[attr-defined]
 def compare_csv(result: str | None, expected: str | list[str], **options: Any) -> float:
     """1 iff the result CSV has the same lines as the expected one (or as any of a list).
 
-    Files decode as UTF-8 (BOM dropped), else Latin-1; ``strict=False`` strips each line,
+    Files decode as UTF-8 (a BOM kept: it makes the first line differ from one without, as
+    upstream), else Latin-1; ``strict=False`` strips each line,
     ``ignore_case`` folds case. An expected file that cannot be read is skipped.
     """
     if result is None:

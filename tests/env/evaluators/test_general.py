@@ -56,6 +56,11 @@ def test_fuzzy_match_is_indel_ratio():
     assert indel_ratio("kitten", "sitting") == pytest.approx(8 / 13)
     assert m("fuzzy_match")("kitten", {"expected": "sitting"}) == pytest.approx(8 / 13)
     assert m("fuzzy_match")("same", {"expected": "same"}) == 1.0
+    # Upstream's fuzz.ratio raises TypeError on a number (no score): never a different
+    # non-zero score here, so a non-string scores 0 (it was str(123) == "123": 1.0).
+    assert m("fuzzy_match")(123, {"expected": "123"}) == 0.0
+    assert m("fuzzy_match")("123", {"expected": 123}) == 0.0
+    assert m("fuzzy_match")(None, {"expected": "x"}) == 0.0
     assert indel_ratio("", "") == 1.0
 
 

@@ -360,7 +360,7 @@ def test_compare_csv_with_a_list_of_gold_files(src):
     f = METRICS.get("compare_csv")
     r = src.text("out.csv", "a,b\n1,2 \n")
     g1 = src.text("g1.csv", "a,b\n9,9\n")
-    g2 = src.text("g2.csv", "\ufeffa,b\n1,2 \n")  # a BOM is dropped
+    g2 = src.text("g2.csv", "a,b\n1,2 \n")
     assert f(r, [g1, g2]) == 1.0  # any gold file matches (it used to raise)
     assert f(r, [g1]) == 0.0
     assert f(r, g1) == 0.0
@@ -368,6 +368,18 @@ def test_compare_csv_with_a_list_of_gold_files(src):
     assert f(r, src.text("g4.csv", "A,B\n1,2\n"), strict=False, ignore_case=True) == 1.0
     assert f(src.text("l1.csv", b"caf\xe9\n"), src.text("l2.csv", b"caf\xe9\n")) == 1.0  # Latin-1
     assert f(None, g1) == 0.0
+
+
+def test_compare_csv_keeps_a_byte_order_mark_as_upstream(src):
+    # Upstream's _safe_read_file tries "utf-8" first: a BOM stays as U+FEFF in the first line,
+    # so only a file with the same BOM is equal (issue 29: we used to drop it and score 1).
+    f = METRICS.get("compare_csv")
+    plain = src.text("plain.csv", "a,b\n1,2\n")
+    bom = src.text("bom.csv", "\ufeffa,b\n1,2\n")
+    assert f(bom, plain) == 0.0  # the result has a BOM, the gold not
+    assert f(plain, bom) == 0.0  # the gold has a BOM, the result not
+    assert f(bom, src.text("bom2.csv", "\ufeffa,b\n1,2\n")) == 1.0  # both
+    assert f(bom, plain, strict=False, ignore_case=True) == 0.0  # U+FEFF is not whitespace
 
 
 def test_compare_conference_city_in_order(src):
