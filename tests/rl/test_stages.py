@@ -1,3 +1,6 @@
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 
@@ -156,6 +159,36 @@ def test_parse_errors_valid_rows_and_is_weight_metrics():
     assert m["is_weight/mean"] == 1.5 and m["is_weight/max"] == 3.0
     records = stages.owner_records(1, ro, sel, adv)
     assert [r["parse_errors"] for r in records] == [2, 0, 1, 0]
+
+
+def test_episode_files_record_each_calls_parse_error():
+    from types import SimpleNamespace
+
+    from osworld_jax.agent import CallRecord, History
+
+    hist = History(owner_id=0, group_id=0, media_token_ids=frozenset())
+    for i, text in enumerate(["asdf", "FAIL"]):
+        hist.record_call(
+            CallRecord(
+                prompt_ids=np.arange(3 + 2 * i, dtype=np.int32),
+                output_ids=np.array([7, 8], np.int32),
+                output_logprobs=np.zeros(2, np.float32),
+                routed_experts=None,
+                finish_reason={"type": "stop"},
+                weight_version="0",
+                text=text,
+            )
+        )
+    res = dataclasses.replace(result(0, 1.0, turns=2), parse_errors=("no code block", None))
+    agent = SimpleNamespace(history=hist, result=res)
+    ro = stages.StepRollouts(
+        tasks=refs(1), owners=tuple(owners_with_segments([1.0], n=1)), turns=(2,)
+    )
+    raw = stages.RawRollouts(tasks=refs(1), agents={0: agent}, results=([res],))
+    files = stages.episode_files(3, raw, ro, 1)
+    record = json.loads(files["step_00000003_owner_0.json"])
+    assert [c["parse_error"] for c in record["calls"]] == ["no code block", None]
+    assert record["parse_errors"] == 1
 
 
 def test_dropped_group_is_excluded_from_advantages():
