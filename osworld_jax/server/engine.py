@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 
-from osworld_jax.rollout.config import GREEDY_EPS, logprob_temperature
 from osworld_jax.rollout.errors import EngineError
 from osworld_jax.server.model_files import eos_ids, load_processor, load_tokenizer
 from osworld_jax.server.prefix_cache import PrefixCache, prefix_key
@@ -31,7 +30,7 @@ from osworld_jax.server.refit_check import (
     checkpoint_signature,
     first_difference,
 )
-from osworld_jax.server.requests import EngineConfig, GenRequest
+from osworld_jax.server.requests import TOP_K_ALL, EngineConfig, GenRequest, build_request
 from osworld_jax.server.runner import (
     MAX_BANNED,
     MAX_TOP_LOGPROBS,
@@ -44,7 +43,6 @@ __all__ = ["Engine", "EngineConfig", "GenRequest"]
 
 log = logging.getLogger(__name__)
 
-TOP_K_ALL = 1 << 30
 #: Batched prefills hold at most this many (padded) tokens.
 PREFILL_BATCH_TOKENS = 8192
 
@@ -226,52 +224,17 @@ class Engine:
     def make_request(
         self, *, rid: str | None, input_ids: list[int], sampling: dict[str, Any], **opts: Any
     ) -> GenRequest:
-        """Builds a `GenRequest` from already validated wire values (see ``server.validate``)."""
-        temperature = float(sampling.get("temperature", 1.0))
-        top_k = int(sampling.get("top_k", -1))
-        lp_temperature = logprob_temperature(
-            temperature, return_original_logprob=self.config.return_original_logprob
+        """A `GenRequest` of validated wire values for this engine (see `build_request`)."""
+        return build_request(
+            rid=rid,
+            input_ids=input_ids,
+            sampling=sampling,
+            rng=self._rng,
+            context_length=self.context_length,
+            return_original_logprob=self.config.return_original_logprob,
+            tokenizer=self.tokenizer,
+            **opts,
         )
-        if temperature < GREEDY_EPS:  # SGLang: greedy == temperature 1 with top_k 1
-            temperature, top_k = 1.0, 1
-        if top_k == -1:
-            top_k = TOP_K_ALL
-        seed = sampling.get("sampling_seed")
-        if seed is None:
-            key = self._rng.integers(0, 2**32, size=2, dtype=np.uint32)
-        else:
-            seed = int(seed) & 0xFFFFFFFFFFFFFFFF  # SGLang seeds are int64; negatives wrap
-            key = np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
-        stop = sampling.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else list(stop)
-        max_new = int(sampling.get("max_new_tokens", 128))
-        req = GenRequest(
-            rid=rid or uuid.uuid4().hex,
-            input_ids=[int(t) for t in input_ids],
-            temperature=temperature,
-            top_p=float(sampling.get("top_p", 1.0)),
-            top_k=top_k,
-            min_p=float(sampling.get("min_p", 0.0)),
-            logprob_temperature=lp_temperature,
-            max_new_tokens=min(max_new, self.context_length - len(input_ids)),
-            min_new_tokens=int(sampling.get("min_new_tokens", 0)),
-            stop=stop,
-            stop_token_ids={int(t) for t in sampling.get("stop_token_ids") or []},
-            ignore_eos=bool(sampling.get("ignore_eos", False)),
-            skip_special_tokens=bool(sampling.get("skip_special_tokens", True)),
-            no_stop_trim=bool(sampling.get("no_stop_trim", False)),
-            key=key,
-            return_logprob=bool(opts.get("return_logprob", False)),
-            logprob_start_len=int(opts.get("logprob_start_len", -1)),
-            top_logprobs_num=int(opts.get("top_logprobs_num", 0)),
-            return_text_in_logprobs=bool(opts.get("return_text_in_logprobs", False)),
-            return_routed_experts=bool(opts.get("return_routed_experts", False)),
-            routed_experts_start_len=int(opts.get("routed_experts_start_len", 0)),
-            images=opts.get("images"),
-        )
-        if stop and self.tokenizer is not None:
-            req.stop_window = 2 + max(len(self.tokenizer.encode(s).ids) for s in stop)
-        return req
 
     def submit(self, req: GenRequest) -> None:
         """Queues ``req``; progress arrives through ``req.notify``."""

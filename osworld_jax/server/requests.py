@@ -1,15 +1,23 @@
-"""The embedded engine's data: its settings (`EngineConfig`) and one request (`GenRequest`)."""
+"""The embedded engine's data: its settings (`EngineConfig`) and one request (`GenRequest`).
+
+`build_request` turns validated wire values into a `GenRequest` (`Engine.make_request`).
+"""
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from osworld_jax.rollout.config import GREEDY_EPS, logprob_temperature
 from osworld_jax.server.images import RequestImages
+
+#: ``top_k`` of a request that keeps every token (SGLang's -1).
+TOP_K_ALL = 1 << 30
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,3 +139,69 @@ class GenRequest:
     slot: int | None = None
     created: float = field(default_factory=time.monotonic)
     stop_window: int = 0
+
+
+def build_request(
+    *,
+    rid: str | None,
+    input_ids: list[int],
+    sampling: dict[str, Any],
+    rng: np.random.Generator,
+    context_length: int,
+    return_original_logprob: bool = False,
+    tokenizer: Any = None,
+    **opts: Any,
+) -> GenRequest:
+    """A `GenRequest` of already validated wire values (`osworld_jax.server.protocol`).
+
+    SGLang's conventions: a temperature below ``GREEDY_EPS`` is greedy (temperature 1, top-k
+    1), ``top_k = -1`` is every token, a ``sampling_seed`` (int64, negatives wrap) fixes the
+    request's key (else ``rng`` draws one), ``max_new_tokens`` is clamped to what fits
+    ``context_length``. ``tokenizer`` (None: no stop strings are matched) sizes the window of
+    output tokens decoded to look for stop strings.
+    """
+    temperature = float(sampling.get("temperature", 1.0))
+    top_k = int(sampling.get("top_k", -1))
+    lp_temperature = logprob_temperature(
+        temperature, return_original_logprob=return_original_logprob
+    )
+    if temperature < GREEDY_EPS:  # SGLang: greedy == temperature 1 with top_k 1
+        temperature, top_k = 1.0, 1
+    if top_k == -1:
+        top_k = TOP_K_ALL
+    seed = sampling.get("sampling_seed")
+    if seed is None:
+        key = rng.integers(0, 2**32, size=2, dtype=np.uint32)
+    else:
+        seed = int(seed) & 0xFFFFFFFFFFFFFFFF  # SGLang seeds are int64; negatives wrap
+        key = np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
+    stop = sampling.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else list(stop)
+    max_new = int(sampling.get("max_new_tokens", 128))
+    req = GenRequest(
+        rid=rid or uuid.uuid4().hex,
+        input_ids=[int(t) for t in input_ids],
+        temperature=temperature,
+        top_p=float(sampling.get("top_p", 1.0)),
+        top_k=top_k,
+        min_p=float(sampling.get("min_p", 0.0)),
+        logprob_temperature=lp_temperature,
+        max_new_tokens=min(max_new, context_length - len(input_ids)),
+        min_new_tokens=int(sampling.get("min_new_tokens", 0)),
+        stop=stop,
+        stop_token_ids={int(t) for t in sampling.get("stop_token_ids") or []},
+        ignore_eos=bool(sampling.get("ignore_eos", False)),
+        skip_special_tokens=bool(sampling.get("skip_special_tokens", True)),
+        no_stop_trim=bool(sampling.get("no_stop_trim", False)),
+        key=key,
+        return_logprob=bool(opts.get("return_logprob", False)),
+        logprob_start_len=int(opts.get("logprob_start_len", -1)),
+        top_logprobs_num=int(opts.get("top_logprobs_num", 0)),
+        return_text_in_logprobs=bool(opts.get("return_text_in_logprobs", False)),
+        return_routed_experts=bool(opts.get("return_routed_experts", False)),
+        routed_experts_start_len=int(opts.get("routed_experts_start_len", 0)),
+        images=opts.get("images"),
+    )
+    if stop and tokenizer is not None:
+        req.stop_window = 2 + max(len(tokenizer.encode(s).ids) for s in stop)
+    return req
