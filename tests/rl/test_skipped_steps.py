@@ -62,24 +62,27 @@ def _run(tmp_path, monkeypatch, name, bad_steps, *params):
 
 
 @pytest.mark.slow
-def test_the_loop_skips_a_bad_step_and_stops_after_too_many(tmp_path, monkeypatch):
+def test_the_loop_skips_bad_steps_and_stops_after_too_many(tmp_path, monkeypatch):
+    # One run: step 1 trains, steps 2 and 3 are bad and skipped (limit 2), step 4 is the third
+    # bad step in a row and stops the run naming all three causes.
     exp, run_dir, drawn = _run(
-        tmp_path, monkeypatch, "skip", {2}, "RLConfig.max_consecutive_skipped_steps = 1"
+        tmp_path, monkeypatch, "skip", {2, 3, 4}, "RLConfig.max_consecutive_skipped_steps = 2"
     )
-    history = train(exp, run_dir, 3).history
-    assert [h["steps/skipped"] for h in history] == [0.0, 1.0, 0.0]
+    with pytest.raises(
+        stages.SkippedStepsError,
+        match=r"3 bad steps in a row .*step 2: .*injected.*; step 3: .*; step 4: .*injected",
+    ):
+        train(exp, run_dir, 4)
+    history = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == [1, 2, 3]
+    assert [h["steps/skipped"] for h in history] == [0.0, 1.0, 1.0]
+    assert [h["steps/consecutive_skipped"] for h in history] == [0.0, 1.0, 2.0]
     assert "3/4 owners failed (injected)" in history[1]["steps/skip_cause"]
     assert "train/loss" in history[0] and "train/loss" not in history[1]
-    assert (run_dir / "checkpoints" / "2").exists()  # the stream's position after step 2's draw
+    # Skipped steps still refit and checkpoint (the stream's position after their draw), and
+    # the stream advanced as for trained steps: steps 1-4 drew their batches in stream order (a
+    # resume from a checkpoint redraws the next step exactly: tests/rl/test_resume.py).
+    assert (run_dir / "checkpoints" / "3").exists()
+    assert sorted(drawn) == [1, 2, 3, 4]
     records = [json.loads(x) for x in (run_dir / "rollouts.jsonl").read_text().splitlines()]
-    assert sorted({r["step"] for r in records}) == [1, 3]  # the skipped step wrote none
-    # The stream advanced as for a trained step: steps 1-3 drew 3 distinct batches in stream
-    # order, and checkpoint 2 holds the position after step 2's draw (a resume from it redraws
-    # step 3 exactly as tests/rl/test_resume.py checks for any checkpoint).
-    assert sorted(drawn) == [1, 2, 3]
-    # Two bad steps in a row with a limit of 1: the run stops, naming both causes.
-    exp, run_dir, _ = _run(
-        tmp_path, monkeypatch, "stop", {1, 2}, "RLConfig.max_consecutive_skipped_steps = 1"
-    )
-    with pytest.raises(stages.SkippedStepsError, match=r"step 1: .*injected.*; step 2: .*injected"):
-        train(exp, run_dir, 3)
+    assert {r["step"] for r in records} == {1}  # skipped steps write no owner records
