@@ -337,8 +337,8 @@ def owner_advantages(
 
     With ``bounds`` the estimator's inputs are padded to ``bounds.num_owners`` owners (the
     padding is not ``valid``: it enters no statistic) over ``bounds.num_groups`` groups, so the
-    estimator compiles once per run whatever the step dropped. Failed owners get 0 (they are
-    masked rows; under ``baseline_population='all_owners'`` they still shaped the baseline).
+    estimator compiles once per run whatever the step dropped. Failed owners get 0: they are
+    masked rows, and their unknown rewards enter no statistic (``selection.valid``).
 
     Returns:
       f32[N] advantages of ``selection.owners``.
