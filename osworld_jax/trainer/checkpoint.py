@@ -70,10 +70,17 @@ def _bad_json_file(step_dir: Path) -> tuple[Path, str] | None:
         if not f.is_file() or "ocdbt" in f.parts[-3:-1] or f.parent.name == "d":
             continue  # array data (binary)
         try:
-            text = f.read_text()
-        except (OSError, UnicodeDecodeError):
+            raw = f.read_bytes()
+        except OSError:
             continue
-        if not text.lstrip().startswith(("{", "[")) and f.name not in ("_METADATA", "metadata"):
+        named = f.name in ("_METADATA", "metadata")
+        try:
+            text = raw.decode()
+        except UnicodeDecodeError as e:
+            if named or raw.lstrip().startswith((b"{", b"[")):
+                return f, f"not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})"
+            continue
+        if not text.lstrip().startswith(("{", "[")) and not named:
             continue
         try:
             json.loads(text)
@@ -94,6 +101,10 @@ def _corruption(step: int, step_dir: Path, error: BaseException) -> CorruptCheck
         if isinstance(e, json.JSONDecodeError):
             bad = _bad_json_file(step_dir)
             return CorruptCheckpointError(step, *(bad or (step_dir, f"invalid JSON ({e.msg})")))
+        if isinstance(e, UnicodeDecodeError):  # a JSON file (e.g. _METADATA) with non-UTF-8 bytes
+            bad = _bad_json_file(step_dir)
+            why = f"not UTF-8 (byte 0x{e.object[e.start]:02x} at offset {e.start})"
+            return CorruptCheckpointError(step, *(bad or (step_dir, why)))
         if isinstance(e, FileNotFoundError):
             return CorruptCheckpointError(step, e.filename or step_dir, "missing")
         if isinstance(e, KeyError) and "was not found in the checkpoint" in text:

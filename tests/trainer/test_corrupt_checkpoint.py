@@ -88,13 +88,26 @@ def test_an_intact_checkpoint_restores(copy):
         (lambda d: (d / "state" / "_METADATA").write_text("{trunc"), r"2/state/_METADATA", "JSON"),
         (lambda d: (d / "data" / "metadata").write_text('{"next_in'), r"2/data/metadata", "JSON"),
         (
+            lambda d: (d / "state" / "_METADATA").write_bytes(b'{"tree_metadata": "\xff\xfe"}'),
+            r"2/state/_METADATA",
+            r"not UTF-8 \(byte 0xff",
+        ),
+        (
             lambda d: (d / "state" / "manifest.ocdbt").write_bytes(b"xx"),
             r"manifest\.ocdbt",
             "manifest",
         ),
         (lambda d: shutil.rmtree(d / "state"), r"checkpoints/2", r'Item "state" was not found'),
     ],
-    ids=["garbled-array", "cut-array", "metadata-json", "data-json", "manifest", "lost-item"],
+    ids=[
+        "garbled-array",
+        "cut-array",
+        "metadata-json",
+        "data-json",
+        "metadata-not-utf8",
+        "manifest",
+        "lost-item",
+    ],
 )
 def test_a_damaged_checkpoint_names_its_step_and_file(copy, damage, where, why):
     damage(copy / "2")
