@@ -14,8 +14,12 @@ ViT under ``model.visual.*`` (patch embedding as HF's Conv3d weight [Hv, C, T, P
 at ``lm_head.weight``. Its experts are fused: the published checkpoints store
 ``gate_up_proj`` [E, H, 2I] / ``down_proj`` [E, I, H] (transformers transposes them on load;
 its own 5.x ``save_pretrained`` writes the in-memory [E, 2I, H] / [E, H, I]). Both load here,
-told apart by shape (a square ambiguity, H = 2I or H = I, reads as the published layout);
-saving writes the published layout, which transformers and SGLang both load.
+told apart by the shapes of a layer's two tensors together: when H = 2I ``gate_up_proj`` is
+square in both layouts but ``down_proj`` is not, and when H = I the other way round (both are
+square only if I = 0), so the non-square one decides; two tensors that disagree, or a layout
+no shape decides, are refused naming the tensors (`fused_expert_layout`). Saving writes the
+published layout, which transformers and SGLang both load (a square model: transformers'
+layout, see `hf_tensors`).
 """
 
 from __future__ import annotations
@@ -151,8 +155,8 @@ def _readers(config: Qwen3MoeConfig, t: _Tensors) -> dict[str, Reader]:
                 p = pre.format(moe_layers[layer]) + "mlp.experts."
                 if p + "gate_up_proj" in t:  # fused layout
                     name = p + ("down_proj" if which == "down" else "gate_up_proj")
-                    w = _fused_as_ours(t, name, which, c, prefer_published=vl)
-                    return w[idx]
+                    published = fused_expert_layout(t, p, c) == "published"
+                    return _fused_as_ours(t.get(name), which, c, published=published)[idx]
                 ids = range(c.num_experts)[idx[0]]
                 return np.stack(
                     [t.get(f"{p}{j}.{which}_proj.weight").T[idx[1:]] for j in ids], axis=0
@@ -174,26 +178,52 @@ def _readers(config: Qwen3MoeConfig, t: _Tensors) -> dict[str, Reader]:
     return r
 
 
-def _fused_as_ours(
-    t: _Tensors, name: str, which: str, c: Qwen3MoeConfig, *, prefer_published: bool
-) -> np.ndarray:
+def fused_expert_layout(t: _Tensors, prefix: str, c: Qwen3MoeConfig) -> str:
+    """The file's fused expert layout: "published" or "transformers" (never guessed).
+
+    "published": gate_up [E, H, 2I] / down [E, I, H]; "transformers": [E, 2I, H] / [E, H, I].
+    Decided by ``{prefix}gate_up_proj`` and ``{prefix}down_proj`` together: each shape admits
+    one or both layouts (both when it is square: H = 2I for gate_up, H = I for down); the
+    layout both admit is the file's. Never a guess: shapes that fit no layout, two tensors
+    that disagree, or a layout no shape decides raise `CheckpointError` naming the tensors.
+    """
+    E, H, inter = c.num_experts, c.hidden_size, c.moe_intermediate_size
+    where = getattr(t, "path", "checkpoint")
+    expected = {
+        "gate_up_proj": {"transformers": (E, 2 * inter, H), "published": (E, H, 2 * inter)},
+        "down_proj": {"transformers": (E, H, inter), "published": (E, inter, H)},
+    }
+    shapes = {name: tuple(t.shape(prefix + name)) for name in expected}
+    admitted = []
+    for name, layouts in expected.items():
+        fits = {layout for layout, shape in layouts.items() if shape == shapes[name]}
+        if not fits:
+            want = " or ".join(str(s) for s in layouts.values())
+            raise CheckpointError(f"{where}: {prefix}{name}: shape {shapes[name]}, expected {want}")
+        admitted.append(fits)
+    both = admitted[0] & admitted[1]
+    if len(both) == 1:
+        return both.pop()
+    names = f"{prefix}gate_up_proj {shapes['gate_up_proj']} and {prefix}down_proj " + str(
+        shapes["down_proj"]
+    )
+    if not both:
+        raise CheckpointError(f"{where}: {names} are in different fused expert layouts")
+    raise CheckpointError(
+        f"{where}: {names}: the fused expert layout cannot be told from these shapes "
+        f"(H = {H}, moe_intermediate_size = {inter}); refusing to guess"
+    )
+
+
+def _fused_as_ours(w: np.ndarray, which: str, c: Qwen3MoeConfig, *, published: bool) -> np.ndarray:
     """A fused expert tensor as our [E, H, I] (gate/up) or [E, I, H] (down) (lazy views).
 
     transformers' in-memory layout is gate_up [E, 2I, H] / down [E, H, I]; the published
-    Qwen3-VL-MoE files hold their transposes. A square shape is ambiguous and reads as the
-    published layout when ``prefer_published`` (Qwen3-VL-MoE), else as transformers' layout.
+    Qwen3-VL-MoE files hold their transposes (``published``; see `fused_expert_layout`).
     """
-    E, H, inter = c.num_experts, c.hidden_size, c.moe_intermediate_size
-    w = t.get(name)
-    rows = 2 * inter if which != "down" else H
-    cols = H if which != "down" else inter
-    memory, published = (E, rows, cols), (E, cols, rows)
-    shape = tuple(w.shape)
-    if shape not in (memory, published):
-        raise CheckpointError(f"{t.path}: {name}: shape {shape}, expected {memory} or {published}")
-    is_published = shape == published and (shape != memory or prefer_published)
-    if not is_published:
+    if not published:
         w = np.swapaxes(w, 1, 2)  # now [E, H, 2I] / [E, I, H]
+    inter = c.moe_intermediate_size
     if which == "gate":
         return w[:, :, :inter]
     if which == "up":
@@ -327,12 +357,17 @@ def hf_tensors(
     """Yields ``(hf_name, numpy array)`` in the HF layout, one layer at a time.
 
     Qwen3-MoE: per-expert tensors. Qwen3-VL-MoE: the published fused layout (see module
-    docstring) plus the ViT. ``params`` is `Policy.params()` (or the same tree of numpy arrays).
+    docstring) plus the ViT; a model whose fused tensors would be square in it (H = 2I or
+    H = I) gets transformers' layout instead ([E, 2I, H] / [E, H, I]): transformers keeps a
+    tensor whose shape equals its own as it is and transposes the others, so only its layout
+    round-trips there (`fused_expert_layout` reads either; real Qwen3-VL-MoE is never square).
+    ``params`` is `Policy.params()` (or the same tree of numpy arrays).
     """
     c = config
     H = c.hidden_size
     vl = isinstance(c, Qwen3VLMoeConfig)
     lm = _lm_prefix(c)
+    square = H in (2 * c.moe_intermediate_size, c.moe_intermediate_size)
 
     top = params["top"]
     yield lm + "embed_tokens.weight", _host(top["embed"])
@@ -355,9 +390,13 @@ def hf_tensors(
             m = moe_index[i]
             yield p + "mlp.gate.weight", _host(params["moe"]["router"][m]).T
             w = {n: _host(params["moe"][n][m]) for n in ("gate", "up", "down")}
-            if vl:  # published fused layout: gate_up [E, H, 2I], down [E, I, H]
-                yield p + "mlp.experts.gate_up_proj", np.concatenate([w["gate"], w["up"]], -1)
-                yield p + "mlp.experts.down_proj", w["down"]
+            if vl:  # fused: published [E, H, 2I] / [E, I, H], transposed when square (doc)
+                gate_up = np.concatenate([w["gate"], w["up"]], -1)
+                down = w["down"]
+                if square:
+                    gate_up, down = np.swapaxes(gate_up, 1, 2), np.swapaxes(down, 1, 2)
+                yield p + "mlp.experts.gate_up_proj", gate_up
+                yield p + "mlp.experts.down_proj", down
                 continue
             for j in range(c.num_experts):
                 for n in ("gate", "up", "down"):

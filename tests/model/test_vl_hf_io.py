@@ -218,3 +218,47 @@ def test_bfloat16_vl_model_follows_the_precision_policy(tiny_vl):
     o16 = _ours(p16, ids, pixel_values, grid)
     chex.assert_type(o16, jnp.float32)
     assert rel_err(o16, _ours(p32, ids, pixel_values, grid)) < 5e-2
+
+
+@pytest.mark.parametrize("inter", [16, 32], ids=["H=2I", "H=I"])
+def test_square_fused_experts_saved_by_transformers_load_exactly(tmp_path, inter):
+    """transformers' own layout ([E, 2I, H] / [E, H, I]) with one tensor square per layer:
+    the other tensor decides; logits equal transformers', and our export loads back."""  # noqa: D205, D209
+    from tests.model.vl_helpers import PROCESSOR, hf_logits, images, prompt
+
+    model = build_hf_vl_model(tmp_path / "hf", seed=3, text={"moe_intermediate_size": inter})
+    f = SafetensorsFile(tmp_path / "hf" / "model.safetensors")
+    gate_up = f.get("model.language_model.layers.0.mlp.experts.gate_up_proj").shape
+    down = f.get("model.language_model.layers.0.mlp.experts.down_proj").shape
+    assert (gate_up, down) == ((8, 2 * inter, 32), (8, 32, inter))  # transformers' in-memory
+    assert gate_up[1] == gate_up[2] or down[1] == down[2]  # one of them square
+    pixel_values, grid = PROCESSOR(images(4, [(24, 40), (16, 16)]))
+    ids = np.array([prompt(np.random.RandomState(4), grid)], np.int32)
+    text_ids = np.array([prompt(np.random.RandomState(5), grid[:0], text=(12, 0))], np.int32)
+    ref, _ = hf_logits(model, ids, pixel_values, grid)
+    ref_text, _ = hf_logits(model, text_ids)
+    ours = load_hf_checkpoint(tmp_path / "hf", dtype=jnp.float32)
+    assert rel_err(_ours(ours, ids, pixel_values, grid), ref) <= 1e-4
+    assert rel_err(jforward(ours, jnp.asarray(text_ids)).logits, ref_text) <= 1e-4
+    out = save_hf_checkpoint(ours, tmp_path / "export")  # square: transformers' layout
+    f = SafetensorsFile(out / "model.safetensors")
+    assert f.get("model.language_model.layers.0.mlp.experts.down_proj").shape == (8, 32, inter)
+    again, _ = hf_logits(_from_pretrained(out), ids, pixel_values, grid)
+    assert rel_err(again, ref) <= 1e-4
+    _assert_same_params(load_hf_checkpoint(out, dtype=jnp.float32), ours)
+
+
+def test_fused_experts_in_two_layouts_are_refused_naming_both(tmp_path):
+    build_hf_vl_model(tmp_path / "hf", seed=3)  # H = 32, I = 12: both shapes decide alone
+    src = SafetensorsFile(tmp_path / "hf" / "model.safetensors")
+    tensors = {n: np.array(src.get(n)) for n in src.names()}
+    down = "model.language_model.layers.2.mlp.experts.down_proj"
+    tensors[down] = np.ascontiguousarray(np.swapaxes(tensors[down], 1, 2))  # published, alone
+    (tmp_path / "mixed").mkdir()
+    write_safetensors(tmp_path / "mixed" / "model.safetensors", tensors)
+    (tmp_path / "mixed" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    with pytest.raises(CheckpointError) as e:
+        load_hf_checkpoint(tmp_path / "mixed", dtype=jnp.float32)
+    msg = str(e.value)
+    assert "\n" not in msg and "different fused expert layouts" in msg
+    assert "layers.2.mlp.experts.gate_up_proj (8, 24, 32)" in msg and f"{down} (8, 12, 32)" in msg
