@@ -11,8 +11,10 @@ local cache directory, found under one of these keys (first hit wins):
 3. ``<cache_dir>/<task id>/<url basename>`` — the layout OSWorld's own ``cache/`` uses;
 4. ``<cache_dir>/<url basename>``.
 
-A URL that resolves to nothing is reported by ``capabilities`` (task not runnable here) and, if a
-setup step needs it anyway, raises ``SandboxCreateError`` naming the URL.
+Every key is relative and confined to the cache directory (empty and ``.`` components dropped,
+``..`` refused, a task id is one path component). A URL that resolves to nothing is reported
+by ``capabilities`` (task not runnable here) and, if a setup step needs it anyway,
+raises ``SandboxCreateError`` naming the URL.
 
 Filling the cache (on a machine with internet access)::
 
@@ -26,8 +28,11 @@ its ``.part`` (HTTP ``Range``); a reply shorter than its ``Content-Length`` is k
 for the next run; a file whose SHA-256 differs from the expected one (``--manifest``, or the
 server's ``X-Linked-ETag``/``ETag`` when it is a SHA-256, as Hugging Face sends for its files) is
 deleted. Verified files are recorded in ``<cache_dir>/MANIFEST.json`` (url -> sha256, size), which
-``status --verify`` re-checks. ``--mirror FROM=TO`` fetches URLs starting with ``FROM`` from
-``TO`` instead (a mirror of the file host); the cache key stays the task's URL.
+``status --verify`` re-checks. A file is at most its expected size (``--manifest``'s ``size``) or
+``--max-bytes``, and gets ``--deadline`` seconds in all; fetches of one file take its lock
+(``<key>.lock``) so two processes never write it at once; ``.part`` files are never followed
+through a symlink (see docs/SECURITY.md). ``--mirror FROM=TO`` fetches URLs starting with
+``FROM`` from ``TO`` instead (a mirror of the file host); the cache key stays the task's URL.
 """
 
 from osworld_jax.env.cache.fetch import (

@@ -33,19 +33,38 @@ def url_basename(url: str) -> str:
     return Path(urllib.parse.urlsplit(url).path).name
 
 
+def _confined(path: str) -> str | None:
+    """``path`` as a relative key that stays inside its directory, or None when it cannot.
+
+    Empty and ``.`` components are dropped (``resolve/main//etc/passwd`` -> ``etc/passwd``);
+    a ``..`` component (it would leave the directory) or a NUL byte refuse the key.
+    """
+    if "\x00" in path:
+        return None
+    parts = [c for c in path.split("/") if c not in ("", ".")]
+    if not parts or ".." in parts:
+        return None
+    return "/".join(parts)
+
+
 def cache_keys(url: str, task_id: str | None = None) -> list[str]:
-    """The relative paths under which ``url`` may be cached, in look-up order."""
+    """The relative paths under which ``url`` may be cached, in look-up order.
+
+    Every key is confined: relative, without ``..`` (a URL or task id that would make a key
+    leave the cache directory gives no such key; the SHA-256 key always exists).
+    """
     keys = [hashlib.sha256(url.encode()).hexdigest()]
     path = urllib.parse.urlsplit(url).path
     m = re.search(r"/resolve/[^/]+/(.+)$", path)
-    if m and ".." not in m.group(1).split("/"):
-        keys.append(m.group(1))
-    base = url_basename(url)
-    if base:
-        if task_id:
-            keys.append(f"{task_id}/{base}")
+    if m and (repo_path := _confined(m.group(1))) is not None:
+        keys.append(repo_path)
+    base = _confined(url_basename(url))
+    if base is not None:
+        task_dir = _confined(task_id) if task_id else None
+        if task_dir is not None and "/" not in task_dir:  # a task id is one path component
+            keys.append(f"{task_dir}/{base}")
         keys.append(base)
-    return keys
+    return list(dict.fromkeys(keys))
 
 
 def is_remote(url: str) -> bool:
@@ -61,15 +80,19 @@ def resolve(
 ) -> Path | None:
     """Returns the cached file for ``url``, or None when it is not cached.
 
-    A ``file://`` URL or an absolute local path resolves to itself when it exists; a relative path
-    (no scheme) resolves against ``base_dir``, the task file's directory (bundled tasks ship their
-    assets beside their JSON).
+    A ``file://`` URL or an absolute local path resolves to itself when it exists (task files are
+    trusted: they may name host files); a relative path (no scheme) resolves against ``base_dir``,
+    the task file's directory (bundled tasks ship their assets beside their JSON), and never leaves
+    it (``..`` gives None). A remote URL resolves only inside ``cache_dir`` (see `cache_keys`).
     """
     parsed = urllib.parse.urlsplit(url)
     if not parsed.scheme and not url.startswith("/"):
         if base_dir is None:
             return None
-        p = Path(base_dir) / url
+        rel = _confined(url)  # a bundled asset lives beside (below) its task file
+        if rel is None:
+            return None
+        p = Path(base_dir) / rel
         return p if p.is_file() else None
     if parsed.scheme == "file":
         p = Path(urllib.parse.unquote(parsed.path))
@@ -78,7 +101,7 @@ def resolve(
         p = Path(url)
         return p if p.is_file() else None
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    for key in cache_keys(url, task_id):
+    for key in cache_keys(url, task_id):  # each key is relative and has no ``..``
         p = root / key
         if p.is_file():
             return p

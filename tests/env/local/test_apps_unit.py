@@ -10,7 +10,7 @@ import pytest
 
 from osworld_jax.env.capabilities import _programs
 from osworld_jax.env.local import apps, desktop
-from osworld_jax.env.local.backend import _drop_app_locks
+from osworld_jax.env.local.snapshot import drop_app_locks
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -102,7 +102,7 @@ def test_snapshots_leave_out_the_apps_lock_files(tmp_path):
     for link in links:
         link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to("sandbox-12")
-    _drop_app_locks(home)
+    drop_app_locks(home)
     assert all(p.exists() for p in keep)  # a regular file named "lock" is the user's
     assert not any(p.exists() or p.is_symlink() for p in drop + links)
 

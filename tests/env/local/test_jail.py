@@ -197,9 +197,9 @@ def test_sandbox_directories_are_private_to_the_host(runner, desktop):
 
 def test_preflight_names_what_is_missing(monkeypatch):
     from osworld_jax.env.backend import PreflightError
-    from osworld_jax.env.local import backend as local_backend
+    from osworld_jax.env.local import preflight
 
-    monkeypatch.setitem(local_backend.REQUIRED_BINARIES, "no-such-binary-xyz", "pkg-xyz")
+    monkeypatch.setitem(preflight.REQUIRED_BINARIES, "no-such-binary-xyz", "pkg-xyz")
     with pytest.raises(PreflightError, match="no-such-binary-xyz \\(apt pkg-xyz\\)"):
         LocalBackend().preflight()
 
