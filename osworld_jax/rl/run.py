@@ -33,10 +33,15 @@ from osworld_jax.rl import stages
 from osworld_jax.rl.analysis import EPISODES_DIR, ROLLOUTS_FILE
 from osworld_jax.rl.config import ExperimentConfig, SandboxConfig
 from osworld_jax.rl.lease import RunLease
-from osworld_jax.rl.metrics import MetricsLogger
+from osworld_jax.rl.metrics import METRICS_FILE, MetricsLogger
 from osworld_jax.rl.preflight import run_preflight
 from osworld_jax.rl.producer import LoopThread
-from osworld_jax.rl.rundir import check_writable, trim_partial_line, write_run_config, writing
+from osworld_jax.rl.rundir import (
+    check_writable,
+    trim_logs_to_checkpoint,
+    write_run_config,
+    writing,
+)
 from osworld_jax.rollout import SGLangClient
 from osworld_jax.trainer import Trainer
 from osworld_jax.trainer.checkpoint import CorruptCheckpointError, set_aside
@@ -232,7 +237,13 @@ class RunResources(RolloutResources):
             self.refit(resume)  # the servers start from the base model; serve the restored one
         if self.rolls_out:
             self.metrics_dir.mkdir(parents=True, exist_ok=True)
-            trim_partial_line(self.metrics_dir / ROLLOUTS_FILE)  # a full disk cut it short
+            # The steps after the checkpoint run again: drop what they logged (before their
+            # checkpoint was durable, or whose save failed), and any line a full disk cut short.
+            dropped = trim_logs_to_checkpoint(
+                self.metrics_dir, self.start_step, (METRICS_FILE, ROLLOUTS_FILE), EPISODES_DIR
+            )
+            if dropped:
+                log.warning("logs trimmed to checkpoint %d: dropped %s", self.start_step, dropped)
             records = open(self.metrics_dir / ROLLOUTS_FILE, "a", buffering=1)  # noqa: SIM115
             self._records = self.enter_context(records)
             # The run is starting: only now does it replace an existing run's config files.

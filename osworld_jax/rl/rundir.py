@@ -8,6 +8,9 @@ instead of a traceback, and nothing already written is lost: checkpoints and exp
 written to a temporary directory and renamed when complete, so the last complete checkpoint
 stays the resume point (rerun the same command once the storage is fixed), and the JSONL logs
 are appended one whole line at a time (`trim_partial_line` drops a line a full disk cut short).
+A step's records are appended before its checkpoint is durable; on every start the logs are
+trimmed back to the checkpoint the run resumes from (`trim_logs_to_checkpoint`), so a step that
+runs again after a failed save or a crash is logged once.
 
 Storage errors arrive as ``OSError`` from Python and as messages carrying
 ``[os_error_code='28']`` from tensorstore (orbax's checkpoint writer); `storage_error` finds
@@ -24,7 +27,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -272,3 +275,86 @@ def trim_partial_line(path: Path) -> int:
             pos = start
         f.truncate(keep)
     return size - keep
+
+
+def _record_step(line: bytes) -> int | None:
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+    return step if type(step) is int else None
+
+
+def trim_to_step(path: Path, step: int) -> int:
+    """Drops the records of steps after ``step`` from the JSONL file ``path``; returns how many.
+
+    On resume from checkpoint ``step`` (0: none), the steps after it run again: their records
+    (logged before their checkpoint was durable, or whose checkpoint failed) would be logged
+    twice. A line without an integer ``step`` is kept; a cut last line is dropped (see
+    `trim_partial_line`). The file is replaced atomically only when something is dropped; the
+    dropped records are appended to ``<name>.set-aside`` (nothing is deleted).
+    """
+    trim_partial_line(path)
+    try:
+        f = open(path, "rb")  # noqa: SIM115
+    except FileNotFoundError:
+        return 0
+    with f:
+        if not any((s := _record_step(line)) is not None and s > step for line in f):
+            return 0
+        f.seek(0)
+        tmp, dropped = path.with_name(f".{path.name}.trim-{os.getpid()}"), 0
+        try:
+            aside = path.with_name(path.name + SET_ASIDE)
+            with writing(tmp), open(tmp, "wb") as out, open(aside, "ab") as later:
+                for line in f:
+                    s = _record_step(line)
+                    if s is not None and s > step:
+                        later.write(line)
+                        dropped += 1
+                    else:
+                        out.write(line)
+                for done in (later, out):
+                    done.flush()
+                    os.fsync(done.fileno())
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return dropped
+
+
+SET_ASIDE = ".set-aside"  # suffix of logs moved out of the way (as trainer.checkpoint's)
+_EPISODE = re.compile(r"step_(\d+)_owner_\d+\.json")
+
+
+def remove_episodes_after(episodes_dir: Path, step: int) -> int:
+    """Sets aside the episode files (``step_<n>_owner_<i>.json``) of steps after ``step``.
+
+    On resume those steps run again and write their episodes anew (an existing file is never
+    rewritten, so a stale one would stay). Each is renamed to ``<name>.set-aside``. Returns how
+    many were.
+    """
+    if not episodes_dir.is_dir():
+        return 0
+    removed = 0
+    for p in episodes_dir.iterdir():
+        m = _EPISODE.fullmatch(p.name)
+        if m and int(m.group(1)) > step:
+            p.replace(p.with_name(p.name + SET_ASIDE))
+            removed += 1
+    return removed
+
+
+def trim_logs_to_checkpoint(metrics_dir: Path, step: int, jsonl_files: Sequence[str],
+                            episodes_dir: str) -> dict[str, int]:  # fmt: skip
+    """Makes a run's logs consistent with its checkpoint ``step`` before it resumes (or starts).
+
+    Every JSONL file of ``jsonl_files`` loses the records of steps after ``step``
+    (`trim_to_step`) and the episodes of those steps are set aside (`remove_episodes_after`).
+
+    Returns:
+      name -> records (files) dropped, only where something was.
+    """
+    dropped = {name: trim_to_step(metrics_dir / name, step) for name in jsonl_files}
+    dropped[episodes_dir] = remove_episodes_after(metrics_dir / episodes_dir, step)
+    return {k: v for k, v in dropped.items() if v}

@@ -21,7 +21,9 @@ from osworld_jax.rl.rundir import (
     check_writable,
     complete_checkpoints,
     storage_error,
+    trim_logs_to_checkpoint,
     trim_partial_line,
+    trim_to_step,
 )
 from tests.rl.runs import (
     REPO,
@@ -77,6 +79,50 @@ def test_trim_partial_line(tmp_path):
     assert trim_partial_line(f) == 0
     f.write_text("no newline at all")
     assert trim_partial_line(f) == len("no newline at all") and f.read_text() == ""
+
+
+def _jsonl(path: Path, steps: list[int], per_step: int) -> None:
+    with path.open("a") as f:
+        for step in steps:
+            for i in range(per_step):
+                f.write(json.dumps({"step": step, "owner": i}) + "\n")
+
+
+def test_logs_are_trimmed_to_the_checkpoint_the_run_resumes_from(tmp_path):
+    """Issue 33 item 17: step 2 was logged (metrics, 8 owner records, episodes), then its
+    checkpoint failed (disk full) or the trainer died before it completed; checkpoint 1 is the
+    last complete one. Resuming from it runs step 2 again: without the trim, step 2 was logged
+    twice (16 rollout records). The dropped records are set aside, not deleted."""
+    _jsonl(tmp_path / "metrics.jsonl", [1, 2], 1)
+    _jsonl(tmp_path / "rollouts.jsonl", [1, 2], 8)
+    with (tmp_path / "rollouts.jsonl").open("a") as f:
+        f.write('{"note": "no step"}\n{"step": 2, "owner"')  # a line without a step, a cut one
+    episodes = tmp_path / "episodes"
+    (episodes / "images").mkdir(parents=True)
+    for name in ("step_00000001_owner_0.json", "step_00000002_owner_0.json", "images/a.png"):
+        (episodes / name).write_text("{}")
+    dropped = trim_logs_to_checkpoint(
+        tmp_path, 1, ("metrics.jsonl", "rollouts.jsonl", "absent.jsonl"), "episodes"
+    )
+    assert dropped == {"metrics.jsonl": 1, "rollouts.jsonl": 8, "episodes": 1}
+    _jsonl(tmp_path / "metrics.jsonl", [2], 1)  # the resumed run logs step 2 again
+    _jsonl(tmp_path / "rollouts.jsonl", [2], 8)
+
+    def steps(name: str) -> list[int | None]:
+        return [json.loads(x).get("step") for x in (tmp_path / name).read_text().splitlines()]
+
+    assert steps("metrics.jsonl") == [1, 2]
+    assert steps("rollouts.jsonl") == [1] * 8 + [None] + [2] * 8
+    assert steps("rollouts.jsonl.set-aside") == [2] * 8
+    assert sorted(p.name for p in episodes.iterdir()) == [
+        "images",
+        "step_00000001_owner_0.json",
+        "step_00000002_owner_0.json.set-aside",
+    ]
+    # nothing after the checkpoint: nothing changes (a fresh start trims to step 0)
+    assert trim_logs_to_checkpoint(tmp_path, 2, ("metrics.jsonl",), "episodes") == {}
+    assert trim_to_step(tmp_path / "metrics.jsonl", 0) == 2
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
 
 
 def test_check_writable_names_the_read_only_directory(tmp_path, tmpfs):
@@ -201,7 +247,10 @@ def test_full_disk_mid_run_is_one_line_and_the_run_resumes(tmp_path, tmpfs):
     )
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
     steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps[-2:] == [2, 3], steps  # resumed after checkpoint 1
+    assert steps == [1, 2, 3], steps  # resumed after checkpoint 1; step 2 logged once (issue 33)
+    lines = (run_dir / "rollouts.jsonl").read_text().splitlines()
+    owners = [(r["step"], r["owner"]) for r in map(json.loads, lines)]
+    assert len(owners) == len(set(owners)), owners  # no owner of a step logged twice
     assert complete_checkpoints(run_dir)[-1] == 3
     assert not live_processes_mentioning(str(run_dir))
 

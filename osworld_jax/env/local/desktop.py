@@ -1,30 +1,8 @@
 """One jailed desktop: bubblewrap + Xvfb + window manager + dbus + the project's in-VM server.
 
-The jail (``bwrap --unshare-all --die-with-parent --new-session``; threat model and guarantees in
-``docs/SECURITY.md``):
+``LocalDesktop`` starts a jail (what it is started with, and what it guarantees: ``jail.py``;
+threat model in ``docs/SECURITY.md``), waits for its in-VM server, reaches its files and kills it:
 
-- namespaces: user, mount, pid, network, ipc, uts, cgroup. The network namespace holds only a
-  loopback device, so nothing inside can reach the host's or any other network.
-- the door: the host creates the listening UNIX socket in ``<sandbox>/ctl/`` (a directory the jail
-  never mounts) and hands only the descriptor to the in-jail server, which makes itself
-  non-dumpable; the agent's code runs in a nested namespace that cannot see the server
-  (``jailexec.py``). Nothing in the jail can connect to, replace or impersonate the server.
-- identity: inside, the user is ``user`` (uid 1000) with home ``/home/user``. When the host runs as
-  root, bubblewrap itself is started as an unprivileged host uid (``LocalBackendConfig.host_uid``,
-  or a distinct uid per sandbox when no pids cgroup is available), so files that only root may
-  read (``/etc/shadow``, ``/root``) stay unreadable even where they are visible.
-- what the jail can read about itself: bubblewrap is started with an EMPTY environment and its
-  arguments come from a descriptor (``--args``), its files (``/etc/passwd`` ..., the server, the
-  shim) from descriptors (``--ro-bind-data``); so ``/proc/1/environ``, ``/proc/1/cmdline`` and
-  ``/proc/self/mountinfo`` hold no host path and no host variable. Programs in the jail get only
-  the allow-listed variables of ``JAIL_ENV``.
-- filesystem: ``/usr`` and ``/etc`` read-only from the host (``/etc/passwd``, ``/etc/group``,
-  ``/etc/hosts``, ``/etc/hostname`` replaced); a fresh ``/proc`` of the pid namespace, a minimal
-  ``/dev``. Writable, and only these, each a size-capped tmpfs (``LocalBackendConfig``):
-  ``/home/user``, ``/tmp``, ``/dev/shm``, ``/var/tmp`` and ``XDG_RUNTIME_DIR``; the jail's root
-  itself is read-only. Nothing else of the host (``/root``, ``/work``, the repository, other
-  sandboxes) is mounted. The host reaches the jail's files through ``/proc/<pid>/root`` of the
-  jail's first process (``host_path``), held open as a descriptor.
 - limits: the jail runs in its own cgroup (``limits.JailCgroup``: processes, memory) or, without
   one, under rlimits (``RLIMIT_NPROC`` of a distinct uid, ``RLIMIT_AS``).
 - lifetime: the whole tree dies with the outer ``bwrap`` process (``--die-with-parent`` on the
@@ -37,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import resource
 import signal
@@ -48,187 +25,16 @@ from pathlib import Path
 from typing import Any
 
 from osworld_jax.env.backend import SandboxCreateError, SandboxStepError, SandboxTimeout
-from osworld_jax.env.local import apps
+from osworld_jax.env.local import procfs
+from osworld_jax.env.local.jail import JailSpec, jail_file_mode
 from osworld_jax.env.local.limits import JailCgroup, remove_tree
 from osworld_jax.env.vm_client import VMClient
 
-__all__ = [
-    "JAIL_ENV",
-    "JailSpec",
-    "LocalDesktop",
-    "jail_files",
-    "pid_namespace_members",
-]
+__all__ = ["LocalDesktop"]
 
-JAIL_UID = 1000
-JAIL_HOME = "/home/user"
-RUNTIME_DIR = f"/run/user/{JAIL_UID}"
-_HERE = Path(__file__).resolve().parent
 _BWRAP = "/usr/bin/bwrap"
 _LOG_MAX_BYTES = 4 << 20
 _PRLIMIT_NAMES = {resource.RLIMIT_NPROC: "nproc", resource.RLIMIT_AS: "as"}
-# The XDG user directories an Ubuntu desktop (OSWorld's VM) has in every home; tasks assume them.
-HOME_DIRS = (
-    "Desktop",
-    "Documents",
-    "Downloads",
-    "Music",
-    "Pictures",
-    "Public",
-    "Templates",
-    "Videos",
-)
-#: The jail's whole environment (bubblewrap itself gets none).
-JAIL_ENV = {
-    "HOME": JAIL_HOME,
-    "USER": "user",
-    "LOGNAME": "user",
-    "SHELL": "/bin/bash",
-    "PATH": "/opt/osworld/bin:/usr/local/bin:/usr/bin:/bin",
-    "LANG": "C.UTF-8",
-    "XDG_RUNTIME_DIR": RUNTIME_DIR,
-    "PYTHONPATH": "/opt/osworld/lib",
-    "PYTHONDONTWRITEBYTECODE": "1",
-    "DISPLAY": ":0",
-    "GTK_A11Y": "atspi",
-    "NO_AT_BRIDGE": "0",
-    "QT_ACCESSIBILITY": "1",
-    "SAL_USE_VCLPLUGIN": "gtk3",
-}
-# The session bus starts services only from an allow-list of the system's service files
-# (apps.DBUS_SERVICE_DIR): never from ~/.local/share/dbus-1/services (a file the agent could plant
-# there), nor any other service the host has installed, because the bus starts a service outside
-# the agent's namespace: GNOME Terminal's server, activated that way, would run the agent's shell
-# beside the evaluator's commands (apps.py starts it in the desktop namespace instead).
-_DBUS_CONFIG = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
- "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-<busconfig>
-  <type>session</type>
-  <keep_umask/>
-  <listen>unix:tmpdir=/tmp</listen>
-  <auth>EXTERNAL</auth>
-  <servicedir>{service_dir}</servicedir>
-  <policy context="default">
-    <allow send_destination="*" eavesdrop="true"/>
-    <allow eavesdrop="true"/>
-    <allow own="*"/>
-  </policy>
-</busconfig>
-"""
-
-
-def jail_files() -> dict[str, bytes]:
-    """Jail path -> content of every file the host puts into a jail (read-only).
-
-    Those under ``apps.BIN_DIR`` are executable (``jail_file_mode``).
-    """
-    files = {
-        "/etc/passwd": (
-            "root:x:0:0:root:/nonexistent:/usr/sbin/nologin\n"
-            f"user:x:{JAIL_UID}:{JAIL_UID}:user:{JAIL_HOME}:/bin/bash\n"
-            "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
-        ).encode(),
-        "/etc/group": f"root:x:0:\nuser:x:{JAIL_UID}:\nnogroup:x:65534:\n".encode(),
-        "/etc/hostname": b"sandbox\n",
-        "/etc/hosts": b"127.0.0.1 localhost sandbox\n::1 localhost\n",
-        "/opt/osworld/dbus-session.conf": _DBUS_CONFIG.format(
-            service_dir=apps.DBUS_SERVICE_DIR
-        ).encode(),
-        "/opt/osworld/vmserver.py": (_HERE / "vmserver.py").read_bytes(),
-    }
-    for name in ("jailexec.py", "screen.py", "a11y.py"):  # the server's own modules
-        files[f"/opt/osworld/{name}"] = (_HERE / name).read_bytes()
-    for mod in sorted((_HERE / "shim").glob("*.py")):
-        if mod.name != "__init__.py":
-            files[f"/opt/osworld/lib/{mod.name}"] = mod.read_bytes()
-    files.update({path: data for path, (data, _) in apps.jail_files().items()})
-    return files
-
-
-def jail_file_mode(path: str) -> str:
-    """The permissions (octal string) of a file ``jail_files`` puts at ``path``."""
-    return "0755" if path.startswith(apps.BIN_DIR + "/") else "0644"
-
-
-class JailSpec:
-    """What one jail is started with: bwrap arguments, the files it gets, its sizes and limits.
-
-    Attributes:
-      args: bubblewrap options (passed through ``--args FD``), ending before ``--``.
-      command: the command after ``--`` (no host path in it).
-      files: jail path -> content, handed over as ``--ro-bind-data`` descriptors.
-    """
-
-    def __init__(
-        self,
-        *,
-        width: int,
-        height: int,
-        openers: tuple[tuple[str, str], ...],
-        window_manager: str,
-        open_timeout_s: float,
-        start_timeout_s: float,
-        exec_timeout_s: float,
-        home_bytes: int,
-        tmp_bytes: int,
-        shm_bytes: int,
-        max_output_bytes: int,
-        max_file_bytes: int,
-        extra_ro_binds: tuple[str, ...] = (),
-    ) -> None:
-        a = ["--unshare-all", "--die-with-parent", "--new-session"]
-        a += ["--uid", str(JAIL_UID), "--gid", str(JAIL_UID), "--hostname", "sandbox"]
-        a += ["--ro-bind", "/usr", "/usr"]
-        for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
-            host = Path("/") / top
-            if host.is_symlink():
-                a += ["--symlink", os.readlink(host), f"/{top}"]
-            elif host.is_dir():
-                a += ["--ro-bind", str(host), f"/{top}"]
-        a += ["--ro-bind", "/etc", "/etc"]
-        for path in ("/var/cache/fontconfig", "/var/lib/dbus", *extra_ro_binds):
-            a += ["--ro-bind-try", path, path]
-        a += ["--proc", "/proc", "--dev", "/dev"]
-        a += ["--perms", "0755", "--size", str(home_bytes), "--tmpfs", JAIL_HOME]
-        for name in HOME_DIRS:
-            a += ["--dir", f"{JAIL_HOME}/{name}"]
-        a += ["--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
-        a += ["--perms", "1777", "--size", str(shm_bytes), "--tmpfs", "/dev/shm"]
-        a += ["--perms", "1777", "--size", str(shm_bytes), "--tmpfs", "/var/tmp"]
-        a += ["--perms", "0700", "--size", str(shm_bytes), "--tmpfs", RUNTIME_DIR]
-        for link, target in apps.jail_symlinks().items():
-            a += ["--symlink", target, link]
-        a += ["--remount-ro", "/"]  # the jail's own root tmpfs: only the tmpfs above are writable
-        a += ["--clearenv"]
-        for k, v in JAIL_ENV.items():
-            a += ["--setenv", k, v]
-        a += ["--chdir", JAIL_HOME]
-        self.args = a
-        self.files = jail_files()
-        # The home starts with the first-start files of the apps (apps.skel()), as from /etc/skel.
-        self.command = [
-            "/bin/sh",
-            "-c",
-            f'cp -R {apps.SKEL_DIR}/. "$HOME"/ && exec "$@"',
-            "sh",
-            "dbus-run-session",
-            "--config-file=/opt/osworld/dbus-session.conf",
-            "--",
-            "/usr/bin/python3",
-            "-I",
-            "/opt/osworld/vmserver.py",
-        ]
-        self.command += ["--display", ":0", "--width", str(width), "--height", str(height)]
-        self.command += [
-            "--wm",
-            window_manager,
-            "--openers",
-            json.dumps([list(o) for o in openers]),
-        ]
-        self.command += ["--open-timeout", f"{open_timeout_s:g}"]
-        self.command += ["--start-timeout", f"{start_timeout_s:g}"]
-        self.command += ["--exec-timeout", f"{exec_timeout_s:g}"]
-        self.command += ["--max-output", str(max_output_bytes), "--max-file", str(max_file_bytes)]
 
 
 def _memfd(name: str, data: bytes) -> int:
@@ -236,50 +42,6 @@ def _memfd(name: str, data: bytes) -> int:
     os.write(fd, data)
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
-
-
-def _pid_ns(pid: int) -> str | None:
-    try:
-        return os.readlink(f"/proc/{pid}/ns/pid")
-    except OSError:
-        return None
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat[stat.rindex(")") + 2 :].startswith(("Z", "X"))
-
-
-def _start_time(pid: int) -> str | None:
-    """The process's start time (``/proc/PID/stat`` field 22): tells a reused pid apart."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rindex(")") + 2 :].split()[19]
-
-
-def pid_namespace_members(ns: str) -> list[int]:
-    """Pids (host view) of the running processes whose pid namespace is ``ns`` (``pid:[inode]``).
-
-    Zombies (already dead, waiting to be reaped by the host's init) are not counted.
-    """
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and _pid_ns(int(entry)) == ns and not _is_zombie(int(entry)):
-            out.append(int(entry))
-    return out
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        return []
-    return [int(x) for x in text.split()]
 
 
 class LocalDesktop:
@@ -485,14 +247,14 @@ class LocalDesktop:
 
     def _find_pid_ns(self) -> tuple[str | None, int | None]:
         assert self._proc is not None
-        mine = _pid_ns(self._proc.pid)
-        stack = _children(self._proc.pid)
+        mine = procfs.pid_namespace(self._proc.pid)
+        stack = procfs.children(self._proc.pid)
         while stack:
             pid = stack.pop()
-            ns = _pid_ns(pid)
+            ns = procfs.pid_namespace(pid)
             if ns is not None and ns != mine:
                 return ns, pid
-            stack.extend(_children(pid))
+            stack.extend(procfs.children(pid))
         return None, None
 
     async def run_action(self, command: list[str] | str, *, timeout: float) -> dict[str, Any]:
@@ -543,12 +305,12 @@ class LocalDesktop:
         pids = [self._proc.pid] if self.alive and self._proc is not None else []
         stack = list(pids)
         while stack:
-            for child in _children(stack.pop()):
-                if not _is_zombie(child):
+            for child in procfs.children(stack.pop()):
+                if not procfs.is_zombie(child):
                     pids.append(child)
                 stack.append(child)
         if self.pid_ns is not None:
-            pids += [p for p in pid_namespace_members(self.pid_ns) if p not in pids]
+            pids += [p for p in procfs.pid_namespace_members(self.pid_ns) if p not in pids]
         return pids
 
     async def close(self, *, remove_dir: bool = True, kill_timeout_s: float = 10.0) -> None:
@@ -572,7 +334,7 @@ class LocalDesktop:
                 self._on_close(self.id)
 
     async def _terminate(self, remove_dir: bool, kill_timeout_s: float) -> None:
-        known = {pid: _start_time(pid) for pid in self.host_pids()}
+        known = {pid: procfs.start_time(pid) for pid in self.host_pids()}
         with contextlib.suppress(Exception):
             await self.client.aclose()
         if self._root_fd is not None:  # releases the jail's tmpfs
@@ -586,13 +348,15 @@ class LocalDesktop:
             await self._proc.wait()
         end = time.monotonic() + kill_timeout_s
         while left := [
-            p for p, t in known.items() if _start_time(p) == t and t and not _is_zombie(p)
+            p
+            for p, t in known.items()
+            if procfs.start_time(p) == t and t and not procfs.is_zombie(p)
         ]:
             if time.monotonic() > end:
                 raise SandboxTimeout(f"sandbox {self.id}: processes {left} survived SIGKILL")
             await asyncio.sleep(0.01)
         if self.pid_ns is not None:
-            while left := pid_namespace_members(self.pid_ns):
+            while left := procfs.pid_namespace_members(self.pid_ns):
                 for pid in left:  # belt and braces: the kernel already kills them with pid 1
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.kill(pid, signal.SIGKILL)
