@@ -57,7 +57,7 @@ __all__ = [
     "skel",
 ]
 
-#: Directory of the wrappers inside the jail (first on ``desktop.JAIL_ENV["PATH"]``).
+#: Directory of the wrappers inside the jail (first on ``jail.JAIL_ENV["PATH"]``).
 BIN_DIR = "/opt/osworld/bin"
 #: Where the first-start home files are inside the jail (copied into ``/home/user``).
 SKEL_DIR = "/opt/osworld/skel"
@@ -76,7 +76,7 @@ CHROME_FLAGS = (
     "--disable-gpu",
     "--hide-crash-restore-bubble",
 )
-#: The session bus's service directory in the jail (``desktop.py``'s bus config): copies of the
+#: The session bus's service directory in the jail (``jail.py``'s bus config): copies of the
 #: host's service files of ``DBUS_SERVICES`` only.
 DBUS_SERVICE_DIR = "/opt/osworld/dbus-1/services"
 #: The D-Bus services the session bus may start (the accessibility bus, the settings store).

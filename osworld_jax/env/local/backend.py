@@ -1,10 +1,11 @@
 """The ``local`` sandbox backend: jailed Xvfb desktops on this machine, no VM.
 
-A sandbox is one ``LocalDesktop`` (``desktop.py``: the jail) initialised for one task: its setup
-steps run once through the in-VM server protocol (``run_setup``); it is then a ``LocalSandbox``
-(``sandbox.py``: actions run in the jail, limit checks). The rest of the backend lives beside it:
-``config.py`` (``LocalBackendConfig``, the limits), ``preflight.py`` (what must be on this machine),
-``snapshot.py`` (what a fork copies and what it restarts).
+A sandbox is one ``LocalDesktop`` (``desktop.py``: the running jail; ``jail.py``: what it is
+started with) initialised for one task: its setup steps run once through the in-VM server protocol
+(``run_setup``); it is then a ``LocalSandbox`` (``sandbox.py``: actions run in the jail, limit
+checks). The rest of the backend lives beside it: ``config.py`` (``LocalBackendConfig``, the
+limits), ``preflight.py`` (what must be on this machine), ``snapshot.py`` (what a fork copies and
+what it restarts).
 
 Fork (``fork(sandbox, n)``) copies the initialised sandbox's FILESYSTEM (home, /tmp, the host-side
 work dir) into n fresh desktops and re-runs only the task's program-starting setup steps
@@ -43,7 +44,8 @@ from osworld_jax.env.backend import (
 )
 from osworld_jax.env.local import apps, limits, preflight, snapshot
 from osworld_jax.env.local.config import DEFAULT_OPENERS, LocalBackendConfig
-from osworld_jax.env.local.desktop import JailSpec, LocalDesktop
+from osworld_jax.env.local.desktop import LocalDesktop
+from osworld_jax.env.local.jail import JailSpec
 from osworld_jax.env.local.sandbox import LocalSandbox
 from osworld_jax.env.setup import SetupContext, run_setup
 from osworld_jax.env.vm_sandbox import setup_context

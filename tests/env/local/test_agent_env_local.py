@@ -16,7 +16,7 @@ from osworld_jax.env.agent_env import AgentEnv, AgentEnvConfig
 from osworld_jax.env.backend import Observation
 from osworld_jax.env.bundled import bundled_task_dir
 from osworld_jax.env.local import LocalBackend
-from osworld_jax.env.local.desktop import pid_namespace_members
+from osworld_jax.env.local.procfs import pid_namespace_members
 from osworld_jax.env.tasks import load_task
 from osworld_jax.errors import InfraError
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from osworld_jax.env.capabilities import _programs
-from osworld_jax.env.local import apps, desktop
+from osworld_jax.env.local import apps, jail
 from osworld_jax.env.local.snapshot import drop_app_locks
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -61,7 +61,7 @@ def test_jail_files_wrappers_skel_and_bus_services():
     files = apps.jail_files()
     for name in ("google-chrome", "vlc", "pkill", "gnome-terminal"):
         path = f"{apps.BIN_DIR}/{name}"
-        assert files[path][1] == 0o755 and desktop.jail_file_mode(path) == "0755"
+        assert files[path][1] == 0o755 and jail.jail_file_mode(path) == "0755"
         assert files[path][0].startswith(b"#!/bin/sh\n")
     chrome = files[f"{apps.BIN_DIR}/google-chrome"][0].decode()
     assert '"--user-data-dir=$HOME/.config/google-chrome"' in chrome and "--no-sandbox" in chrome
@@ -72,7 +72,7 @@ def test_jail_files_wrappers_skel_and_bus_services():
     assert "--http-port=8080" in vlc and "--http-password=password" in vlc
     services = {p.rsplit("/", 1)[1] for p in files if p.startswith(apps.DBUS_SERVICE_DIR)}
     assert services <= set(apps.DBUS_SERVICES)  # never GNOME Terminal's server, or the host's
-    conf = desktop.jail_files()["/opt/osworld/dbus-session.conf"].decode()
+    conf = jail.jail_files()["/opt/osworld/dbus-session.conf"].decode()
     assert f"<servicedir>{apps.DBUS_SERVICE_DIR}</servicedir>" in conf
     assert "/usr/share/dbus-1" not in conf
 

@@ -24,7 +24,7 @@ from osworld_jax.env.capabilities import capabilities, unknown_types
 from osworld_jax.env.evaluators import GETTERS
 from osworld_jax.env.evaluators.registry import EvalContext
 from osworld_jax.env.local import LocalBackend, apps
-from osworld_jax.env.local.desktop import pid_namespace_members
+from osworld_jax.env.local.procfs import pid_namespace_members
 from osworld_jax.env.tasks import iter_task_files, load_task
 
 SOLUTIONS = Path(__file__).resolve().parents[1] / "bundled_app_solutions.json"

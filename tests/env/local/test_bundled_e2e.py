@@ -18,7 +18,7 @@ from osworld_jax.env.actions import parse_action
 from osworld_jax.env.bundled import bundled_task_dir
 from osworld_jax.env.capabilities import capabilities
 from osworld_jax.env.local import LocalBackend
-from osworld_jax.env.local.desktop import pid_namespace_members
+from osworld_jax.env.local.procfs import pid_namespace_members
 from osworld_jax.env.tasks import load_task
 
 SOLUTIONS = Path(__file__).resolve().parents[1] / "bundled_solutions.json"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from osworld_jax.env.local import LocalBackend, LocalDesktop
-from osworld_jax.env.local.desktop import pid_namespace_members
+from osworld_jax.env.local.procfs import pid_namespace_members
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -11,7 +11,7 @@ from osworld_jax.env.actions import parse_action
 from osworld_jax.env.backend import SandboxCreateError
 from osworld_jax.env.backends import BACKENDS
 from osworld_jax.env.local import LocalBackend, LocalSandbox
-from osworld_jax.env.local.desktop import pid_namespace_members
+from osworld_jax.env.local.procfs import pid_namespace_members
 from osworld_jax.env.tasks import load_task
 
 NOTE = "/home/user/Desktop/note.txt"
