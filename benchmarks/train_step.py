@@ -343,6 +343,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, help="override the number of layers")
     p.add_argument("--expert-backend", help="override ModelRuntimeConfig.expert_backend")
     p.add_argument("--remat", help="override ModelRuntimeConfig.remat")
+    p.add_argument("--vision-remat", help="override ModelRuntimeConfig.vision_remat (the ViT)")
     p.add_argument("--micro-batches", type=int, default=1)
     p.add_argument("--no-replay", action="store_true", help="route live instead of R3")
     p.add_argument("--mesh", default="", help="data,fsdp,expert,tensor (default: all devices fsdp)")
@@ -425,6 +426,8 @@ def main(argv: list[str] | None = None) -> None:
         runtime = dataclasses.replace(runtime, expert_backend=args.expert_backend)
     if args.remat:
         runtime = dataclasses.replace(runtime, remat=args.remat)
+    if args.vision_remat:
+        runtime = dataclasses.replace(runtime, vision_remat=args.vision_remat)
     if args.unroll:
         runtime = dataclasses.replace(runtime, scan_layers=False)
     if args.save_probs_bytes is not None:
@@ -515,7 +518,8 @@ def main(argv: list[str] | None = None) -> None:
                 state, _ = trainer.train_step(state, batch)
                 jax.block_until_ready(state)
     jax.block_until_ready(state)
-    est = trainer.check_memory(b, s, capacity=float("inf"))
+    patches = 0 if host_batch.pixel_values is None else host_batch.pixel_values.shape[1]
+    est = trainer.check_memory(b, s, capacity=float("inf"), patches=patches)
     print(f"estimate (osworld_jax.trainer.memory): {est.describe()}")
     peak = max((d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.devices())
 
@@ -535,7 +539,7 @@ def main(argv: list[str] | None = None) -> None:
         (
             "config",
             f"{args.config} ({model.num_hidden_layers} layers, {runtime.expert_backend}, "
-            f"{runtime.dtype}, remat={runtime.remat})",
+            f"{runtime.dtype}, remat={runtime.remat}, vision_remat={runtime.vision_remat})",
         ),
         (
             "devices",
@@ -575,7 +579,8 @@ def main(argv: list[str] | None = None) -> None:
     rows_per_device = b // trainer.data_parallel  # the logprob head decides per device
     save = logprobs.saves_probs(rows_per_device, s, model.vocab_size, runtime.dtype, None)
     name = (
-        f"osworld_jax ({backend}, attn={runtime.attention}, remat={runtime.remat}, "
+        f"osworld_jax ({backend}, attn={runtime.attention}, remat={runtime.remat}"
+        f"{'' if runtime.vision_remat is None else f' vision {runtime.vision_remat}'}, "
         f"{'scan' if runtime.scan_layers else 'unrolled'}, master={config.master_dtype}, "
         f"logprob bwd={'saved' if save else 'recompute'}, {jax.device_count()} dev)"
     )
@@ -597,7 +602,8 @@ def _memory_report(trainer, batch, args) -> None:
     }
     peak = gib["argument"] + gib["output"] - gib["alias"] + gib["temp"]
     line = ", ".join(f"{k} {v:.2f}" for k, v in gib.items())
-    est = trainer.check_memory(*batch.tokens.shape, capacity=float("inf"))
+    patches = 0 if batch.pixel_values is None else batch.pixel_values.shape[1]
+    est = trainer.check_memory(*batch.tokens.shape, capacity=float("inf"), patches=patches)
     print(f"ESTIMATE {est.describe()}", flush=True)
     print(
         f"MEMORY {args.config} master={trainer.config.master_dtype} "

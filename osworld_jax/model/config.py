@@ -354,8 +354,11 @@ class ModelRuntimeConfig:
       activation_batch_axes: mesh axes the residual stream's batch dim is constrained to when the
         call runs under ``jax.set_mesh(mesh)`` (no-op without a mesh context or when they do not
         divide the batch); keeps GSPMD from resharding activations onto parameter axes.
-      vision_attention_chunk: query block size of the ViT attention (0: one block). Bounds its
-        f32 score buffer to [heads, chunk, N patches] (blocks are rematerialised).
+      vision_attention_chunk: query block size of the ViT's XLA attention (0: one block).
+        Bounds its f32 score buffer to [heads, chunk, N patches] (blocks are rematerialised);
+        with ``attention="cudnn"`` on a GPU the ViT runs cuDNN's packed flash attention instead
+        (`osworld_jax.model.vision.packed_attention`: per image, no score buffer).
+      vision_remat: rematerialisation policy per ViT block (`remat`'s names); None: ``remat``.
       expert_parallel: when the call runs under a mesh whose ``expert`` axis is > 1, send each
         token to the devices holding its experts and run the grouped GEMMs on local experts
         only (`osworld_jax.model.expert_parallel`: all-gather dispatch, reduce-scatter
@@ -373,6 +376,7 @@ class ModelRuntimeConfig:
     attention: Attention = "xla"
     attention_chunk: int = 0
     vision_attention_chunk: int = 1024
+    vision_remat: str | None = None
     expert_parallel: bool = True
 
     def __post_init__(self) -> None:
@@ -382,6 +386,8 @@ class ModelRuntimeConfig:
         try:
             EXPERT_BACKENDS.validate(self.expert_backend, "ModelRuntimeConfig.expert_backend")
             REMAT_POLICIES.validate(self.remat, "ModelRuntimeConfig.remat")
+            if self.vision_remat is not None:
+                REMAT_POLICIES.validate(self.vision_remat, "ModelRuntimeConfig.vision_remat")
         except Exception as e:
             raise ModelConfigError(str(e)) from None
         if self.attention not in typing.get_args(Attention):

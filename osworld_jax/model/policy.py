@@ -259,7 +259,8 @@ def _merge_vision(
 
     Layouts: flat ``pixel_values [N, P]`` + ``image_grid_thw [n, 3]`` (HF: images in row-major
     token order over the whole batch), or per row ``[B, Np, P]`` + ``[B, m, 3]`` (row b's images
-    fill row b's image tokens; the tower runs per row, sharded like the batch).
+    fill row b's image tokens; the tower attends within each row's images, sharded like the
+    batch).
     """
     if not isinstance(config, Qwen3VLMoeConfig):
         raise ValueError("pixel_values need a Qwen3VLMoeConfig (a qwen3_vl_moe checkpoint)")
@@ -274,7 +275,7 @@ def _merge_vision(
         groups = is_image.reshape(1, b * s)
     elif pixel_values.ndim == 3 and pixel_values.shape[0] == b:
         pixel_values = layers.constrain_batch(pixel_values, runtime.activation_batch_axes)
-        out = jax.vmap(tower)(pixel_values, image_grid_thw)
+        out = tower(pixel_values, image_grid_thw)  # rows of images: [B, ...] in, [B, ...] out
         feats, deep = out.embeds, out.deepstack  # [B, M, H], [B, D, M, H]
         groups = is_image
     else:

@@ -9,6 +9,18 @@ frame (segment ids; no padding to the largest image); the final merger ``fc2(gel
 grouped by m x m)))`` to LM width; and one DeepStack merger (norm after grouping) per block in
 ``deepstack_visual_indexes``.
 
+The attention never looks across frames (HF's ``cu_seqlens``). Two exact implementations:
+``segment_attention`` (XLA: scores of a query block against the row's patches, other frames
+masked; CPU/TPU, and any grid) and ``packed_attention`` (cuDNN flash attention in its packed
+"THD" layout: one ragged segment per image, so no score of a pair across images is ever
+computed; GPU, with ``ModelRuntimeConfig.attention="cudnn"``). The packed layout describes one
+segment per grid row, so it serves images (``t <= 1``, all `ImageProcessor` makes); a grid with a
+multi-frame row takes the XLA path inside the same compiled step (``lax.cond``).
+
+Rows of images: ``pixel_values [G, N, P]`` with ``image_grid_thw [G, n, 3]`` run G independent
+rows in one call (the trainer's per-row layout; matmuls over all G N patches at once); the flat
+``[N, P]`` / ``[n, 3]`` is one row.
+
 Everything that depends on the image sizes (segments, rotary rows/columns, interpolation taps)
 is computed inside jit from ``image_grid_thw`` for a static patch count N, so any images fit in
 one compiled shape. Patches after the last image's (``N > sum t h w``) are padding: they attend
@@ -133,11 +145,12 @@ def vision_rope(
 
 
 def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """``x cos + rotate_half(x) sin`` in float32 over [N, heads, Dh]; back in ``x.dtype``."""
+    """``x cos + rotate_half(x) sin`` in float32 over [..., N, heads, Dh] (cos/sin [..., N, Dh]);
+    back in ``x.dtype``."""  # noqa: D205, D209
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
+    return (xf * cos[..., None, :] + rotated * sin[..., None, :]).astype(x.dtype)
 
 
 def segment_attention(
@@ -172,29 +185,152 @@ def segment_attention(
     return out.reshape(-1, *q.shape[1:])[:n]
 
 
+class FrameSpans(NamedTuple):
+    """One attention segment per image of a row, as cuDNN's packed layout takes them.
+
+    Attributes:
+      offsets: i32[n + 2] first patch of each segment (images in order, then the trailing
+        padding patches), -1 for an empty one; the last entry is always -1.
+      lengths: i32[n + 1] patches of each segment, -1 for an empty one.
+    """
+
+    offsets: jax.Array
+    lengths: jax.Array
+
+
+def frame_spans(grid_thw: Int[Array, "n 3"], num_patches: int) -> FrameSpans:
+    """The segments of `packed_attention` for N packed patches of images (``t <= 1``).
+
+    Image i covers patches ``[sum_{j<i} t_j h_j w_j, + t_i h_i w_i)``; the padding patches
+    ``[sum t h w, N)`` are one more segment (they attend among themselves; their rows are never
+    used). Empty segments (``t = 0`` rows, no padding) get -1, which the packed layout skips.
+    A multi-frame row (t > 1) would be one segment here: `vision_tower` never sends one.
+    """
+    grid = jnp.asarray(grid_thw, jnp.int32).reshape(-1, 3)
+    sizes = jnp.prod(grid, axis=-1)  # [n]
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    total = ends[-1] if grid.shape[0] else jnp.int32(0)
+    lengths = jnp.append(sizes, num_patches - total)  # [n + 1]
+    offsets = jnp.append(starts, total)
+    offsets = jnp.where(lengths > 0, offsets, -1)
+    lengths = jnp.where(lengths > 0, lengths, -1)
+    return FrameSpans(jnp.append(offsets, -1).astype(jnp.int32), lengths.astype(jnp.int32))
+
+
+def spans_segment(spans: FrameSpans, num_patches: int) -> Int[Array, " N"]:
+    """i32[N] segment id of each patch under ``spans`` (-1 outside every span).
+
+    The partition `packed_attention` attends within; the XLA implementation runs
+    `segment_attention` over it, and tests compare it with `patch_layout`'s.
+    """
+    k = jnp.arange(num_patches, dtype=jnp.int32)
+    starts, lengths = spans.offsets[:-1], spans.lengths
+    inside = (k[:, None] >= starts) & (k[:, None] < starts + lengths) & (lengths > 0)  # [N, S]
+    return jnp.where(inside.any(-1), jnp.argmax(inside, axis=-1), -1).astype(jnp.int32)
+
+
+def packed_attention(
+    q: Float[Array, "G N Nh D"],
+    k: Float[Array, "G N Nh D"],
+    v: Float[Array, "G N Nh D"],
+    spans: FrameSpans,
+    *,
+    implementation: str,
+) -> Float[Array, "G N Nh D"]:
+    """``softmax(q k^T / sqrt(D)) v`` within each span of each row (bidirectional).
+
+    Args:
+      q, k, v: [G, N, Nh, D] patches of G rows.
+      spans: `FrameSpans` with a leading [G] dim (``offsets [G, n + 2]``, ``lengths [G, n + 1]``)
+        that cover every patch.
+      implementation: "cudnn" (cuDNN flash attention, packed "THD" layout: work per span
+        ``~ len^2``, never ``N^2``; Hopper or newer, 16-bit inputs) or "xla" (`segment_attention`
+        over `spans_segment`: the same values on any platform).
+    """
+    if implementation == "xla":
+        segment = jax.vmap(spans_segment, in_axes=(0, None))(spans, q.shape[1])
+        return jax.vmap(segment_attention)(q, k, v, segment)
+    from jax._src.cudnn.fused_attention_stablehlo import (
+        MaskType,
+    )
+    from jax._src.cudnn.fused_attention_stablehlo import (
+        dot_product_attention as cudnn_attention,
+    )
+
+    # The packed layout needs two segment slots at least (``M > 1``); n + 1 >= 2 always.
+    return cudnn_attention(
+        q,
+        k,
+        v,
+        q_seqlen=spans.lengths,
+        kv_seqlen=spans.lengths,
+        q_offsets=spans.offsets,
+        kv_offsets=spans.offsets,
+        scale=q.shape[-1] ** -0.5,
+        mask_type=MaskType.NO_MASK,
+        qkv_layout="BTNH",
+    )
+
+
+def image_attention(
+    q: Float[Array, "G N Nh D"],
+    k: Float[Array, "G N Nh D"],
+    v: Float[Array, "G N Nh D"],
+    segment: Int[Array, "G N"],
+    spans: FrameSpans,
+    single_frame: jax.Array,
+    *,
+    fused: bool,
+    chunk: int,
+) -> Float[Array, "G N Nh D"]:
+    """The ViT's attention within frames: cuDNN packed (``fused`` and every grid row one
+    frame, ``single_frame``) or XLA `segment_attention` (otherwise; equal values)."""  # noqa: D205, D209
+
+    def xla(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return jax.vmap(functools.partial(segment_attention, chunk=chunk))(q, k, v, segment)
+
+    if not fused:
+        return xla(q, k, v)
+
+    def cudnn(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return packed_attention(q, k, v, spans, implementation="cudnn")
+
+    return jax.lax.cond(single_frame, cudnn, xla, q, k, v)
+
+
+def fused_vision_attention(runtime: ModelRuntimeConfig) -> bool:
+    """Whether the ViT's attention runs cuDNN's packed kernel: ``attention="cudnn"``, on a GPU,
+    16-bit compute (cuDNN's flash kernels take fp16/bf16 only)."""  # noqa: D205, D209
+    return (
+        runtime.attention == "cudnn"
+        and jax.default_backend() == "gpu"
+        and jnp.dtype(runtime.dtype) in (jnp.bfloat16, jnp.float16)
+    )
+
+
 def _block(
     p: dict[str, jax.Array],
     x: jax.Array,
     *,
     cos: jax.Array,
     sin: jax.Array,
-    segment: jax.Array,
+    attend: functools.partial,
     act: str,
-    chunk: int,
 ) -> jax.Array:
-    """One ViT block (HF ``Qwen3VLMoeVisionBlock``) on x [N, Hv]."""
+    """One ViT block (HF ``Qwen3VLMoeVisionBlock``) on x [G, N, Hv]."""
     y = layer_norm(x, p["norm1"], p["norm1_bias"])
-    qkv = jnp.einsum("nh,hsad->nsad", y, p["qkv"]) + p["qkv_bias"]  # [N, 3, Nh, Dh]
-    q, k = _rotate(qkv[:, 0], cos, sin), _rotate(qkv[:, 1], cos, sin)
-    attn = segment_attention(q, k, qkv[:, 2], segment, chunk)  # [N, Nh, Dh]
-    x = x + jnp.einsum("nad,adh->nh", attn, p["proj"]) + p["proj_bias"]
+    qkv = jnp.einsum("gnh,hsad->gnsad", y, p["qkv"]) + p["qkv_bias"]  # [G, N, 3, Nh, Dh]
+    q, k = _rotate(qkv[:, :, 0], cos, sin), _rotate(qkv[:, :, 1], cos, sin)
+    attn = attend(q, k, qkv[:, :, 2])  # [G, N, Nh, Dh]
+    x = x + jnp.einsum("gnad,adh->gnh", attn, p["proj"]) + p["proj_bias"]
     y = layer_norm(x, p["norm2"], p["norm2_bias"])
     y = jax.nn.gelu(y @ p["fc1"] + p["fc1_bias"], approximate=act == "gelu_pytorch_tanh")
     return x + y @ p["fc2"] + p["fc2_bias"]
 
 
 def merge_patches(
-    x: Float[Array, "N Hv"],
+    x: Float[Array, "*G N Hv"],
     norm: jax.Array,
     norm_bias: jax.Array,
     fc1: jax.Array,
@@ -204,17 +340,18 @@ def merge_patches(
     *,
     merge: int,
     postshuffle_norm: bool,
-) -> Float[Array, "M Ho"]:
+) -> Float[Array, "*G M Ho"]:
     """HF ``Qwen3VLMoeVisionPatchMerger``: m^2 consecutive patches -> one LM-width feature.
 
     ``fc2(gelu(fc1(LN(x) grouped)))``; the DeepStack mergers (``postshuffle_norm``) normalise
     after grouping, over the m^2 Hv features.
     """
     group = x.shape[-1] * merge * merge
+    lead = x.shape[:-2]  # [G] for rows of images
     if postshuffle_norm:
-        y = layer_norm(x.reshape(-1, group), norm, norm_bias)
+        y = layer_norm(x.reshape(*lead, -1, group), norm, norm_bias)
     else:
-        y = layer_norm(x, norm, norm_bias).reshape(-1, group)
+        y = layer_norm(x, norm, norm_bias).reshape(*lead, -1, group)
     y = jax.nn.gelu(y @ fc1 + fc1_bias, approximate=False)  # nn.GELU(): the erf form
     return y @ fc2 + fc2_bias
 
@@ -235,49 +372,57 @@ def vision_tower(
     params: dict[str, dict[str, jax.Array]],
     vision: VisionConfig,
     runtime: ModelRuntimeConfig,
-    pixel_values: Float[Array, "N P"],
-    image_grid_thw: Int[Array, "n 3"],
+    pixel_values: Float[Array, "*G N P"],
+    image_grid_thw: Int[Array, "*G n 3"],
 ) -> VisionOut:
     """The ViT on N packed patches of the images in ``image_grid_thw`` (t, h, w per image).
 
     Args:
       params: the policy parameter tree (groups ``vision``, ``vision_blocks``, ``deepstack``).
       vision: the vision config.
-      runtime: dtype, remat, scan and ``vision_attention_chunk``.
-      pixel_values: [N, C T P P] patches (`ImageProcessor` order); N a multiple of m^2, at least
-        ``sum t h w`` (the rest is padding).
-      image_grid_thw: i32[n, 3]; rows with t = 0 hold no image.
+      runtime: dtype, remat (``vision_remat``, else ``remat``), scan, ``attention`` ("cudnn":
+        `packed_attention` on GPU) and ``vision_attention_chunk`` (the XLA path).
+      pixel_values: [N, C T P P] patches (`ImageProcessor` order), or [G, N, C T P P] for G
+        independent rows; N a multiple of m^2, at least ``sum t h w`` (the rest is padding).
+        Any float dtype: converted to the parameters' dtype on the device.
+      image_grid_thw: i32[n, 3] (or [G, n, 3]); rows with t = 0 hold no image.
 
     Returns:
-      `VisionOut`.
+      `VisionOut` (with the leading [G] when the input has it).
     """
-    n, dim = pixel_values.shape
+    batched = pixel_values.ndim == 3
+    if not batched:
+        pixel_values, image_grid_thw = pixel_values[None], jnp.asarray(image_grid_thw)[None]
+    g, n, dim = pixel_values.shape
     m = vision.spatial_merge_size
     if dim != vision.patch_dim or n % (m * m):
         raise ValueError(
             f"pixel_values [{n}, {dim}]: need [N, {vision.patch_dim}] with N a multiple of {m * m}"
         )
+    grid = jnp.asarray(image_grid_thw, jnp.int32).reshape(g, -1, 3)
     top, blocks = params["vision"], params["vision_blocks"]
     dtype = top["patch_embed"].dtype
-    layout = patch_layout(image_grid_thw, n, vision)
-    x = pixel_values.astype(dtype) @ top["patch_embed"] + top["patch_bias"]  # [N, Hv]
+    layout = jax.vmap(patch_layout, in_axes=(0, None, None))(grid, n, vision)  # [G, N, ...]
+    x = pixel_values.astype(dtype) @ top["patch_embed"] + top["patch_bias"]  # [G, N, Hv]
     table = top["pos_embed"].astype(jnp.float32)
-    pos = jnp.einsum("nk,nkh->nh", layout.weights, table[layout.taps])  # [N, Hv]
+    pos = jnp.einsum("gnk,gnkh->gnh", layout.weights, table[layout.taps])  # [G, N, Hv]
     x = x + pos.astype(dtype)
-    cos, sin = vision_rope(layout.row, layout.col, vision)
-    block = functools.partial(
-        _block,
-        cos=cos,
-        sin=sin,
+    cos, sin = jax.vmap(vision_rope, in_axes=(0, 0, None))(layout.row, layout.col, vision)
+    spans = jax.vmap(frame_spans, in_axes=(0, None))(grid, n)
+    attend = functools.partial(
+        image_attention,
         segment=layout.segment,
-        act=vision.hidden_act,
+        spans=spans,
+        single_frame=jnp.all(grid[..., 0] <= 1),
+        fused=fused_vision_attention(runtime),
         chunk=runtime.vision_attention_chunk,
     )
+    block = functools.partial(_block, cos=cos, sin=sin, attend=attend, act=vision.hidden_act)
 
     def body(x: jax.Array, p: dict[str, jax.Array]) -> tuple[jax.Array, None]:
         return block(p, x), None
 
-    body = apply_remat(body, runtime.remat)
+    body = apply_remat(body, runtime.vision_remat or runtime.remat)
     taps = vision.deepstack_visual_indexes
     deep: list[jax.Array] = []
     start = 0
@@ -302,10 +447,12 @@ def vision_tower(
         start = end
     embeds = merge_patches(
         x, *(top[f"merger_{name}"] for name in _MERGER_NAMES), merge=m, postshuffle_norm=False
-    )
+    )  # [G, M, Ho]
     deepstack = (
-        jnp.stack(deep) if deep else jnp.zeros((0, *embeds.shape), embeds.dtype)
-    )  # [D, M, Ho]
+        jnp.stack(deep, axis=1) if deep else jnp.zeros((g, 0, *embeds.shape[1:]), embeds.dtype)
+    )  # [G, D, M, Ho]
+    if not batched:
+        return VisionOut(embeds[0], deepstack[0])
     return VisionOut(embeds, deepstack)
 
 

@@ -19,7 +19,15 @@ does not fit fails at its first run. `estimate_step_memory` adds up, per device:
   for the worst case, all ``n`` devices' tokens on its ``E / n`` experts
   (`osworld_jax.model.expert_parallel`): ``padded_rows(n T min(K, E/n), E/n)`` rows;
 - ``logprobs``: two float32 ``[rows, chunk, V]`` logit blocks, the float32 ``dW`` of the lm head,
-  and the saved bf16 ``onehot - p`` when `logprobs.saves_probs` keeps it.
+  and the saved bf16 ``onehot - p`` when `logprobs.saves_probs` keeps it;
+- ``vision`` (Qwen3-VL, ``patches`` per row > 0): what the ViT keeps for its backward per patch
+  and block under ``vision_remat`` (else ``remat``): ``"none"`` the block's input, both norms,
+  q/k/v and the rotated q/k, the attention output and its softmax statistics, the MLP's
+  input and GELU in/out (``c (11 Hv + 2 I) + 4 heads`` bytes); ``"dots"`` the block input
+  and the matmul outputs (``c (6 Hv + I)``); ``"full"`` the block input (plus one block's
+  worth, recomputed during its backward); plus the float32 patches, the DeepStack features,
+  and the XLA attention's float32 score blocks (``3 x heads x chunk x N`` per row) unless the
+  cuDNN packed kernel runs (``attention="cudnn"`` on a GPU: no score buffer).
 
 The coefficients were checked against XLA's own figures on an H200 (benchmarks/NOTES.md); the
 estimate is meant to be a little high (it ignores buffer reuse between layers' temporaries).
@@ -54,6 +62,7 @@ class StepMemory:
     grads: float
     activations: float
     logprobs: float
+    vision: float = 0.0
 
     @property
     def total(self) -> float:
@@ -88,6 +97,34 @@ def _layer_bytes_per_token(
     return per_layer, attn
 
 
+def vision_bytes(
+    model: Qwen3MoeConfig, runtime: ModelRuntimeConfig, rows: int, patches: int
+) -> float:
+    """Bytes the ViT keeps for its backward over ``rows`` rows of ``patches`` patches (doc)."""
+    from osworld_jax.model.vl_config import Qwen3VLMoeConfig
+
+    if not isinstance(model, Qwen3VLMoeConfig) or patches <= 0:
+        return 0.0
+    v = model.vision
+    c = jnp.dtype(runtime.dtype).itemsize
+    hv, inter, heads = v.hidden_size, v.intermediate_size, v.num_heads
+    full_block = c * (11 * hv + 2 * inter) + 4 * heads
+    remat = runtime.vision_remat or runtime.remat
+    if remat == "none":
+        per_patch = v.depth * full_block
+    elif remat == "full":
+        per_patch = v.depth * c * hv + full_block
+    else:  # dots / dots_with_batch: block input + matmul outputs saved
+        per_patch = v.depth * c * (6 * hv + inter) + full_block
+    levels = 1 + len(v.deepstack_visual_indexes)
+    per_patch += 4 * v.patch_dim + levels * c * model.hidden_size / v.spatial_merge_size**2
+    scores = 0.0
+    if not (runtime.attention == "cudnn" and jax.default_backend() == "gpu"):
+        chunk = runtime.vision_attention_chunk or patches
+        scores = 3 * 4 * heads * min(chunk, patches) * patches
+    return rows * (patches * per_patch + scores)
+
+
 def estimate_step_memory(
     model: Qwen3MoeConfig,
     runtime: ModelRuntimeConfig,
@@ -98,6 +135,7 @@ def estimate_step_memory(
     param_shards: float = 1,
     batch_shards: int = 1,
     expert_parallel: int = 1,
+    patches: int = 0,
 ) -> StepMemory:
     """Bytes per device of one train step of ``rows x seq`` tokens (module doc).
 
@@ -112,6 +150,7 @@ def estimate_step_memory(
       batch_shards: devices the batch rows are split over (the data-parallel size).
       expert_parallel: devices the experts are split over with tokens dispatched to them (the
         mesh's ``expert`` axis when ``ModelRuntimeConfig.expert_parallel``; 1: none).
+      patches: image patches per row (``Batch.pixel_values.shape[1]``; 0: no images).
     """
     c = jnp.dtype(runtime.dtype).itemsize
     m = c if config.master_dtype is None else jnp.dtype(config.master_dtype).itemsize
@@ -140,6 +179,7 @@ def estimate_step_memory(
         grads=grads,
         activations=act,
         logprobs=lp,
+        vision=vision_bytes(model, runtime, micro_rows, patches),
     )
 
 
@@ -164,6 +204,7 @@ def check_step_fits(
     param_shards: float = 1,
     batch_shards: int = 1,
     expert_parallel: int = 1,
+    patches: int = 0,
     capacity: float | None = None,
 ) -> StepMemory:
     """Raises `TrainerError` (before any compile) when the estimate exceeds ``capacity``.
@@ -178,6 +219,7 @@ def check_step_fits(
         param_shards=param_shards,
         batch_shards=batch_shards,
         expert_parallel=expert_parallel,
+        patches=patches,
     )
     est = estimate_step_memory(model, runtime, config, **kw)
     capacity = device_capacity() if capacity is None else capacity
@@ -196,6 +238,10 @@ def check_step_fits(
             rt = dataclasses.replace(runtime, remat=remat)
             if estimate_step_memory(model, rt, config, **kw).total <= capacity:
                 options.append(f"ModelRuntimeConfig.remat={remat!r}")
+    if patches and (runtime.vision_remat or runtime.remat) != "full":
+        rt = dataclasses.replace(runtime, vision_remat="full")
+        if estimate_step_memory(model, rt, config, **kw).total <= capacity:
+            options.append("ModelRuntimeConfig.vision_remat='full'")
     if config.master_dtype == "float32":
         cfg = dataclasses.replace(config, master_dtype="bfloat16")
         if estimate_step_memory(model, runtime, cfg, **kw).total <= capacity:

@@ -179,7 +179,7 @@ class Trainer:
             self.model, self.runtime, config, bounds, self.temperature
         )
         self._jitted: dict[tuple[str, ...], tuple[Any, Any, Any]] = {}
-        self._checked_shapes: set[tuple[int, ...]] = set()
+        self._checked_shapes: set[tuple[tuple[int, ...], int]] = set()  # (R, T), patches
         self._checkpointer: Checkpointer | None = None
 
     # ------------------------------------------------------------------ state
@@ -413,9 +413,10 @@ class Trainer:
         if first_update and old_logprobs is None:
             raise TrainerError("Trainer.train_step: first_update=True needs old_logprobs")
         batch, shardings = self._device_batch(batch)
-        if batch.tokens.shape not in self._checked_shapes:
-            self.check_memory(*batch.tokens.shape)  # before compiling the new bucket
-            self._checked_shapes.add(batch.tokens.shape)
+        patches = 0 if batch.pixel_values is None else batch.pixel_values.shape[1]
+        if (batch.tokens.shape, patches) not in self._checked_shapes:
+            self.check_memory(*batch.tokens.shape, patches=patches)  # before compiling it
+            self._checked_shapes.add((batch.tokens.shape, patches))
         first = None
         if old_logprobs is not None:
             old_logprobs = jax.device_put(old_logprobs, self._rows)
@@ -429,8 +430,12 @@ class Trainer:
             raise NonFiniteError(host["step"], host, state=state)
         return state, host
 
-    def check_memory(self, rows: int, seq: int, capacity: float | None = None) -> Any:
+    def check_memory(
+        self, rows: int, seq: int, capacity: float | None = None, *, patches: int = 0
+    ) -> Any:
         """Estimated per-device bytes of a step on ``rows x seq`` (`memory.check_step_fits`).
+
+        ``patches``: image patches per row (the ViT's share of the estimate).
 
         Raises `TrainerError` naming what to change when the estimate exceeds the device's
         memory (``capacity``: default the device allocator's limit; unknown on CPU: no check).
@@ -452,6 +457,7 @@ class Trainer:
             param_shards=total / local,
             batch_shards=self.data_parallel,
             expert_parallel=expert_parallel,
+            patches=patches,
             capacity=capacity,
         )
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from osworld_jax.model import Policy
+from osworld_jax.model import Policy, vision
 from osworld_jax.model.vision import patch_layout, segment_attention, vision_tower
 from tests.model.conftest import TINY_RT
 from tests.model.vl_helpers import PROCESSOR, images, ours_config
@@ -114,3 +114,76 @@ def test_vision_tower_can_be_frozen_and_is_not_weight_decayed():
     assert mask["vision_blocks"]["qkv"] and mask["vision"]["pos_embed"] and mask["top"]["embed"]
     assert not mask["vision_blocks"]["norm1"] and not mask["vision_blocks"]["qkv_bias"]
     assert not mask["deepstack"]["norm_bias"] and not mask["attn"]["input_norm"]
+
+
+# Images only (t <= 1: what `ImageProcessor` makes), the shapes cuDNN's packed layout takes.
+IMAGE_GRIDS = np.array([[1, 4, 8], [0, 0, 0], [1, 10, 4], [1, 2, 2]])
+
+
+def test_frame_spans_partition_the_patches_like_patch_layout():
+    v = ours_config().vision
+    total = int(IMAGE_GRIDS.prod(-1).sum())
+    for n in (total, total + 8):  # without and with trailing padding patches
+        spans = vision.frame_spans(jnp.asarray(IMAGE_GRIDS), n)
+        # 32 + 40 + 4 patches; the t = 0 row and an empty padding span are skipped (-1).
+        pad = [total, -1] if n > total else [-1, -1]
+        np.testing.assert_array_equal(spans.offsets, [0, -1, 32, 72, *pad])
+        np.testing.assert_array_equal(spans.lengths, [32, -1, 40, 4, n - total or -1])
+        seg = np.asarray(vision.spans_segment(spans, n))
+        layout = np.asarray(patch_layout(jnp.asarray(IMAGE_GRIDS), n, v).segment)
+        # The same partition of the images' patches (ids differ: spans count grid rows).
+        pairs = set(zip(seg[:total].tolist(), layout[:total].tolist(), strict=True))
+        assert len(pairs) == len(set(seg[:total].tolist())) == 3
+        assert (seg[total:] == 4).all()  # the padding patches: one segment of their own
+
+
+def test_packed_attention_equals_segment_attention_per_image():
+    rng = np.random.RandomState(1)
+    total = int(IMAGE_GRIDS.prod(-1).sum())
+    n = total + 4
+    q, k, v = (jnp.asarray(rng.normal(size=(2, n, 2, 8)), jnp.float32) for _ in range(3))
+    spans = jax.vmap(vision.frame_spans, in_axes=(0, None))(jnp.asarray([IMAGE_GRIDS] * 2), n)
+    packed = vision.packed_attention(q, k, v, spans, implementation="xla")
+    for g in range(2):
+        start = 0
+        for size in IMAGE_GRIDS.prod(-1):
+            sl = slice(start, start + size)
+            alone = segment_attention(q[g, sl], k[g, sl], v[g, sl], jnp.zeros(size, jnp.int32))
+            chex.assert_trees_all_close(packed[g, sl], alone, rtol=1e-6, atol=1e-6)
+            start += size
+
+
+def test_tower_with_the_packed_path_equals_the_xla_path(monkeypatch):
+    """The fused wiring (spans per row, the single-frame switch) on the CPU: cuDNN's packed
+    kernel stood in for by the same spans through XLA (its GPU values: benchmarks/NOTES.md)."""  # noqa: D205, D209
+    cfg, params = _params()
+    pixel_values, grid = PROCESSOR(images(2, [(20, 36), (40, 17)]))
+    rows = np.stack([pixel_values, pixel_values[::-1]])  # [G=2, N, P]
+    grids = np.stack([grid, grid[::-1]]).astype(np.int32)  # row 1: the images swapped
+
+    def tower():  # a fresh jit each time: the patched functions are read when tracing
+        return jax.jit(functools.partial(vision_tower, params, cfg.vision, TINY_RT))
+
+    plain = tower()(jnp.asarray(rows), jnp.asarray(grids))
+    calls, real = [], vision.packed_attention
+
+    def stand_in(q, k, v, spans, *, implementation):
+        calls.append(implementation)
+        return real(q, k, v, spans, implementation="xla")
+
+    monkeypatch.setattr(vision, "fused_vision_attention", lambda runtime: True)
+    monkeypatch.setattr(vision, "packed_attention", stand_in)
+    fused = tower()(jnp.asarray(rows), jnp.asarray(grids))
+    assert calls and set(calls) == {"cudnn"}
+    chex.assert_trees_all_close(fused, plain, rtol=1e-5, atol=1e-6)
+    # A multi-frame grid row takes the XLA path inside the same program (equal values).
+    clip = np.concatenate([pixel_values[:64], pixel_values[:64]])
+    clip_grid = np.array([[2, 4, 8]], np.int32)
+    fused_clip = tower()(jnp.asarray(clip), jnp.asarray(clip_grid))
+    monkeypatch.undo()
+    chex.assert_trees_all_close(
+        fused_clip, tower()(jnp.asarray(clip), jnp.asarray(clip_grid)), atol=1e-6
+    )
+    # Rows are independent: row 0 alone (flat layout) gives row 0's features.
+    alone = tower()(jnp.asarray(pixel_values), jnp.asarray(grid))
+    chex.assert_trees_all_close(plain.embeds[0], alone.embeds, rtol=1e-5, atol=1e-6)
