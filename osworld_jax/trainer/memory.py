@@ -111,7 +111,7 @@ def vision_bytes(
     full_block = c * (11 * hv + 2 * inter) + 4 * heads
     remat = runtime.vision_remat or runtime.remat
     if remat == "none":
-        per_patch = v.depth * full_block
+        per_patch: float = v.depth * full_block
     elif remat == "full":
         per_patch = v.depth * c * hv + full_block
     else:  # dots / dots_with_batch: block input + matmul outputs saved
