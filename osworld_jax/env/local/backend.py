@@ -334,7 +334,7 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
         return self._adopt(desktop, task)
 
     def _adopt(self, desktop: LocalDesktop, task: Task) -> LocalSandbox:
-        sandbox = LocalSandbox(self, desktop, task)
+        sandbox = LocalSandbox(self.config, desktop, task)
         self._live[desktop.id] = sandbox
         return sandbox
 

@@ -15,7 +15,7 @@ from osworld_jax.env.backend import Observation, SandboxError, SandboxLimitError
 from osworld_jax.env.vm_sandbox import PYAUTOGUI_PREFIX, VMSandbox
 
 if TYPE_CHECKING:
-    from osworld_jax.env.local.backend import LocalBackend
+    from osworld_jax.env.local.config import LocalBackendConfig
     from osworld_jax.env.local.desktop import LocalDesktop
     from osworld_jax.env.tasks import Task
 
@@ -33,8 +33,8 @@ class LocalSandbox(VMSandbox):
       work_dir: host-side directory of setup outputs (``execute`` steps' saved stdout/stderr).
     """
 
-    def __init__(self, backend: LocalBackend, desktop: LocalDesktop, task: Task) -> None:
-        cfg = backend.config
+    def __init__(self, config: LocalBackendConfig, desktop: LocalDesktop, task: Task) -> None:
+        cfg = config
         # The server stops an action's code at step_timeout_s (a result, returncode -9); the
         # request deadline is later so that only an unresponsive sandbox raises SandboxTimeout.
         super().__init__(
@@ -46,7 +46,6 @@ class LocalSandbox(VMSandbox):
             execute_timeout_s=cfg.step_timeout_s + 15.0,
         )
         self.desktop = desktop
-        self._backend = backend
         self._cfg = cfg
 
     async def run_code(self, code: str) -> dict[str, Any]:

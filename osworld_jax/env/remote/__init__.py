@@ -11,8 +11,10 @@ from osworld_jax.env.remote.api import (
     RemoteStepError,
     SandboxServiceClient,
 )
-from osworld_jax.env.remote.backend import RemoteBackend, RemoteMetrics, RemoteSandbox
+from osworld_jax.env.remote.backend import RemoteBackend
 from osworld_jax.env.remote.config import RemoteBackendConfig
+from osworld_jax.env.remote.metrics import RemoteMetrics
+from osworld_jax.env.remote.sandbox import RemoteSandbox
 from osworld_jax.env.tls import CABundleError, check_ca_bundle, pinned_ssl_context
 
 __all__ = [

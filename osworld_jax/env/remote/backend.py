@@ -22,13 +22,16 @@ or snapshot too slow), ``RemoteStepError`` with status 404 (the sandbox vanished
 ``RemoteStepError``. Every sandbox created is tracked from the moment its id is known and deleted
 on close, on failure and on cancellation; ``aclose()`` deletes what is left, including sandboxes a
 lost create reply never named (found by this backend's metadata tag).
+
+Beside it: ``sandbox.py`` (``RemoteSandbox``), ``metrics.py`` (``RemoteMetrics``), ``api.py`` (the
+service's HTTP API), ``config.py`` (``RemoteBackendConfig``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
+import functools
 import logging
 import os
 import shutil
@@ -36,9 +39,9 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -48,7 +51,6 @@ from osworld_jax.env.backend import (
     SandboxBackend,
     SandboxCreateError,
     SandboxError,
-    SandboxStepError,
     SandboxTimeout,
 )
 from osworld_jax.env.remote.api import (
@@ -61,10 +63,12 @@ from osworld_jax.env.remote.api import (
     state_of,
 )
 from osworld_jax.env.remote.config import RemoteBackendConfig
+from osworld_jax.env.remote.metrics import RemoteMetrics
+from osworld_jax.env.remote.sandbox import RemoteSandbox
 from osworld_jax.env.setup import SetupContext, run_setup
 from osworld_jax.env.tls import CABundleError, check_ca_bundle, pinned_ssl_context
-from osworld_jax.env.vm_client import SandboxRequestError, SandboxTransientError, VMClient
-from osworld_jax.env.vm_sandbox import VMSandbox, setup_context
+from osworld_jax.env.vm_client import VMClient
+from osworld_jax.env.vm_sandbox import setup_context
 
 if TYPE_CHECKING:
     from osworld_jax.env.tasks import Task
@@ -77,112 +81,6 @@ CLIENT_TAG = "osworld_jax.client"
 RUNNING = "Running"
 DEAD_STATES = frozenset({"Failed", "Terminated", "Stopping", "Error"})
 SNAPSHOT_READY = frozenset({"Ready", "Available", "Succeeded"})
-
-_T = TypeVar("_T")
-
-
-@dataclasses.dataclass
-class RemoteMetrics:
-    """Counters of the remote backend (monotonic).
-
-    Attributes:
-      creates: sandboxes created from the image.
-      forks_by_fork: forked sandboxes made by the service's ``/fork``.
-      forks_by_snapshot: forked sandboxes made from a snapshot (setup's launch steps re-run).
-      snapshots: snapshots taken.
-      deletes: sandboxes deleted.
-      boot_timeouts: sandboxes that did not boot within ``boot_timeout_s``.
-      lost: sandboxes that vanished mid-episode.
-      leftovers_deleted: sandboxes deleted by ``aclose`` (not closed by their owner, or
-        created by a request whose reply was lost).
-      retries: lifecycle requests retried, by cause (``"429"``, ``"503"``, ``"connection"``...).
-      creation_wait_s: time creations spent waiting for the rate limit (summed over callers).
-    """
-
-    creates: int = 0
-    forks_by_fork: int = 0
-    forks_by_snapshot: int = 0
-    snapshots: int = 0
-    deletes: int = 0
-    boot_timeouts: int = 0
-    lost: int = 0
-    leftovers_deleted: int = 0
-    retries: dict[str, int] = dataclasses.field(default_factory=dict)
-    creation_wait_s: float = 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        """The counters keyed ``sandbox/<name>`` (retries as ``sandbox/retries_<cause>``)."""
-        out: dict[str, float] = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, dict):
-                out.update({f"sandbox/retries_{k}": v for k, v in sorted(value.items())})
-            else:
-                out[f"sandbox/{f.name}"] = value
-        return out
-
-
-class RemoteSandbox(VMSandbox):
-    """One remote desktop initialised for one task (observe/step/evaluate: ``VMSandbox``).
-
-    Attributes:
-      id: the service's sandbox id.
-      task: the task it was set up for.
-      vm: the ``VMClient`` of its in-VM server endpoint.
-      endpoint: the endpoint URL.
-      work_dir: host-side directory of setup outputs (``execute`` steps' saved stdout/stderr).
-    """
-
-    def __init__(
-        self,
-        backend: RemoteBackend,
-        sandbox_id: str,
-        task: Task,
-        vm: VMClient,
-        session: aiohttp.ClientSession,
-        work_dir: Path,
-    ) -> None:
-        cfg = backend.config
-        super().__init__(
-            sandbox_id,
-            task,
-            vm,
-            work_dir=work_dir,
-            settings=cfg,
-            execute_timeout_s=cfg.step_timeout_s,
-        )
-        self.endpoint = vm.base_url
-        self._backend = backend
-        self._session = session
-        self._closing: asyncio.Future[None] | None = None
-
-    async def _call(
-        self, what: str, aw: Awaitable[_T], error: type[SandboxError] = SandboxStepError
-    ) -> _T:
-        """As ``VMSandbox._call``; a 404 or dropped connection is checked against the service
-        (a ``RemoteStepError`` with status 404 when the sandbox is gone).
-        """  # noqa: D205
-        try:
-            return await super()._call(what, aw, error)
-        except (SandboxRequestError, SandboxTransientError, SandboxTimeout) as e:
-            status = getattr(e, "status", None)
-            if status == 404 or isinstance(e, SandboxTransientError):
-                await self._backend._check_alive(self.id, f"{what}: {e}")
-            raise
-
-    async def close(self) -> None:
-        """Deletes the sandbox in the service; idempotent (a second call waits for the first)."""
-        if self._closing is None:
-            self._closing = asyncio.ensure_future(
-                self._backend._release(self.id, self._session, self.work_dir)
-            )
-        closing = self._closing
-        try:
-            await asyncio.shield(closing)
-        except Exception:
-            if self._closing is closing:  # a failed delete may be retried by a later close
-                self._closing = None
-            raise
 
 
 class RemoteBackend(SandboxBackend[RemoteSandbox]):
@@ -310,7 +208,16 @@ class RemoteBackend(SandboxBackend[RemoteSandbox]):
             ssl=self._ssl,
             mask=self._client().secret.mask,  # a service echoing the token leaks none of it
         )
-        sandbox = RemoteSandbox(self, sandbox_id, task, vm, session, self._work_dir(sandbox_id))
+        work_dir = self._work_dir(sandbox_id)
+        sandbox = RemoteSandbox(
+            sandbox_id,
+            task,
+            vm,
+            work_dir,
+            config=cfg,
+            check_alive=functools.partial(self._check_alive, sandbox_id),
+            release=functools.partial(self._release, sandbox_id, session, work_dir),
+        )
         try:
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
