@@ -15,7 +15,9 @@ Two kinds of namespace keep the server out of reach of anything the agent runs (
   it die, and the server starts a fresh one for the next request.
 - a **throwaway namespace** per trusted command (``/execute``, ``/run_python``, ...: setup,
   postconfig and getter commands): the command runs in its own nested pid namespace, so processes
-  the agent left running can neither see nor ptrace it, and it ends with the command.
+  the agent left running can neither see nor ptrace it, and it ends with the command. The
+  evaluator's python (``python -c``, ``/run_python``) runs with ``ISOLATED_PYTHON_ENV``; a
+  script the server hands a command is a memory file passed as a descriptor (``pass_fds``).
 
 Every command's stdout and stderr are read up to ``max_output`` bytes each; past that, or past its
 wall-clock ``timeout``, its whole process group is killed and the result says which limit hit.
@@ -53,11 +55,14 @@ ENV_ALLOW = (
     "SAL_USE_VCLPLUGIN",
     "DBUS_SESSION_BUS_ADDRESS",
 )
-#: For the evaluator's inline python (``python -c``) and ``/run_python``: the current directory
-#: (the agent's home) and the script's directory (``/tmp``) are not put on ``sys.path``, so a module
-#: the agent left there (``~/json.py``) is not imported in place of the real one. Packages the
-#: agent installed (``pip install --user``) stay importable: checking them is what tasks do.
-SAFE_PATH_ENV = {"PYTHONSAFEPATH": "1"}
+#: For the evaluator's python (``python -c`` through ``/execute``, and ``/run_python``): a fixed
+#: ``sys.path``. The current directory (the agent's home) and the script's directory are not put
+#: on it (``PYTHONSAFEPATH``), so a module the agent left there (``~/json.py``) is not imported in
+#: place of the real one; the agent's user site-packages (``~/.local/lib/python3.X/site-packages``)
+#: is not added (``PYTHONNOUSERSITE``), so neither its ``.pth`` files nor ``usercustomize`` run
+#: and nothing installed there shadows a module. What remains: ``PYTHONPATH`` (the read-only shim
+#: directory), the standard library and the system's dist-packages, all read-only in the jail.
+ISOLATED_PYTHON_ENV = {"PYTHONSAFEPATH": "1", "PYTHONNOUSERSITE": "1"}
 JAIL_UID = "1000"
 BWRAP = "/usr/bin/bwrap"
 #: After a command exits, how long its output is still read (programs it started in the
@@ -112,6 +117,7 @@ def run_capped(
     env: dict | None = None,
     merge_stderr: bool = False,
     stdin_data: bytes | None = None,
+    pass_fds: tuple[int, ...] = (),
 ) -> dict:
     """Runs a command to completion in its own session, reading at most ``max_output`` bytes.
 
@@ -131,6 +137,7 @@ def run_capped(
             cwd=cwd,
             env=env,
             start_new_session=True,
+            pass_fds=pass_fds,
         )
     except FileNotFoundError as e:
         return {"status": "error", "output": "", "error": str(e), "returncode": 127}
@@ -211,11 +218,11 @@ def _inline_python(argv: list) -> bool:
 
 
 def run_trusted(
-    command, *, shell: bool, timeout: float, max_output: int, cwd=None, safe_path=False, **kw
+    command, *, shell: bool, timeout: float, max_output: int, cwd=None, isolated=False, **kw
 ) -> dict:
     """Runs a setup/evaluation command in a throwaway nested pid namespace (module docstring).
 
-    ``safe_path`` (and any ``python -c``): ``PYTHONSAFEPATH`` (see ``SAFE_PATH_ENV``).
+    ``isolated`` (and any ``python -c``): the evaluator's python, ``ISOLATED_PYTHON_ENV``.
     """
     argv = expand(command, shell)
     if shell:
@@ -225,7 +232,7 @@ def run_trusted(
     elif "/" not in argv[0] and shutil.which(argv[0]) is None:
         err = f"[Errno 2] No such file or directory: {argv[0]!r}"
         return {"status": "error", "output": "", "error": err, "returncode": 127}
-    extra = SAFE_PATH_ENV if safe_path or _inline_python(argv) else {}
+    extra = ISOLATED_PYTHON_ENV if isolated or _inline_python(argv) else {}
     wrapped = nested_argv(argv, cwd=cwd or os.getcwd(), env=jail_env(extra))
     return run_capped(wrapped, timeout=timeout, max_output=max_output, **kw)
 

@@ -35,7 +35,9 @@ a11y tree of a huge spreadsheet table is limited to its first 200 x 60 cells tha
 ``/file`` refuses (404) a path that resolves into ``/proc``, ``/sys`` or ``/dev``; a command's
 background programs end with it (its namespace; ``/setup/launch`` starts lasting programs), and
 its output is read until 0.5 s after it exits; inline python (``python -c``) and ``/run_python``
-run with ``PYTHONSAFEPATH=1`` (no module from the current directory or ``/tmp``); and every reply
+run with ``PYTHONSAFEPATH=1`` and ``PYTHONNOUSERSITE=1`` (no module from the current directory,
+no user site-packages or ``.pth`` file of the agent); ``/run_python`` and ``/run_bash_script``
+run their code from a memory file (``/dev/fd/N``), not a ``/tmp`` file; and every reply
 is bounded: a command's stdout/stderr, a file, a directory tree, the a11y tree or the terminal
 text larger than its limit (``--max-output``/``--max-file``) is answered HTTP 413 with
 ``{"status": "error", "limit": ..., "message": ...}`` instead of being sent.
@@ -261,21 +263,46 @@ def stat_is_regular(mode: int) -> bool:
     return stat.S_ISREG(mode)
 
 
-def run_python(code: str) -> tuple[int, dict]:
-    """Upstream's ``/run_python``: the code in a temporary file run by /usr/bin/python3 (30 s)."""
-    path = f"/tmp/python_exec_{os.urandom(16).hex()}.py"
+def _script_fd(text: str, name: str) -> int:
+    """A memory file holding ``text`` (inherited by the command, which runs ``/dev/fd/N``).
+
+    Unreachable by the agent's processes: it has no path (it is not in ``/tmp``, where a process
+    the agent left running could rewrite it between writing and running), and the command's
+    ``/proc/PID/fd`` lies in a pid namespace the agent cannot see.
+    """
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
-        with open(path, "w") as f:
-            f.write(code)
-        res = run_trusted(["/usr/bin/python3", path], False, timeout=30, safe_path=True)
+        data = text.encode("utf-8", "surrogatepass")  # never fails; bad bytes fail the run
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def run_python(code: str) -> tuple[int, dict]:
+    """Upstream's ``/run_python``: the code as a file run by /usr/bin/python3 (30 s).
+
+    Upstream writes ``/tmp/python_exec_*.py``; here the file is a memory file (``_script_fd``)
+    and the interpreter is the evaluator's (``ISOLATED_PYTHON_ENV``: no user site, no ``.pth``).
+    """
+    try:
+        fd = _script_fd(code, "python_exec")
     except OSError as e:
         failed = {"status": "error", "message": f"Execution error: {e}", "error": repr(e)}
         return 500, {**failed, "need_more": False, "output": None}
+    try:
+        res = run_trusted(
+            ["/usr/bin/python3", f"/dev/fd/{fd}"],
+            False,
+            timeout=30,
+            isolated=True,
+            pass_fds=(fd,),
+        )
     finally:
-        try:
-            os.remove(path)
-        except OSError:
-            pass
+        os.close(fd)
     if res.get("limit") == "output":
         raise LimitExceeded("output_bytes", f"run_python: {res['error']}")
     if res.get("limit") == "time":
@@ -302,22 +329,24 @@ def run_python(code: str) -> tuple[int, dict]:
 
 
 def run_bash_script(script: str, timeout: float, working_dir: str | None) -> tuple[int, dict]:
-    """Upstream's ``/run_bash_script``: a temporary ``.sh`` run by /bin/bash, stderr merged."""
+    """Upstream's ``/run_bash_script``: the script run by /bin/bash as a file, stderr merged.
+
+    Upstream writes ``/tmp/tmp*.sh``; here the file is a memory file (``_script_fd``).
+    """
     if "#!/bin/bash" not in script:
         script = "#!/bin/bash\n\n" + script
-    path = f"/tmp/tmp{os.urandom(6).hex()}.sh"
+    fd = _script_fd(script, "bash_script")  # not a /tmp file the agent could rewrite
     try:
-        with open(path, "w") as f:
-            f.write(script)
-        os.chmod(path, 0o755)
         res = run_trusted(
-            ["/bin/bash", path], False, timeout=timeout, cwd=working_dir, merge_stderr=True
+            ["/bin/bash", f"/dev/fd/{fd}"],
+            False,
+            timeout=timeout,
+            cwd=working_dir,
+            merge_stderr=True,
+            pass_fds=(fd,),
         )
     finally:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        os.close(fd)
     if res.get("limit") == "output":
         raise LimitExceeded("output_bytes", f"run_bash_script: {res['error']}")
     if res.get("limit") == "time":

@@ -278,7 +278,8 @@ def test_modules_planted_beside_the_evaluators_python_are_not_imported(runner, m
         code = "import json\nprint(json.dumps([2]))"
         reply = runner.run(sb.vm.post_json("/run_python", {"code": code}))
         assert reply["output"] == "[2]\n", reply
-        # A package the agent installed for itself is importable, as a task checking it expects.
+        # A package the agent installed for itself (user site) is the agent's only: the
+        # evaluator's python has no user site (issue 33 item 8, test_attacks_round2.py).
         install = """
             import os, site
             os.makedirs(site.getusersitepackages(), exist_ok=True)
@@ -286,7 +287,8 @@ def test_modules_planted_beside_the_evaluators_python_are_not_imported(runner, m
         """
         assert agent(runner, sb, install)["returncode"] == 0
         res = runner.run(sb.vm.execute(["python3", "-c", "import mypkg; print(mypkg.X)"]))
-        assert res["output"] == "7\n", res
+        assert "No module named 'mypkg'" in res["error"], res
+        assert agent(runner, sb, "import mypkg; print(mypkg.X)")["output"] == "7\n"
     finally:
         runner.run(sb.close())
 
