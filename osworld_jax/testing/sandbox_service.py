@@ -1,12 +1,12 @@
 """A fake OpenSandbox-style sandbox service over HTTPS on loopback, for tests and load tests.
 
 ``FakeSandboxService`` is an aiohttp app served with a certificate from a throw-away CA
-(``make_test_pki``, generated with ``cryptography``). It implements the lifecycle API the
+(``make_test_pki``: ``pki.py``, re-exported here). It implements the lifecycle API the
 ``remote`` backend uses (``osworld_jax.env.remote.api``: create, get, list by metadata, delete,
 endpoints, fork, snapshots) under ``/v1``, and serves each sandbox's in-VM server (the OSWorld
 protocol: ``/screenshot``, ``/execute``, ...) under ``/v1/sandboxes/{id}/proxy/5000/`` over an
-in-memory desktop (``osworld_jax.testing.memory_desktop.MemoryDesktop``). ``python3 -c CODE``
-executions apply CODE's pyautogui calls to the desktop (read with ``ast``, never executed).
+in-memory desktop (``memory_vm_server.serve_vm_route`` over a ``MemoryDesktop``: ``python3 -c
+CODE`` executions apply CODE's pyautogui calls to the desktop, read with ``ast``, never executed).
 
 Semantics that the tests lean on:
 
@@ -31,22 +31,21 @@ import contextlib
 import copy
 import dataclasses
 import datetime
-import ipaddress
 import itertools
 import json
 import random
-import shlex
 import ssl
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from osworld_jax.env.backend import SandboxError
 from osworld_jax.testing.memory_desktop import MemoryDesktop
+from osworld_jax.testing.memory_vm_server import json_error, serve_vm_route
+from osworld_jax.testing.pki import TestPKI, make_test_pki
 
 __all__ = [
     "FakeFaults",
@@ -58,134 +57,6 @@ __all__ = [
 
 API_KEY_HEADER = "OPEN-SANDBOX-API-KEY"
 SANDBOX_HEADER = "X-Sandbox-Token"
-
-
-# ------------------------------------------------------------------------------ certificates
-
-
-@dataclasses.dataclass(frozen=True)
-class TestPKI:
-    """A throw-away CA and a server certificate signed by it (see ``make_test_pki``).
-
-    Attributes:
-      ca_path: the CA certificate (PEM): the bundle a client pins.
-      cert_path: the server certificate (PEM).
-      key_path: the server's private key (PEM, unencrypted).
-    """
-
-    __test__ = False  # not a pytest test class
-
-    ca_path: Path
-    cert_path: Path
-    key_path: Path
-
-    def server_context(self, *, only_version: ssl.TLSVersion | None = None) -> ssl.SSLContext:
-        """A server-side TLS context presenting the server certificate.
-
-        Args:
-          only_version: speak only this TLS version (e.g. ``TLSv1`` to play an outdated
-            service; OpenSSL's security level is lowered so that it can).
-        """
-        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ctx.load_cert_chain(str(self.cert_path), str(self.key_path))
-        if only_version is not None:
-            ctx.set_ciphers("DEFAULT:@SECLEVEL=0")
-            ctx.minimum_version = ctx.maximum_version = only_version
-        return ctx
-
-
-def make_test_pki(
-    directory: str | Path,
-    *,
-    name: str = "osworld_jax test CA",
-    hosts: tuple[str, ...] = ("localhost", "127.0.0.1"),
-    expired: bool = False,
-) -> TestPKI:
-    """Generates a CA and a server certificate (EC P-256) signed by it into ``directory``.
-
-    Args:
-      directory: where ``ca.pem``, ``server.pem`` and ``server.key`` go.
-      name: the CA's common name (a random suffix keeps CAs apart).
-      hosts: the names and IP addresses the server certificate is valid for.
-      expired: the server certificate expired yesterday (else it is valid for a day).
-    """
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.UTC)
-    valid = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=1))
-    day = datetime.timedelta(days=1)
-    server_valid = (now - 2 * day, now - day) if expired else valid
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"{name} {uuid.uuid4().hex[:8]}")])
-    ca_ski = x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key())
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(valid[0])
-        .not_valid_after(valid[1])
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(ca_ski, critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(server_valid[0])
-        .not_valid_after(server_valid[1])
-        .add_extension(x509.SubjectAlternativeName([_san(h) for h in hosts]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    pem = serialization.Encoding.PEM
-    pki = TestPKI(out / "ca.pem", out / "server.pem", out / "server.key")
-    pki.ca_path.write_bytes(ca.public_bytes(pem))
-    pki.cert_path.write_bytes(cert.public_bytes(pem))
-    pki.key_path.write_bytes(
-        key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    pki.key_path.chmod(0o600)
-    return pki
-
-
-def _san(host: str) -> Any:
-    from cryptography import x509
-
-    try:
-        return x509.IPAddress(ipaddress.ip_address(host))
-    except ValueError:
-        return x509.DNSName(host)
 
 
 # ------------------------------------------------------------------------------ state
@@ -475,20 +346,20 @@ class FakeSandboxService:
         got = request.headers.get(API_KEY_HEADER, "")
         if got != self.token:
             self.stats.unauthorized += 1
-            return _error(401, "UNAUTHORIZED", "missing or invalid OPEN-SANDBOX-API-KEY")
+            return json_error(401, "UNAUTHORIZED", "missing or invalid OPEN-SANDBOX-API-KEY")
         if request.path == "/v1/_fake/stats":
             return await handler(request)
         f = self.faults
         if f.throttle > 0:
             f.throttle -= 1
             self.stats.throttled += 1
-            resp = _error(429, "TOO_MANY_REQUESTS", "slow down")
+            resp = json_error(429, "TOO_MANY_REQUESTS", "slow down")
             resp.headers["Retry-After"] = f"{f.retry_after_s:g}"
             return resp
         if f.error_rate > 0 and request.method in f.error_methods:
             if self._rng.random() < f.error_rate:
                 self.stats.errors_injected += 1
-                return _error(f.error_status, "INTERNAL_ERROR", self._failure_text(got))
+                return json_error(f.error_status, "INTERNAL_ERROR", self._failure_text(got))
         return await handler(request)
 
     def _failure_text(self, token: str) -> str:
@@ -563,12 +434,12 @@ class FakeSandboxService:
     async def _h_create(self, request: web.Request) -> web.Response:
         body = await request.json()
         if not isinstance(body, dict) or "image" not in body:
-            return _error(400, "INVALID_REQUEST", "image is required")
+            return json_error(400, "INVALID_REQUEST", "image is required")
         snap_id = body.get("snapshotId")
         if snap_id is not None:
             snap = self.snapshots.get(snap_id)
             if snap is None:
-                return _error(404, "NOT_FOUND", f"no snapshot {snap_id}")
+                return json_error(404, "NOT_FOUND", f"no snapshot {snap_id}")
             desktop = MemoryDesktop(shot=self._px)
             desktop.files = dict(snap.files)
             desktop.dirs = set(snap.dirs)
@@ -578,7 +449,7 @@ class FakeSandboxService:
         sb = self._new(desktop, body.get("metadata") or {})
         if self.faults.lost_create_replies > 0:
             self.faults.lost_create_replies -= 1
-            return _error(500, "INTERNAL_ERROR", "reply lost after the sandbox was created")
+            return json_error(500, "INTERNAL_ERROR", "reply lost after the sandbox was created")
         return web.json_response(sb.as_json(), status=202)
 
     async def _h_get(self, request: web.Request) -> web.Response:
@@ -603,12 +474,12 @@ class FakeSandboxService:
 
     async def _h_fork(self, request: web.Request) -> web.Response:
         if not self.faults.fork_supported:
-            return _error(404, "NOT_FOUND", "no such route")
+            return json_error(404, "NOT_FOUND", "no such route")
         src = self._sandbox(request)
         body = await request.json()
         count = int(body.get("count", 1))
         if count < 1:
-            return _error(400, "INVALID_REQUEST", "count must be >= 1")
+            return json_error(400, "INVALID_REQUEST", "count must be >= 1")
         made = [self._new(copy.deepcopy(src.desktop), src.metadata) for _ in range(count)]
         self.stats.forked += count
         return web.json_response({"sandboxes": [sb.as_json() for sb in made]}, status=202)
@@ -627,12 +498,12 @@ class FakeSandboxService:
     async def _h_get_snapshot(self, request: web.Request) -> web.Response:
         snap = self.snapshots.get(request.match_info["snap"])
         if snap is None:
-            return _error(404, "NOT_FOUND", "no such snapshot")
+            return json_error(404, "NOT_FOUND", "no such snapshot")
         return web.json_response(snap.as_json())
 
     async def _h_delete_snapshot(self, request: web.Request) -> web.Response:
         if self.snapshots.pop(request.match_info["snap"], None) is None:
-            return _error(404, "NOT_FOUND", "no such snapshot")
+            return json_error(404, "NOT_FOUND", "no such snapshot")
         return web.Response(status=204)
 
     # -- the in-VM protocol (per sandbox) ------------------------------------------------------
@@ -640,7 +511,7 @@ class FakeSandboxService:
     async def _h_proxy(self, request: web.Request) -> web.StreamResponse:
         sb = self._sandbox(request)
         if request.headers.get(SANDBOX_HEADER) != sb.token:
-            return _error(401, "UNAUTHORIZED", "missing or invalid sandbox endpoint header")
+            return json_error(401, "UNAUTHORIZED", "missing or invalid sandbox endpoint header")
         d = sb.desktop
         route = "/" + request.match_info["route"]
         try:
@@ -651,85 +522,22 @@ class FakeSandboxService:
     async def _vm_route(
         self, sb: _FakeSandbox, d: MemoryDesktop, method: str, route: str, request: web.Request
     ) -> web.StreamResponse:
-        if (method, route) == ("GET", "/screenshot"):
-            return web.Response(body=d.png(), content_type="image/png")
+        """The service's faults on ``/execute`` (lose marker, error marker), then ``d``'s route."""
         if (method, route) in (("POST", "/execute"), ("POST", "/setup/execute")):
             body = await request.json()
-            command, shell = body.get("command"), bool(body.get("shell", False))
+            command = body.get("command")
             self.stats.executes.append(command)
             marker = self.faults.lose_marker
             if marker and marker in json.dumps(command):
                 self.sandboxes.pop(sb.id, None)
                 self.stats.lost += 1
-                return _error(404, "NOT_FOUND", f"no sandbox {sb.id}")
+                return json_error(404, "NOT_FOUND", f"no sandbox {sb.id}")
             marker = self.faults.vm_error_marker
             if marker and marker in json.dumps(command):
                 self.stats.errors_injected += 1
                 text = self._failure_text(self.token)
-                return _error(self.faults.error_status, "INTERNAL_ERROR", text)
-            if (
-                isinstance(command, list)
-                and len(command) >= 3
-                and command[1] == "-c"
-                and str(command[0]).startswith("python")
-            ):
-                d.act(str(command[2]))
-                return web.json_response(
-                    {"status": "success", "output": "", "error": "", "returncode": 0}
-                )
-            result = d.run(command, shell=shell)
-            if not shell and result["returncode"] == 127:
-                # Upstream's server runs an argv (a string is shlex-split) with subprocess.run: a
-                # program that does not exist raises FileNotFoundError, answered 500 with
-                # {"status": "error", "message": str(e)}.
-                argv = shlex.split(command) if isinstance(command, str) else command
-                message = f"[Errno 2] No such file or directory: {str(argv[0])!r}"
-                return web.json_response({"status": "error", "message": message}, status=500)
-            return web.json_response(result)
-        if (method, route) == ("GET", "/accessibility"):
-            return web.json_response({"AT": d.a11y()})
-        if (method, route) == ("GET", "/terminal"):
-            return web.json_response({"output": d.terminal_text})
-        if (method, route) == ("POST", "/screen_size"):
-            w, h = d.screen
-            return web.json_response({"width": w, "height": h})
-        if (method, route) == ("POST", "/file"):
-            form = await request.post()
-            try:
-                return web.Response(body=d.read(str(form.get("file_path", ""))))
-            except FileNotFoundError:
-                return _error(404, "NOT_FOUND", "file not found")
-        if (method, route) == ("POST", "/setup/upload"):
-            form = await request.post()
-            data = form.get("file_data")
-            if isinstance(data, web.FileField):
-                payload = data.file.read()
-            else:
-                payload = str(data or "").encode()
-            await d.upload(str(form.get("file_path", "")), payload)
-            return web.Response(text="ok")
-        if (method, route) == ("POST", "/setup/launch"):
-            body = await request.json()
-            await d.launch(body.get("command"), bool(body.get("shell", False)))
-            return web.Response(text="ok")
-        if (method, route) == ("POST", "/setup/open_file"):
-            body = await request.json()
-            await d.open_file(str(body.get("path", "")))
-            return web.Response(text="ok")
-        if (method, route) in (("POST", "/setup/activate_window"), ("POST", "/setup/close_window")):
-            body = await request.json()
-            fn = d.activate_window if route.endswith("activate_window") else d.close_window
-            await fn(
-                str(body.get("window_name", "")),
-                bool(body.get("strict", False)),
-                bool(body.get("by_class", False)),
-            )
-            return web.Response(text="ok")
-        return _error(404, "NOT_FOUND", f"no in-VM route {method} {route}")
-
-
-def _error(status: int, code: str, message: str) -> web.Response:
-    return web.json_response({"code": code, "message": message}, status=status)
+                return json_error(self.faults.error_status, "INTERNAL_ERROR", text)
+        return await serve_vm_route(d, method, route, request)
 
 
 def _http_error(status: int, code: str, message: str) -> web.HTTPException:
