@@ -66,9 +66,14 @@ async def _fetch(vm: VMProtocol, path: str) -> bytes | None:
     except SandboxStepError as e:
         if is_transient(e):
             raise
-        # Clients differ in how a missing file surfaces (404, error body): ask the desktop.
+        # Clients differ in how a missing file surfaces (404, error body): ask the desktop. Not
+        # a regular file the desktop's user can read (missing, or a symlink the agent planted to
+        # a root-only file such as /etc/shadow) is the agent's doing: None, scored 0 (masking it
+        # would let an agent that expects to fail dodge the penalty).
         probe = await vm.execute(["test", "-f", path])
         if probe.get("returncode") not in (0, None):
+            return None
+        if (await vm.execute(["test", "-r", path])).get("returncode") == 1:  # 1: not readable
             return None
         raise
 

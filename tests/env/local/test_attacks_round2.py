@@ -122,3 +122,46 @@ def test_the_agents_user_site_does_not_reach_the_evaluators_python(runner, make_
         assert "AGENT" in res["output"], res
     finally:
         runner.run(sb.close())
+
+
+# Solved iff ~/Desktop/answer.txt equals the gold file a setup step writes (a vm_file getter).
+FILE_TASK = {
+    **TASK,
+    "id": "jail-attack-result-file",
+    "config": [
+        {
+            "type": "execute",
+            "parameters": {"command": ["bash", "-c", "echo 42 > /home/user/gold.txt"]},
+        }
+    ],
+    "evaluator": {
+        "func": "compare_text_file",
+        "result": {"type": "vm_file", "path": "/home/user/Desktop/answer.txt", "dest": "a.txt"},
+        "expected": {"type": "vm_file", "path": "/home/user/gold.txt", "dest": "gold.txt"},
+    },
+}
+
+
+def test_a_result_file_symlinked_to_a_root_only_file_scores_0(runner, make_backend):  # noqa: F811
+    """Issue 33, "also look at": the result file symlinked to /etc/shadow made the evaluation
+    raise, so the owner was masked (an agent expecting to fail dodged the penalty): now 0."""
+    backend = make_backend()
+    cheat = runner.run(backend.create(load_task(FILE_TASK)))
+    honest = runner.run(backend.create(load_task(FILE_TASK)))
+    try:
+        res = agent(runner, cheat, "import os\nos.symlink('/etc/shadow', os.path.expanduser("
+                    "'~/Desktop/answer.txt'))")  # fmt: skip
+        assert res["returncode"] == 0, res
+        assert runner.run(cheat.evaluate(None)) == 0.0  # was: SandboxRequestError (masked)
+        # The same for a file the agent made unreadable to everyone.
+        res = agent(runner, cheat, "import os\np = os.path.expanduser('~/Desktop/answer.txt')\n"
+                    "os.unlink(p)\nopen(p, 'w').write('42\\n')\nos.chmod(p, 0)")  # fmt: skip
+        assert res["returncode"] == 0, res
+        assert runner.run(cheat.evaluate(None)) == 0.0
+        # Control: the task is solvable.
+        res = agent(runner, honest, "open('/home/user/Desktop/answer.txt', 'w').write('42\\n')")
+        assert res["returncode"] == 0, res
+        assert runner.run(honest.evaluate(None)) == 1.0
+    finally:
+        runner.run(cheat.close())
+        runner.run(honest.close())
