@@ -2,8 +2,9 @@
 
 3 layers (layer 0 dense, layers 1-2 MoE with top-2 of 8 experts), every dimension divisible by 2
 so that the 8-device CPU mesh of the sharding tests splits it; float32 with the dense reference
-expert backend. The default run's model is ``osworld_jax.model.tiny`` (a larger vocabulary,
-built with its tokenizer), not this one.
+expert backend. ``TINY_HF`` is its variant for the transformers reference models of the model
+tests (``HF_TINY``: its ``transformers.Qwen3MoeConfig`` keyword arguments). The default run's model
+is ``osworld_jax.model.tiny`` (a larger vocabulary, built with its tokenizer), not this one.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ TINY = Qwen3MoeConfig(
     initializer_range=0.2,
 )
 RUNTIME = ModelRuntimeConfig(dtype="float32", expert_backend="dense")
+#: The HF reference models' variant: another vocabulary and layer layout (layer 1 dense).
+TINY_HF = TINY.replace(
+    vocab_size=96, mlp_only_layers=(1,), initializer_range=0.1, max_position_embeddings=256
+)
 
 _HF_KEYS = (
     "vocab_size",
@@ -52,3 +57,7 @@ def hf_kwargs(config: Qwen3MoeConfig = TINY, **overrides: Any) -> dict[str, Any]
     kwargs = {k: getattr(config, k) for k in _HF_KEYS}
     kwargs["mlp_only_layers"] = list(config.mlp_only_layers)
     return kwargs | overrides
+
+
+#: ``transformers.Qwen3MoeConfig`` keyword arguments of ``TINY_HF`` (tests/model/conftest.py).
+HF_TINY = hf_kwargs(TINY_HF)

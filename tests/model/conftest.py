@@ -7,7 +7,7 @@ import functools
 import numpy as np
 import pytest
 
-from tests.tiny import RUNTIME, TINY, hf_kwargs
+from tests.tiny import HF_TINY, RUNTIME, TINY
 
 # The tests' tiny config (tests/tiny.py): layer 0 dense, layers 1-2 MoE.
 TINY_CFG, TINY_RT = TINY, RUNTIME
@@ -21,12 +21,6 @@ def tiny_policy():
     from osworld_jax.model import Policy
 
     return Policy(TINY_CFG, TINY_RT, rngs=nnx.Rngs(0))
-
-
-# The HF reference's variant of it: another vocabulary and layer layout (layer 1 dense).
-HF_TINY = hf_kwargs(
-    vocab_size=96, mlp_only_layers=[1], initializer_range=0.1, max_position_embeddings=256
-)
 
 
 def build_hf_model(path, seed=0, **overrides):
