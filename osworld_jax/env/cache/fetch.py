@@ -391,6 +391,8 @@ async def fetch_urls(
                 fetched = await _fetch_one(session, url, root, config, progress, manifest)
             except FetchError as e:
                 result.failed[url] = str(e)
+            except OSError as e:  # e.g. a directory planted at the key: one line, not a traceback
+                result.failed[url] = f"{url}: {e}"
             else:
                 (result.fetched if fetched else result.present).append(url)
 
