@@ -9,4 +9,8 @@ export OSWORLD_JAX_REQUIRE_APPS=1
 .venv/bin/ruff check osworld_jax tests scripts benchmarks
 .venv/bin/ruff format --check osworld_jax tests scripts benchmarks
 .venv/bin/mypy osworld_jax
-exec .venv/bin/python -m pytest -q --runslow -p no:cacheprovider "$@"
+# Two workers (pytest-xdist), a test file each at a time: XLA compiles on one thread and many
+# slow tests wait on the processes they start, so one worker leaves a core idle most of the time.
+# OSWORLD_JAX_TEST_WORKERS=0 runs everything in this process.
+exec .venv/bin/python -m pytest -q --runslow -p no:cacheprovider \
+  -n "${OSWORLD_JAX_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -1,8 +1,27 @@
-"""Test set-up: 8 CPU devices for sharding tests, and the --runslow switch for slow tests."""
+"""Test set-up: 8 CPU devices for sharding tests, one XLA compilation cache, the --runslow switch.
+
+The compilation cache is set through the environment, so every process a test starts
+(``scripts/train.py``, the embedded server, the multi-process workers) shares it with pytest and
+with its xdist workers: the suite compiles the same tiny models in hundreds of tests and dozens of
+subprocesses, and each distinct program is compiled once per checkout (``.cache/jax`` under the
+clone, ignored by git; a later run of the suite starts warm). XLA's cache key covers the program,
+the flags, the devices and the jax/jaxlib versions, so a hit runs exactly the executable a fresh
+compile would have produced. ``OSWORLD_JAX_TEST_COMPILE_CACHE=off`` switches it off.
+"""
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ.get("OSWORLD_JAX_TEST_COMPILE_CACHE", "on") != "off":
+    os.environ.setdefault(
+        "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "jax")
+    )
+    # Cache every program, however quick to compile: the tiny models' programs each take
+    # 0.1-3 s, below jax's default one-second threshold, and there are thousands of them.
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))  # LRU beyond 4 GiB
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
