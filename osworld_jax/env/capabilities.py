@@ -416,14 +416,12 @@ def report(
             f"{name:<20} {row.total:>5} {row.runnable:>8} {row.infeasible:>7} {row.apps_only:>5}"
             f"  {reasons}"
         )
-    lines.append("")
-    lines.append(
-        "reason kinds (tasks): " + "; ".join(f"{k} {c}" for k, c in total.kinds.most_common())
-    )
-    lines.append("")
-    lines.append("most common specific reasons:")
-    for d, c in total.details.most_common(2 * top + 4):
-        lines.append(f"  {c:>4}  {d}")
+    if total.kinds:  # every task runnable: no empty headings
+        kinds = "; ".join(f"{k} {c}" for k, c in total.kinds.most_common())
+        lines += ["", f"reason kinds (tasks): {kinds}"]
+    if total.details:
+        lines += ["", "most common specific reasons:"]
+        lines += [f"  {c:>4}  {d}" for d, c in total.details.most_common(2 * top + 4)]
     if total.missing_apps:
         lines.append("")
         lines.append(f"programs the {total.apps_only} '+apps' tasks wait for (tasks):")

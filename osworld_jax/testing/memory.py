@@ -17,6 +17,7 @@ import copy
 import itertools
 import json
 import os
+import re
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
@@ -85,6 +86,31 @@ class MemorySandbox(Sandbox):
         self._backend._live.pop(self.id, None)
 
 
+def _programs(command: Any) -> list[str]:
+    """The program of each command in ``command`` (a list: argv; a string: a shell line).
+
+    A shell line is split at ``;``, ``&&``, ``||`` and ``|`` outside quotes (``python -c
+    "a; b"`` is one command); a line whose quotes do not close (shell-invalid) is split at
+    the operators and whitespace, quotes or not, instead of failing.
+    """
+    if not isinstance(command, str):
+        return [str(command[0])] if command else []
+    lexer = shlex.shlex(command, posix=True, punctuation_chars=";&|")
+    lexer.whitespace_split = True
+    try:
+        tokens = list(lexer)
+    except ValueError:  # "No closing quotation": split at the operators, quotes or not
+        tokens = [w for part in re.split(r"(&&|\|\||[;|])", command) for w in part.split()]
+    programs, start = [], True
+    for t in tokens:
+        if t and set(t) <= set(";&|"):
+            start = True
+        elif start:
+            programs.append(t)
+            start = False
+    return programs
+
+
 class MemoryBackend(SandboxBackend[MemorySandbox]):
     """Sandboxes on ``MemoryDesktop`` (see the module docstring); fork = a deep copy.
 
@@ -115,15 +141,9 @@ class MemoryBackend(SandboxBackend[MemorySandbox]):
             if g is not None and g.type in ("vm_command_line", "vm_command_error"):
                 commands.append(g.params.get("command"))
         for c in commands:
-            text = c if isinstance(c, str) else " ".join(shlex.quote(str(x)) for x in c or [])
-            for part in text.replace("&&", ";").split(";"):
-                words = shlex.split(part) if part.strip() else []
-                if (
-                    words
-                    and words[0] not in EDITORS
-                    and not hasattr(probe, f"_c_{words[0].replace('-', '_')}")
-                ):
-                    reasons.append(f"memory desktop has no program {words[0]!r}")
+            for program in _programs(c):
+                if program not in EDITORS and not hasattr(probe, f"_c_{program.replace('-', '_')}"):
+                    reasons.append(f"memory desktop has no program {program!r}")
         return list(dict.fromkeys(reasons))
 
     def preflight(self, tasks: Sequence[Task] | None = None) -> None:  # noqa: D102
