@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import logging
 import re
 import types
@@ -107,11 +108,11 @@ def parse_gin(files: Sequence[str | Path] = (), params: Sequence[str] = ()) -> N
     _locations.clear()
     for f in files:
         path = _find_config_file(str(f))
-        _parse_one(lambda p=path: gin.parse_config_file(p), str(path))
+        _parse_one(lambda p=path: gin.parse_config_file(p), str(path), path.read_text())
         _record_locations(path.read_text(), str(path))
     for i, param in enumerate(params):
         where = f"--gin_param[{i}]"
-        _parse_one(lambda param=param: gin.parse_config(param), where)
+        _parse_one(lambda param=param: gin.parse_config(param), where, param)
         _record_locations(param, where)
 
 
@@ -131,7 +132,7 @@ def build(cls: type) -> Any:
             continue
         if not _matches(value, hints[f.name]):
             raise ConfigError(
-                f"{_where(key)}{key} = {value!r}: expected {_type_name(hints[f.name])}"
+                f"{_where(key)}{key} = {value!r}: expected {_expected_form(hints[f.name])}"
             )
     try:
         return gin.get_configurable(cls)(**kwargs)
@@ -181,12 +182,88 @@ def _find_config_file(name: str) -> Path:
     raise ConfigError(f"--gin_file {name}: no such file (also looked in {CONFIGS_DIR})")
 
 
-def _parse_one(parse: Any, where: str) -> None:
+def _parse_one(parse: Any, where: str, text: str) -> None:
     try:
         with _quiet_search_misses():
             parse()
     except (ValueError, SyntaxError, OSError, ImportError) as e:
-        raise ConfigError(_gin_error_line(e, where)) from None
+        raise ConfigError(_gin_error_line(e, where, text)) from None
+
+
+_BINDING = re.compile(r"^\s*(?:[\w.]+/)*(?:[\w]+\.)*([A-Za-z_]\w*)\.(\w+)\s*=\s*(.*?)\s*$")
+
+
+def _classes() -> dict[str, type]:
+    return {cls.__name__: cls for cls in CONFIGURABLES}
+
+
+def _did_you_mean(name: str, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def _expected_form(hint: Any) -> str:
+    """How a value of the annotation ``hint`` is written in gin, e.g. ``a quoted string``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(dict.fromkeys(_expected_form(a) for a in args))
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if hint is type(None):
+        return "None"
+    forms = {
+        str: "a quoted string, e.g. 'text'",
+        bool: "True or False",
+        int: "an integer, e.g. 8",
+        float: "a number, e.g. 1e-05",
+    }
+    if hint in forms:
+        return forms[hint]
+    if origin in (tuple, list):
+        return f"a {origin.__name__}, e.g. (1, 2)" if origin is tuple else "a list, e.g. [1, 2]"
+    if origin is dict:
+        return "a dict, e.g. {'key': 1}"
+    if _config_class(hint) is not None:
+        return f"a @{hint.__name__}() reference"
+    return _type_name(hint)
+
+
+def _diagnose(source_line: str) -> str | None:
+    """What is wrong with the binding ``source_line`` whose value gin cannot parse, or None."""
+    m = _BINDING.match(source_line)
+    if m is None:
+        return None
+    cls_name, field, value = m.groups()
+    cls = _classes().get(cls_name)
+    hint = None
+    if cls is not None and field in {f.name for f in dataclasses.fields(cls)}:
+        hint = typing.get_type_hints(cls)[field]
+    expected = f"; expected {_expected_form(hint)}" if hint is not None else ""
+    unquoted = re.fullmatch(r"[\w./~:+-]+", value) is not None and not re.fullmatch(
+        r"[+-]?[\d.]+(?:e[+-]?\d+)?", value, re.IGNORECASE
+    )
+    if unquoted and not value[:1].isdigit():
+        return f"{value} is not a value: strings need quotes, e.g. {cls_name}.{field} = '{value}'"
+    if not value:
+        return f"no value after '='{expected}"
+    if value[0] in "'\"" and value.count(value[0]) % 2:
+        return f"{value} has no closing quote{expected}"
+    return f"{value!r} is not a Python literal{expected}"
+
+
+def _unknown_name(cause: str) -> str | None:
+    """The ``did you mean`` of gin's unknown-class / unknown-field errors, or None."""
+    m = re.search(r"No configurable matching '([^']+)'", cause)
+    if m:
+        name = m.group(1).rsplit(".", 1)[-1]
+        return f"{cause.rstrip('.')}{_did_you_mean(name, list(_classes()))}"
+    m = re.search(r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'", cause)
+    cls = _classes().get(m.group(1).rsplit(".", 1)[-1]) if m else None
+    if m and cls is not None:
+        fields = [f.name for f in dataclasses.fields(cls)]
+        hint = _did_you_mean(m.group(2), fields)
+        return f"{cause.rstrip('.')}{hint.replace('mean ', f'mean {cls.__name__}.')}"
+    return None
 
 
 class _SearchMissFilter(logging.Filter):
@@ -229,7 +306,7 @@ def _record_locations(text: str, where: str) -> None:
             _record_locations(included.read_text(), str(included))
 
 
-def _gin_error_line(e: BaseException, where: str) -> str:
+def _gin_error_line(e: BaseException, where: str, text: str = "") -> str:
     msg = str(e)
     lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
     cause = re.sub(r"\s*\([^()]*line \d+\)$", "", lines[0]) if lines else type(e).__name__
@@ -245,7 +322,27 @@ def _gin_error_line(e: BaseException, where: str) -> str:
         if "=" in ln and not ln.startswith("In "):
             binding = ln
             break
+    cause = _unknown_name(cause) or cause
+    if not binding and isinstance(e, SyntaxError | ValueError):  # a value gin cannot parse
+        source = _source_line(loc, text, where)
+        found = _diagnose(source) if source else None
+        if found is not None:
+            binding, cause = source.strip(), found
     return f"{loc}: {binding + ': ' if binding else ''}{cause}"
+
+
+def _source_line(loc: str, text: str, where: str) -> str | None:
+    """The text of line ``<file>:<n>`` (``loc``); ``text`` is that of ``where``."""
+    file, _, n = loc.rpartition(":")
+    if not n.isdigit():
+        return None
+    if file != where:
+        try:
+            text = Path(file).read_text()
+        except OSError:
+            return None
+    lines = text.splitlines()
+    return lines[int(n) - 1] if 0 < int(n) <= len(lines) else None
 
 
 def _where(key: str) -> str:
