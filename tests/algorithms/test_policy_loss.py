@@ -73,7 +73,8 @@ def test_hand_loss_gradient_and_metrics():
 def test_is_weight_cap_truncates_the_applied_weight():
     # gate none: uncapped coef = exp(pi - mu) = [[1, 1], [C1, -], [2, 2]]; cap 1.5 ->
     # [[1, 1], [C1, -], [1.5, 1.5]] (C1 = 1.0417 < 1.5 stays). token-mean over 5 tokens:
-    # loss = -(1 - 2 + C1 * 0.5 + 1.5 * 2 + 1.5 * 2) / 5; is_weight max 1.5, mean (3.5 + C1 + 1.5) / 5
+    # loss = -(1 - 2 + C1 * 0.5 + 1.5 * 2 + 1.5 * 2) / 5; is_weight max 1.5,
+    # mean (3.5 + C1 + 1.5) / 5
     kw = dict(gate="none", agg_mode="token-mean", is_weight_cap=1.5)
     (loss, m), grad = loss_and_grad(LP, BEH, ADV, MASK, **kw)
     assert float(loss) == pytest.approx(-(5 + C1 * 0.5) / 5, rel=1e-5)
