@@ -360,3 +360,60 @@ class RunResources(RolloutResources):
         with writing(self._records.name):
             for r in records:
                 self._records.write(json.dumps(r) + "\n")
+
+
+def validate(experiment: ExperimentConfig) -> list[str]:
+    """Checks a run without running it: preflight and the step's memory estimate.
+
+    Nothing is written to a run directory: a tiny model is built in a temporary directory, a
+    local backend's sandboxes live in another. Nothing is compiled.
+
+    Returns:
+      lines for the user: the model, the preflight, the estimate of one train step.
+
+    Raises:
+      PreflightError: a part of the run is missing (one line each, as a run's start).
+      TrainerError: the step does not fit the device (with what would).
+    """
+    from osworld_jax.trainer.memory import GiB, check_step_fits
+
+    exp = experiment
+    with tempfile.TemporaryDirectory(prefix="osworld_jax-validate-") as tmp:
+        model_path = stages.prepare_model(exp.model, Path(tmp))
+        sandbox = exp.sandbox
+        if isinstance(sandbox, LocalBackendConfig) and sandbox.root is None:
+            sandbox = dataclasses.replace(sandbox, root=str(Path(tmp) / "sandboxes"))
+        backend = make_backend(sandbox)
+        try:
+            need = _required_tasks(exp)
+            run_preflight(
+                exp, model_path=model_path, backend_preflight=lambda: backend.preflight(need)
+            )
+        finally:
+            asyncio.run(backend.aclose())
+        model = Qwen3MoeConfig.from_json(model_path / "config.json")
+        vision = stages.vision_packing(model, model_path, exp.agent)
+        patches = max(vision.patch_buckets, default=0) if vision is not None else 0
+    rl, m = exp.rl, exp.rl.mesh
+    rows = rl.num_logical_owners
+    seq = max(rl.length_buckets, default=exp.agent.compaction.max_context_tokens)
+    est = check_step_fits(
+        model,
+        exp.runtime,
+        exp.trainer,
+        rows=rows,
+        seq=seq,
+        param_shards=m.fsdp * m.expert * m.tensor,
+        batch_shards=m.data,
+        expert_parallel=m.expert if exp.runtime.expert_parallel else 1,
+        patches=patches,
+    )
+    size = f"{est.total / GiB:.1f} GiB" if est.total >= GiB else f"{est.total / 2**20:.0f} MiB"
+    where = "the tiny model" if exp.model.path == "tiny" else str(model_path)
+    return [
+        f"model: {where} ({model.num_hidden_layers} layers, {model.num_experts} experts)",
+        f"preflight: ok (sandbox backend {exp.backend!r}, task set {exp.data.task_set!r})",
+        f"memory: one train step of {rows} rows x {seq} tokens"
+        + (f" ({patches} image patches per row)" if patches else "")
+        + f" needs ~{size} per device (of {m.data * m.fsdp * m.expert * m.tensor})",
+    ]

@@ -358,3 +358,82 @@ def trim_logs_to_checkpoint(metrics_dir: Path, step: int, jsonl_files: Sequence[
     dropped = {name: trim_to_step(metrics_dir / name, step) for name in jsonl_files}
     dropped[episodes_dir] = remove_episodes_after(metrics_dir / episodes_dir, step)
     return {k: v for k, v in dropped.items() if v}
+
+
+#: Bindings a resumed run may change freely: how long it runs, how it logs and checkpoints,
+#: where its servers and processes are. Everything else (the model, the data, the algorithm)
+#: must match the run's own ``experiment.json`` unless the change is allowed explicitly.
+RUN_LENGTH_KNOBS = frozenset(
+    {
+        "RLConfig.steps",
+        "RLConfig.progress_bar",
+        "RLConfig.weights_keep",
+        "RLConfig.episode_owners",
+        "RLConfig.max_consecutive_skipped_steps",
+        "ServerConfig.host",
+        "ServerConfig.port",
+        "ServerConfig.startup_timeout_s",
+        "RolloutConfig.urls",
+        "RolloutConfig.connect_timeout_s",
+    }
+)
+#: Config classes all of whose fields may change on resume (checkpoint cadence, the job's hosts).
+RUN_LENGTH_CLASSES = frozenset({"CheckpointConfig", "DistributedConfig"})
+
+
+def _walk(new: Any, old: dict[str, Any], out: list[str]) -> None:
+    """Appends ``Class.field: old -> new`` for each field of dataclass ``new`` that differs."""
+    cls = type(new).__name__
+    for f in dataclasses.fields(new):
+        key, value = f"{cls}.{f.name}", getattr(new, f.name)
+        before = old.get(f.name, "<absent>")
+        if dataclasses.is_dataclass(value) and isinstance(before, dict):
+            if {g.name for g in dataclasses.fields(value)} == set(before):  # the same class
+                _walk(value, before, out)
+                continue
+        if key in RUN_LENGTH_KNOBS or cls in RUN_LENGTH_CLASSES:
+            continue
+        plain = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+        now = json.loads(json.dumps(plain, default=str))  # as experiment.json holds it
+        if now != before:
+            out.append(f"{key}: {before!r} -> {now!r}")
+
+
+def config_changes(run_dir: Path, experiment: Any) -> list[str]:
+    """The bindings of ``experiment`` that differ from the run's own ``experiment.json``.
+
+    Run-length knobs (`RUN_LENGTH_KNOBS`, `RUN_LENGTH_CLASSES`) are ignored. A run directory
+    without ``experiment.json`` (a run that never started) has nothing to differ from.
+
+    Returns:
+      ``"Class.field: old -> new"`` per differing binding (empty: the same config).
+    """
+    path = run_dir / RESOLVED_CONFIG
+    if not path.is_file():
+        return []
+    out: list[str] = []
+    _walk(experiment, json.loads(path.read_text()), out)
+    return out
+
+
+LATEST = "latest"
+
+
+def point_latest_at(run_dir: Path) -> Path | None:
+    """Points ``<parent>/latest`` at ``run_dir`` (a relative symlink, replaced atomically).
+
+    Returns the link, or None where ``latest`` is something other than a symlink (left alone)
+    or the parent cannot take a symlink.
+    """
+    link = run_dir.parent / LATEST
+    if run_dir.name == LATEST or (link.exists() and not link.is_symlink()):
+        return None
+    tmp = link.with_name(f".{LATEST}.tmp-{os.getpid()}")
+    try:
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(run_dir.name, target_is_directory=True)
+        tmp.replace(link)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        return None
+    return link

@@ -195,6 +195,21 @@ def test_default_run_ctrl_c_and_resume(tmp_path):
         assert (run_dir / name).is_file()
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
+    assert f"run directory: {run_dir}" in out
+
+    # Resuming as a text-model run is refused in one line before anything starts (no jax work).
+    other = [f"--gin_file={REPO / 'configs' / g}" for g in ("default.gin", "text_only.gin")]
+    refused = subprocess.run(
+        [*_train_cmd(run_dir, max(steps_done) + 1), *other],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    line = refused.stderr.strip()
+    assert line.startswith(f"error: {run_dir} was trained with another config; changed: "), line
+    assert "ModelSourceConfig.tiny_kind: 'qwen3_vl_moe' -> 'qwen3_moe'" in line, line
+    assert "AgentConfig.max_screenshots: 3 -> 0" in line and "--allow_config_change" in line
+    assert "\n" not in line and "RLConfig.steps" not in line  # run length may change
+
     t1 = time.monotonic()
     again = subprocess.run(
         _train_cmd(run_dir, max(steps_done) + 1),
@@ -211,6 +226,19 @@ def test_default_run_ctrl_c_and_resume(tmp_path):
     assert [r["step"] for r in resumed] == [max(steps_done) + 1]
     assert (run_dir / "checkpoints" / str(max(steps_done) + 1)).is_dir()
     assert not _live_processes_mentioning(str(run_dir))
+    assert f"resuming from checkpoint {max(steps_done)}" in again.stdout
+    assert f"results in {run_dir} ({run_dir.parent / 'latest'} points here)" in again.stdout
+    assert (run_dir.parent / "latest").resolve() == run_dir.resolve()
+
+    # Rerunning the finished run says so, at once.
+    done = subprocess.run(
+        _train_cmd(run_dir, max(steps_done) + 1),
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(
+        f"{run_dir} is finished: its checkpoint {max(steps_done) + 1} is at or past the last step"
+    ), done.stdout
 
 
 @pytest.mark.slow
