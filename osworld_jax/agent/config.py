@@ -104,6 +104,19 @@ class AgentConfig:
         ``screenshots``). 0 drops screenshots. Screenshots are shown only to a model whose
         directory has an image processor (``preprocessor_config.json``, a Qwen3-VL model); its
         processor alone decides how many ``<|image_pad|>`` tokens each one takes.
+      screenshots_after_compaction: the low-water mark of the screenshot window: a
+        ``screenshots`` compaction (a new screenshot when ``max_screenshots`` are shown) rebuilds
+        the prompt showing only this many (the new one included), so the next
+        ``max_screenshots - screenshots_after_compaction`` turns extend the context token-exactly
+        and one segment trains that many replies + 1. None: ``max_screenshots`` (the window
+        slides by one: a new segment every turn once it is full, the former behaviour). Default
+        1: a window of 3 trains 3 replies per segment, each row at most 3 screenshots
+        (docs/DESIGN.md, "Screenshot window").
+      placeholder_old_observations: at every compaction, the observation text (accessibility
+        tree, terminal) of the kept turns older than the window (the first turn whose
+        screenshot is shown; text-only: the last ``keep_last_observations``) becomes the short
+        `OBSERVATION_DROPPED` placeholder, so the prompt does not grow with the episode. False:
+        old trees stay verbatim until the budget drops their turns (the former behaviour).
       image_start_token: the media span's opening special token.
       image_pad_token: the media placeholder special token (one per image token).
       image_end_token: the media span's closing special token.
@@ -124,6 +137,8 @@ class AgentConfig:
     a11y_max_tokens: int = 0
     terminal_max_chars: int = 4000
     max_screenshots: int = 3
+    screenshots_after_compaction: int | None = 1
+    placeholder_old_observations: bool = True
     image_start_token: str = "<|vision_start|>"
     image_pad_token: str = "<|image_pad|>"
     image_end_token: str = "<|vision_end|>"
@@ -145,6 +160,12 @@ class AgentConfig:
                 f"AgentConfig.screen_width/screen_height must be >= 1, got "
                 f"{self.screen_width}x{self.screen_height}"
             )
+        low = self.screenshots_after_compaction
+        if low is not None and self.max_screenshots and not 1 <= low <= self.max_screenshots:
+            raise ConfigError(
+                f"AgentConfig.screenshots_after_compaction must be in [1, max_screenshots = "
+                f"{self.max_screenshots}] or None, got {low}"
+            )
         object.__setattr__(self, "extra_media_tokens", tuple(self.extra_media_tokens))
 
     @property
@@ -156,6 +177,12 @@ class AgentConfig:
             self.image_end_token,
             *self.extra_media_tokens,
         )
+
+    @property
+    def screenshot_low_water(self) -> int:
+        """Screenshots a ``screenshots`` compaction keeps shown (the new one included)."""
+        low = self.screenshots_after_compaction
+        return self.max_screenshots if low is None else min(low, self.max_screenshots)
 
     def replace(self, **changes: object) -> AgentConfig:
         """A copy with ``changes`` applied (validated again)."""

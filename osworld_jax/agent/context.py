@@ -14,8 +14,12 @@ user content is ``[text "Screenshot: ", image, text observation]``, rendered by 
 template (one ``<|image_pad|>`` per image, as HF processors see it) and then expanded to the
 processor's token count of that screenshot (``ImageProcessor.num_image_tokens``), so the ids are
 exactly what the server and the trainer see. Only the last ``max_screenshots`` screenshots are
-shown; when a new one would pass that, the oldest shown one becomes a text placeholder, which
-rewrites an earlier part of the context: a declared compaction (reason ``screenshots``).
+shown; when a new one would pass that, the context is rebuilt showing only the last
+``screenshots_after_compaction`` (the low-water mark, the new one included; the others become
+text placeholders), a declared compaction (reason ``screenshots``); the following turns extend
+the rebuilt context until the window is full again, so one segment trains several replies. At a
+compaction the observation text of kept turns older than the window becomes a short placeholder
+(``placeholder_old_observations``).
 
 A compaction (every K actions, or when the next prompt would pass the budget) re-renders the
 context from messages: system prompt, the instruction with a compact action history of the
@@ -48,6 +52,8 @@ if TYPE_CHECKING:
     from osworld_jax.env.backend import Observation
 
 _SENTINEL = "\u2063OSWORLD_JAX_TURN_SENTINEL\u2063"
+#: What an old observation's text (accessibility tree, terminal) becomes at a compaction.
+OBSERVATION_DROPPED = "(accessibility tree and terminal removed: older than the kept screenshots)"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -292,13 +298,32 @@ class ContextManager:
         """The screenshots the current context shows, in order."""
         return [t.image for t in self._turns[self._first_kept :] if t.shown and t.image]
 
-    def _mark_shown(self, first: int) -> None:
-        """Shows the screenshots of the last ``max_screenshots`` turns from ``first`` with one."""
-        left = self.config.max_screenshots
+    def _mark_shown(self, first: int, shots: int | None = None) -> None:
+        """Shows the screenshots of the last ``shots`` turns from ``first`` that have one.
+
+        ``shots`` defaults to ``max_screenshots``.
+        """
+        left = self.config.max_screenshots if shots is None else shots
         for k in range(len(self._turns) - 1, -1, -1):
             turn = self._turns[k]
             turn.shown = k >= first and turn.image is not None and left > 0
             left -= turn.shown
+
+    def _placeholder_old(self, first: int) -> None:
+        """Old observation text of the kept turns -> `OBSERVATION_DROPPED` (at a compaction).
+
+        Old: before the first turn whose screenshot is shown, or (none shown) before the last
+        ``keep_last_observations`` turns. Turns before ``first`` are not rendered (the action
+        history stands for them); a placeholder is permanent.
+        """
+        if not self.config.placeholder_old_observations:
+            return
+        n = len(self._turns)
+        shown = [k for k in range(first, n) if self._turns[k].shown]
+        window = shown[0] if shown else n - self.config.compaction.keep_last_observations
+        for turn in self._turns[first : min(window, n - 1)]:
+            if len(turn.text) > len(OBSERVATION_DROPPED):
+                turn.text = OBSERVATION_DROPPED
 
     # -- turns ------------------------------------------------------------------------------
 
@@ -344,8 +369,10 @@ class ContextManager:
             if reason is not None:
                 before = int(self._context.size)
                 keep = min(cfg.keep_last_observations, len(self._turns))
-                first = self._first_kept if reason == "screenshots" else len(self._turns) - keep
-                prompt = self._rebuild(first=first)
+                if reason == "screenshots":
+                    prompt = self._rebuild(self._first_kept, self.config.screenshot_low_water)
+                else:
+                    prompt = self._rebuild(len(self._turns) - keep)
                 compaction = Compaction(
                     before_call=self._num_calls,
                     reason=reason,
@@ -360,12 +387,17 @@ class ContextManager:
         self._prompt_images = tuple(self._shown())
         return prompt, compaction
 
-    def _rebuild(self, first: int) -> np.ndarray:
-        """Renders turns ``first..`` (keeping fewer, then shrinking the a11y tree, to fit)."""
+    def _rebuild(self, first: int, shots: int | None = None) -> np.ndarray:
+        """Renders turns ``first..`` (keeping fewer, then shrinking the a11y tree, to fit).
+
+        ``shots``: screenshots shown (default ``max_screenshots``); older observation text
+        becomes a placeholder (`_placeholder_old`).
+        """
         budget = self.config.compaction.prompt_budget
         n = len(self._turns)
         for start in range(first, n):
-            self._mark_shown(start)
+            self._mark_shown(start, shots)
+            self._placeholder_old(start)
             self._first_kept = start
             ids = self._render_ids(self._messages(start), self._shown())
             if ids.size <= budget:

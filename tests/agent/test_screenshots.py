@@ -21,9 +21,10 @@ from osworld_jax.agent import (
     SegmentIntegrityError,
     build_segments,
 )
+from osworld_jax.agent.context import OBSERVATION_DROPPED
 from osworld_jax.agent.segments import image_runs
 from osworld_jax.env.backend import Observation
-from osworld_jax.errors import InfraError
+from osworld_jax.errors import ConfigError, InfraError
 from osworld_jax.rollout import SamplingParams
 
 from .conftest import ScriptedClient, screenshot_png
@@ -133,10 +134,14 @@ def test_screenshot_tokens_are_the_processors_and_match_hf(vl_tokenizer, vl_mode
 def test_the_prompt_keeps_the_last_k_screenshots_a_declared_compaction(vl_tokenizer):
     # K = 2 over 4 turns: calls 0, 1 extend each other (1, 2 images); call 2's screenshot would
     # be the third: the context is re-rendered with screenshot 0 as a text placeholder
-    # (compaction "screenshots", a new segment), likewise call 3 drops screenshot 1.
+    # (compaction "screenshots", a new segment), likewise call 3 drops screenshot 1. The former
+    # sliding window (no low-water mark), reachable by config.
     tok = vl_tokenizer
     observations = [obs(i) for i in range(4)]
-    agent, client = run(tok, AgentConfig(max_screenshots=2), observations)
+    config = AgentConfig(
+        max_screenshots=2, screenshots_after_compaction=None, placeholder_old_observations=False
+    )
+    agent, client = run(tok, config, observations)
     comps = agent.history.compactions
     assert [(c.before_call, c.reason, c.screenshots) for c in comps] == [
         (2, "screenshots", 2),
@@ -155,6 +160,65 @@ def test_the_prompt_keeps_the_last_k_screenshots_a_declared_compaction(vl_tokeni
     assert "OK 0" in text and "OK 3" in text  # the observations' text stays
     assert client.starts[2] == 0 and client.starts[3] == 0  # a rebuild asks for every route
     assert [len(x) for x in client.images] == [1, 2, 2, 2]
+
+
+def long_obs(i: int) -> Observation:
+    tree = "\n".join(f"<button name='OK {i}.{k}'/>" for k in range(6))
+    return Observation(
+        screenshot=screenshot_png(1920, 1080, seed=i), a11y_tree=tree, terminal="", instruction="i"
+    )
+
+
+def test_chunked_compaction_one_segment_trains_several_replies(vl_tokenizer):
+    # K = 3, low-water 1, 7 turns: calls 0-2 extend (1, 2, 3 images); call 3's screenshot would
+    # be the fourth: the rebuild shows only it (a declared compaction), calls 4, 5 extend it,
+    # call 6 compacts again. Segments (0, 1, 2), (3, 4, 5), (6,): token-exact (build_segments
+    # checks every extension), every reply trained once, as the sliding window trains them.
+    tok = vl_tokenizer
+    pad = tok.token_id("<|image_pad|>")
+    observations = [long_obs(i) for i in range(7)]
+    replies = [f"WAIT {i}" for i in range(7)]
+    agent, client = run(tok, AgentConfig(max_screenshots=3), observations, replies=replies)
+    comps = agent.history.compactions
+    assert [(c.before_call, c.reason, c.screenshots) for c in comps] == [
+        (3, "screenshots", 1),
+        (6, "screenshots", 1),
+    ]
+    segs = build_segments(agent.history)
+    assert [s.call_indices for s in segs] == [(0, 1, 2), (3, 4, 5), (6,)]
+    shots = [o.screenshot for o in observations]
+    assert [s.images for s in segs] == [tuple(shots[0:3]), tuple(shots[3:6]), (shots[6],)]
+    assert [image_runs(s.tokens, pad) for s in segs] == [3, 3, 1]
+    assert [len(x) for x in client.images] == [1, 2, 3, 1, 2, 3, 1]
+    for seg in segs:
+        assert not seg.loss_mask[seg.tokens == pad].any()
+    old_config = AgentConfig(
+        max_screenshots=3, screenshots_after_compaction=None, placeholder_old_observations=False
+    )
+    old, _ = run(tok, old_config, observations, replies=replies)
+    old_segs = build_segments(old.history)
+    assert len(old_segs) == 5  # (0, 1, 2), (3,), (4,), (5,), (6,)
+
+    def trained(segments):
+        return [s.tokens[s.loss_mask > 0].tolist() for s in segments]
+
+    new_ids = [t for ids in trained(segs) for t in ids]
+    old_ids = [t for ids in trained(old_segs) for t in ids]
+    assert new_ids == old_ids  # the same replies, each once, in order
+    # Old observation text outside the kept window is a placeholder; the window's stays.
+    call3 = tok.decode(agent.history.calls[3].prompt_ids, skip_special_tokens=False)
+    call5 = tok.decode(agent.history.calls[5].prompt_ids, skip_special_tokens=False)
+    assert "OK 0.0" not in call3 and "OK 2.0" not in call3 and "OK 3.0" in call3
+    assert call3.count(OBSERVATION_DROPPED) == 3
+    assert all(f"OK {i}.5" in call5 for i in (3, 4, 5)) and "OK 1.0" not in call5
+
+
+def test_low_water_mark_is_checked():
+    with pytest.raises(ConfigError, match="screenshots_after_compaction"):
+        AgentConfig(max_screenshots=3, screenshots_after_compaction=4)
+    assert (
+        AgentConfig(max_screenshots=3, screenshots_after_compaction=None).screenshot_low_water == 3
+    )
 
 
 def test_no_screenshots_for_a_text_model_or_k_zero(vl_tokenizer, agent_tokenizer):

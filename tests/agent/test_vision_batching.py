@@ -32,7 +32,8 @@ def owner(tok, owner_id, shots, *, max_screenshots=2, group_id=0):
     agent = OwnerAgent(
         client,
         tok,
-        AgentConfig(max_screenshots=max_screenshots),
+        # the sliding window (a segment per turn once full): rows that share screenshots
+        AgentConfig(max_screenshots=max_screenshots, screenshots_after_compaction=None),
         owner_id=owner_id,
         group_id=group_id,
         sampling=SamplingParams(max_new_tokens=16),
