@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """pass@N of a checkpoint (served embedded) or of running servers on a task set.
 
-    python scripts/evaluate.py --model_path=runs/x/weights/step_00000100 --task_set=TASKS \
+    python scripts/evaluate.py --model_path=runs/x/weights/step_00000100 --task_set=TASKS \\
         --reps=8 --out=calib.jsonl
-    python scripts/evaluate.py --gin_file=configs/osworld_flash_b8n8_r3_dr_grpo.gin \
+    python scripts/evaluate.py --gin_file=configs/osworld_flash_b8n8_r3_dr_grpo.gin \\
         --server_url=http://sglang-0:30000 --reps=8 --out=calib.jsonl
 
 Writes one calibration line per task ({task_id, reps, passes, failed, mean_reward}) for
@@ -27,7 +27,9 @@ warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=R
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--gin_file", action="append", default=[], help="gin file (repeatable)")
     p.add_argument("--gin_param", action="append", default=[], help="gin binding (repeatable)")
     p.add_argument("--model_path", default=None, help="HF checkpoint to serve embedded")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Freeze the offline DAPO band of a task set into an immutable training dataset.
 
-    python scripts/freeze_band.py --calibration calib.jsonl --task_dir TASKS --out_dir BAND \
+    python scripts/freeze_band.py --calibration calib.jsonl --task_dir TASKS --out_dir BAND \\
         [--reps 8] [--low 0] [--high 8] [--num_repeats 4]
 
 The calibration file comes from ``scripts/evaluate.py``. Train on the result with
@@ -19,7 +19,9 @@ from osworld_jax.errors import OsworldJaxError
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--calibration", required=True, help="JSONL of {task_id, reps, passes}")
     p.add_argument("--task_dir", required=True, help="the task set the calibration ran on")
     p.add_argument("--out_dir", required=True, help="dataset directory to publish (must not exist)")

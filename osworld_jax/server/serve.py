@@ -2,11 +2,15 @@ r"""``python -m osworld_jax.server.serve``: the embedded SGLang-compatible JAX s
 
 Flags mirror ``python -m sglang.launch_server`` (those that apply to one JAX process)::
 
-  python -m osworld_jax.server.serve --model-path DIR --host 127.0.0.1 --port 30000 \\
+  python -m osworld_jax.server.serve --model-path DIR --host 127.0.0.1 --port 30000 \
       --enable-return-routed-experts --max-running-requests 16 --weight-version step0
+  python -m osworld_jax.server.serve --model-path tiny   # a random tiny model, as the configs
 
-The port opens at once; ``/health`` answers 503 until the model is loaded and a warm-up
-generation has run, then 200. SIGTERM / SIGINT stop it cleanly.
+``--model-path`` is a Hugging Face checkpoint directory (config.json, *.safetensors,
+tokenizer.json), or ``tiny`` (``--tiny-kind``) for the random tiny model the configs' default
+``ModelSourceConfig.path = 'tiny'`` builds; a bad one is refused in one line before the port
+opens. The port then opens at once; ``/health`` answers 503 until the model is loaded and a
+warm-up generation has run, then 200. SIGTERM / SIGINT stop it cleanly.
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ import asyncio
 import logging
 import os
 import signal
+import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -36,8 +43,22 @@ def _env_flag(name: str) -> bool:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parses the launch flags."""
-    p = argparse.ArgumentParser(prog="python -m osworld_jax.server.serve", description=__doc__)
-    p.add_argument("--model-path", required=True, help="HF checkpoint directory")
+    p = argparse.ArgumentParser(
+        prog="python -m osworld_jax.server.serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model-path",
+        required=True,
+        help="HF checkpoint directory, or 'tiny' (a random tiny model)",
+    )
+    p.add_argument(
+        "--tiny-kind",
+        choices=("qwen3_moe", "qwen3_vl_moe"),
+        default="qwen3_moe",
+        help="with --model-path tiny: the text or the screenshot model",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--enable-return-routed-experts", action="store_true")
@@ -180,8 +201,8 @@ async def serve(args: argparse.Namespace) -> None:
                 )
             except Exception as e:
                 holder.error = f"engine failed to start: {type(e).__name__}: {e}"
-                log.exception("engine failed to start")
-                raise
+                log.error("%s", holder.error)  # one line; the process exits 1
+                raise EngineStartError(holder.error) from e
             await stop_task
     finally:
         log.info("shutting down")
@@ -191,14 +212,49 @@ async def serve(args: argparse.Namespace) -> None:
             holder.engine.shutdown()
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point."""
+class EngineStartError(RuntimeError):
+    """The engine failed to load or warm up after the port opened."""
+
+
+def model_path_problem(path: str, *, skip_tokenizer_init: bool = False) -> str | None:
+    """None when ``path`` is a checkpoint the engine can load, else what is wrong (one line)."""
+    p = Path(path).expanduser()
+    what = "pass a Hugging Face checkpoint directory, or 'tiny' for a random tiny model"
+    if not p.is_dir():
+        return f"--model-path {path}: no such directory ({what})"
+    missing = [n for n in ("config.json",) if not (p / n).is_file()]
+    if not any(p.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    if not skip_tokenizer_init and not (p / "tokenizer.json").is_file():
+        missing.append("tokenizer.json (or pass --skip-tokenizer-init)")
+    if missing:
+        return f"--model-path {path}: not a checkpoint directory, no {', '.join(missing)} ({what})"
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: 0 after a signal, 1 when the engine fails to start, 2 for a bad flag."""
     args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    asyncio.run(serve(args))
+    level = args.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # jax reports at INFO each accelerator plugin it did not find (libtpu.so on a CPU machine).
+    logging.getLogger("jax").setLevel(max(logging.getLevelName(level), logging.WARNING))
+    with tempfile.TemporaryDirectory(prefix="osworld_jax-serve-tiny-") as tmp:
+        if args.model_path == "tiny":
+            from osworld_jax.model.tiny import make_tiny_checkpoint
+
+            args.model_path = str(make_tiny_checkpoint(Path(tmp) / "tiny", kind=args.tiny_kind))
+            log.info("model: a random tiny %s in %s", args.tiny_kind, args.model_path)
+        problem = model_path_problem(args.model_path, skip_tokenizer_init=args.skip_tokenizer_init)
+        if problem is not None:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
+        try:
+            asyncio.run(serve(args))
+        except EngineStartError:
+            return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
