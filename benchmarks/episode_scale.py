@@ -185,6 +185,8 @@ def run_owner(
         "vit_patches": sum(patches_per_image[p] for s in segments for p in s.images),
         "images_shown": sum(len(s.images) for s in segments),
         "distinct_images": len(patches_per_image),
+        "png_bytes": sum(len(p) for p in patches_per_image),
+        "level_bytes": sum(n * 3 * processor.patch_size**2 for n in patches_per_image.values()),
         "compactions": compactions,
         "longest_row": max(s.length for s in segments),
     }
@@ -279,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     r_, t_ = batch.tokens.shape
     pix = batch.pixel_values
     pix_bytes = 0 if pix is None else int(pix.nbytes)
+    route_bytes = int(batch.routed_experts.nbytes)
     padded = r_ * t_ / (trained * len(pack))
     print(
         f"pack_batch of {len(pack)} owner(s): R={r_} T={t_} pixel_values "
@@ -291,9 +294,12 @@ def main(argv: list[str] | None = None) -> int:
         scale = b * n / len(pack)
         print(
             f"B{b}/N{n} ({b * n} owners; extrapolated x{scale:.0f} from the packed owners): "
-            f"arrays {nbytes * scale / GiB:.1f} GiB (pixels {pix_bytes * scale / GiB:.1f}), "
+            f"arrays {nbytes * scale / GiB:.1f} GiB (pixels {pix_bytes * scale / GiB:.1f}, "
+            f"routes {route_bytes * scale / GiB:.1f}), "
             f"peak RSS +{rss * scale / 1024:.1f} GiB, pack {t_pack * scale:.0f} s, rows "
-            f"{mean['rows'] * b * n:.0f}"
+            f"{mean['rows'] * b * n:.0f}; its distinct screenshots once: PNG "
+            f"{mean['png_bytes'] * b * n / GiB:.2f} GiB, uint8 patch levels "
+            f"{mean['level_bytes'] * b * n / GiB:.1f} GiB (issue 30 section 1, not built)"
         )
     return 0
 
