@@ -36,7 +36,8 @@ for step in ${STEPS:-tower}; do
     [ -d /tmp/prof ] && tar czf "$OUT/prof.tgz" -C /tmp/prof . && rm -rf /tmp/prof ;;
   peers) run peers "${PEERS_S:-420}" $TS --config bench-vl --hf-peers "${PEERS:-eager,compile}" \
     --no-ours --peer-timeout "${PEER_TIMEOUT:-240}" ;;
-  moe) run moe "${MOE_S:-300}" $TS --config bench-moe --hf-peers compile --peer-timeout 200 ;;
+  moe) run moe "${MOE_S:-300}" $TS --config bench-moe --hf-peers compile \
+    --peer-timeout "${MOE_PEER_TIMEOUT:-200}" ;;
   *) echo "unknown step $step" ;;
   esac
 done

@@ -24,7 +24,8 @@ does not fit fails at its first run. `estimate_step_memory` adds up, per device:
   and block under ``vision_remat`` (else ``remat``): ``"none"`` the block's input, both norms,
   q/k/v and the rotated q/k, the attention output and its softmax statistics, the MLP's
   input and GELU in/out (``c (11 Hv + 2 I) + 4 heads`` bytes); ``"dots"`` the block input
-  and the matmul outputs (``c (6 Hv + I)``); ``"full"`` the block input (plus one block's
+  and the matmul outputs (``c (6 Hv + I)``; ``"dots_attention"`` also the attention output,
+  ``+ c Hv``); ``"full"`` the block input (plus one block's
   worth, recomputed during its backward); plus the float32 patches, the DeepStack features,
   and the XLA attention's float32 score blocks (``3 x heads x chunk x N`` per row) unless the
   cuDNN packed kernel runs (``attention="cudnn"`` on a GPU: no score buffer).
@@ -114,8 +115,9 @@ def vision_bytes(
         per_patch: float = v.depth * full_block
     elif remat == "full":
         per_patch = v.depth * c * hv + full_block
-    else:  # dots / dots_with_batch: block input + matmul outputs saved
-        per_patch = v.depth * c * (6 * hv + inter) + full_block
+    else:  # dots / dots_with_batch: block input + matmul outputs saved (+ attention output)
+        saved = 6 * hv + inter + (hv if remat == "dots_attention" else 0)
+        per_patch = v.depth * (c * saved + 4 * heads) + full_block
     levels = 1 + len(v.deepstack_visual_indexes)
     per_patch += 4 * v.patch_dim + levels * c * model.hidden_size / v.spatial_merge_size**2
     scores = 0.0
