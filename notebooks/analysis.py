@@ -18,8 +18,12 @@
 # and plots: reward and pass rate over steps, the FlashREINFORCE gate (rejected fraction, mean
 # binary KL, |train - rollout| logprob, R3 route agreement), advantage histograms, per-task pass
 # rates, the per-stage time breakdown, and for one owner the screenshots the model saw next to
-# the actions it took (`episodes/`, written for the first `RLConfig.episode_owners` owners). Set `OSWORLD_RUN_DIR` (or edit `RUN_DIR`) to choose
-# the run; the loaders live in `osworld_jax.rl.analysis`.
+# the actions it took (`episodes/`, written for the first `RLConfig.episode_owners` owners).
+#
+# Run it with `python scripts/analyze.py RUN_DIR` (writes `RUN_DIR/analysis.ipynb`; needs
+# `pip install -e '.[analysis]'`), or open it in a notebook with `OSWORLD_RUN_DIR` set. Without
+# it the notebook reads `runs/latest` (which `scripts/train.py` points at its newest run), else
+# the newest run under `runs/`. The loaders live in `osworld_jax.rl.analysis`.
 
 # %%
 import json
@@ -33,7 +37,15 @@ import numpy as np
 from osworld_jax.env.actions import parse_action
 from osworld_jax.rl import analysis
 
-RUN_DIR = Path(os.environ.get("OSWORLD_RUN_DIR", "runs/latest"))
+if "OSWORLD_RUN_DIR" in os.environ:
+    RUN_DIR = Path(os.environ["OSWORLD_RUN_DIR"])
+elif Path("runs/latest/metrics.jsonl").is_file():
+    RUN_DIR = Path("runs/latest")
+else:  # the newest run directory (by its metrics file)
+    found = sorted(Path("runs").glob("*/metrics.jsonl"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise FileNotFoundError("no run under runs/: train one, or set OSWORLD_RUN_DIR")
+    RUN_DIR = found[-1].parent
 metrics = analysis.load_metrics(RUN_DIR)
 rollouts = analysis.load_rollouts(RUN_DIR)
 steps = metrics["step"]

@@ -17,31 +17,13 @@ from tests.rl import learnable
 
 REPO = Path(__file__).resolve().parents[2]
 
-# The learnable suite (tests/rl/learnable.py) through the real pipeline: the embedded server
-# subprocess samples one token per owner, the memory desktop scores it, segments -> GRPO
-# advantages -> train_step with R3 -> HF export -> /update_weights_from_disk refit. A higher LR
-# than the recipes' 5e-6, via gin, so that a random tiny model learns in a few CPU minutes.
-LEARNING_STEPS = 18
-LEARN = [
-    # The text model (configs/text_only.gin's bindings): these runs test the loop, not pixels.
-    "ModelSourceConfig.tiny_kind = 'qwen3_moe'",
-    "AgentConfig.max_screenshots = 0",
-    f"ExperimentConfig.sandbox = '{learnable.BACKEND}'",
-    "AgentEnvConfig.max_turns = 1",
-    "SamplingParams.max_new_tokens = 1",
-    "AgentConfig.a11y_max_chars = 0",
-    "AgentConfig.terminal_max_chars = 0",
-    "AgentConfig.system_prompt = 'Answer with one word.'",
-    "CompactionConfig.max_context_tokens = 1024",
-    "CompactionConfig.reserved_generation_tokens = 16",
-    "RLConfig.num_prompts = 2",
-    "RLConfig.num_owners = 8",
-    f"RLConfig.steps = {LEARNING_STEPS}",
-    "RLConfig.length_buckets = (128,)",
-    "RLConfig.progress_bar = False",
-    "OptimizerConfig.learning_rate = 2e-2",
-    "CheckpointConfig.save_every = 6",
-]
+# The learning demo's suite (osworld_jax/demo/learnable.py) through the real pipeline: the
+# embedded server subprocess samples one token per owner, the memory desktop scores it, segments
+# -> GRPO advantages -> train_step with R3 -> HF export -> /update_weights_from_disk refit. The
+# demo's bindings (a higher LR than the recipes' 5e-6) so that a random tiny model learns in a
+# few CPU minutes; scripts/demo_learning.py runs the same.
+LEARNING_STEPS = learnable.STEPS
+LEARN = list(learnable.BINDINGS)
 
 
 @pytest.fixture(scope="module")
@@ -108,17 +90,19 @@ def test_the_loop_learns(learning_run):
 
 
 @pytest.mark.slow
-def test_analysis_notebook_executes(screenshot_run, monkeypatch):
+def test_analysis_notebook_executes(screenshot_run):
     import jupytext
-    import nbclient
+    import nbformat
 
+    # The documented command (train.py prints it for its run): scripts/analyze.py RUN_DIR.
     run_dir, _ = screenshot_run
-    monkeypatch.setenv("OSWORLD_RUN_DIR", str(run_dir))
-    monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend
-    nb = jupytext.read(REPO / "notebooks" / "analysis.py")
-    nbclient.NotebookClient(
-        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}
-    ).execute()
+    r = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "analyze.py"), str(run_dir)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == f"wrote {run_dir.resolve() / 'analysis.ipynb'}"
+    nb = nbformat.read(run_dir / "analysis.ipynb", as_version=4)
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
     images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
