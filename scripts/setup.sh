@@ -51,6 +51,9 @@ fi
 
 # --- Python environment -------------------------------------------------------------------
 PY=${PYTHON:-python3}
+# setuptools' "Editable installation" notice (relayed by pip as a BuildBackendWarning banner) is
+# information, not a problem: keep it off the set-up's output.
+export PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}ignore:Editable installation"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 if [ "$DEV" -eq 1 ]; then

@@ -31,7 +31,14 @@ def vowel_reward(text: str) -> float:
 
 
 class VowelSandbox(MemorySandbox):
-    """A memory sandbox whose evaluation scores the reply text (see the module docstring)."""
+    """A memory sandbox whose evaluation scores the reply text (see the module docstring).
+
+    A one-token reply never parses as an action (``UNPARSED``); ``scores_replies`` asks
+    `AgentEnv` to hand the evaluation that reply when no action ran (real backends see only the
+    actions run, as upstream OSWorld).
+    """
+
+    scores_replies = True
 
     async def evaluate(self, last_action: Action | None) -> float:
         """The toy reward of the reply (`vowel_reward`)."""

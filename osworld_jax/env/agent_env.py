@@ -370,6 +370,9 @@ class AgentEnv:
                 agent = await agent
             obs = await self._timed(sb.observe(), cfg.step_timeout_s, f"observe({sb.id})")
             last: Action | None = None  # the last action run (upstream's action_history[-1])
+            # A sandbox whose toy reward reads the reply text (osworld_jax/demo) also sees the
+            # last UNPARSED reply when no action ran; every real backend sees only actions run.
+            reply: Action | None = None
             for _ in range(cfg.max_turns):
                 text = await self._timed(agent.act(obs), cfg.act_timeout_s, f"act(owner {owner})")
                 texts.append(text)
@@ -377,13 +380,14 @@ class AgentEnv:
                 errors.append(action.parse_error)
                 if action.kind == ActionKind.UNPARSED:  # the turn is spent, nothing runs
                     self.metrics.parse_errors += 1
+                    reply = action if getattr(sb, "scores_replies", False) else None
                     continue
                 last = action
                 if last.is_terminal:
                     break
                 obs = await self._timed(sb.step(last), cfg.step_timeout_s, f"step({sb.id})")
                 self.metrics.steps += 1
-            reward = await self._evaluate(sb, last)
+            reward = await self._evaluate(sb, last if last is not None else reply)
             self.metrics.evaluations += 1
             result = OwnerResult(
                 owner_index=owner,
