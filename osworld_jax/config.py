@@ -326,7 +326,7 @@ def _gin_error_line(e: BaseException, where: str, text: str = "") -> str:
     if not binding and isinstance(e, SyntaxError | ValueError):  # a value gin cannot parse
         source = _source_line(loc, text, where)
         found = _diagnose(source) if source else None
-        if found is not None:
+        if source is not None and found is not None:
             binding, cause = source.strip(), found
     return f"{loc}: {binding + ': ' if binding else ''}{cause}"
 

@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"learning demo in {run_dir}: reward = 1 iff the reply starts with a lowercase vowel")
     from osworld_jax.rl import train
+    from osworld_jax.rl.rundir import point_latest_at
 
     t0 = time.monotonic()
     result = train(experiment, run_dir, operative_gin=config.operative_config())
@@ -68,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     if len(rewards) >= 6:
         first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
         print(f"reward: first 3 steps {first:.2f} -> last 3 steps {last:.2f}")
-    print(f"results in {run_dir}")
+    latest = point_latest_at(run_dir)
+    also = f" ({latest} points here)" if latest is not None else ""
+    print(f"results in {run_dir}{also}")
+    print(f"  TensorBoard: .venv/bin/tensorboard --logdir {run_dir / 'tensorboard'}")
+    print(f"  notebook:    .venv/bin/python scripts/analyze.py {run_dir}")
     return 0
 
 

@@ -393,7 +393,8 @@ def _walk(new: Any, old: dict[str, Any], out: list[str]) -> None:
                 continue
         if key in RUN_LENGTH_KNOBS or cls in RUN_LENGTH_CLASSES:
             continue
-        plain = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+        is_config = dataclasses.is_dataclass(value) and not isinstance(value, type)
+        plain = dataclasses.asdict(value) if is_config else value
         now = json.loads(json.dumps(plain, default=str))  # as experiment.json holds it
         if now != before:
             out.append(f"{key}: {before!r} -> {now!r}")
