@@ -197,13 +197,13 @@ CONFIGS["tiny-vl"] = dataclasses.replace(
     preprocessor={**QWEN3_VL_PREPROCESSOR, "size": {"shortest_edge": 4096, "longest_edge": 36864}},
 )  # fmt: skip
 # bench-moe + Qwen3-VL-30B-A3B's ViT: one row of 16,384 tokens (bench-moe's tokens per step)
-# holding 4 screenshots (4 x 2,042 tokens) and 8,216 text tokens. remat 'full': without it the
-# ViT's residuals over 32,640 patches (~4.5 GiB per block in XLA's CPU memory analysis, 27
-# blocks) and bench-moe's 65 GiB do not fit one H200 (``--remat`` overrides).
+# holding 4 screenshots (4 x 2,042 tokens) and 8,216 text tokens. The LM without remat, the ViT
+# with remat 'full' (measured on an H200: 1,035.7 ms/step, 79.6 GiB; ViT remat 'none' keeps
+# ~97 GiB of ViT residuals and does not fit beside the LM; benchmarks/NOTES.md issue 31).
 CONFIGS["bench-vl"] = dataclasses.replace(
     CONFIGS["bench-moe"],
     model=with_vision(CONFIGS["bench-moe"].model, qwen3_vl_vision(2048)),
-    runtime=dataclasses.replace(CONFIGS["bench-moe"].runtime, remat="full"),
+    runtime=dataclasses.replace(CONFIGS["bench-moe"].runtime, remat="none", vision_remat="full"),
     batch=1,
     seq=16384,
     images=4,

@@ -23,7 +23,9 @@ does not fit fails at its first run. `estimate_step_memory` adds up, per device:
 - ``vision`` (Qwen3-VL, ``patches`` per row > 0): what the ViT keeps for its backward per patch
   and block under ``vision_remat`` (else ``remat``): ``"none"`` the block's input, both norms,
   q/k/v and the rotated q/k, the attention output and its softmax statistics, the MLP's
-  input and GELU in/out (``c (11 Hv + 2 I) + 4 heads`` bytes); ``"dots"`` the block input
+  input and GELU in/out, and the float32 upcasts of the norms, rotary and GELU that XLA keeps
+  (``c (11 Hv + 2 I) + 4 (8 Hv + 2 I) + 4 heads`` bytes: 96.7 GiB measured for bench-vl's
+  32,640 patches, benchmarks/NOTES.md); ``"dots"`` the block input
   and the matmul outputs (``c (6 Hv + I)``; ``"dots_attention"`` also the attention output,
   ``+ c Hv``); ``"full"`` the block input (plus one block's
   worth, recomputed during its backward); plus the float32 patches, the DeepStack features,
@@ -109,7 +111,9 @@ def vision_bytes(
     v = model.vision
     c = jnp.dtype(runtime.dtype).itemsize
     hv, inter, heads = v.hidden_size, v.intermediate_size, v.num_heads
-    full_block = c * (11 * hv + 2 * inter) + 4 * heads
+    # bf16 residuals + the float32 upcasts XLA keeps (norms, rotary, GELU): 117.8 KB per
+    # patch and block measured on an H200 (Qwen3-VL's tower, remat none), 113.9 KB here.
+    full_block = c * (11 * hv + 2 * inter) + 4 * (8 * hv + 2 * inter) + 4 * heads
     remat = runtime.vision_remat or runtime.remat
     if remat == "none":
         per_patch: float = v.depth * full_block

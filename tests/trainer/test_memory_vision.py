@@ -35,11 +35,13 @@ def test_remat_policies_order_and_per_patch_bytes():
         for r in ("none", "dots", "full")
     }
     assert by["none"] > by["dots"] > by["full"] > 0
-    # remat none, per patch and block: bf16 x (11 Hv + 2 I) + f32 softmax stats per head.
-    block = 2 * (11 * v.hidden_size + 2 * v.intermediate_size) + 4 * v.num_heads
+    # remat none, per patch and block: bf16 x (11 Hv + 2 I), the f32 upcasts XLA keeps
+    # (8 Hv + 2 I) and the f32 softmax stats per head.
+    hv, i = v.hidden_size, v.intermediate_size
+    block = 2 * (11 * hv + 2 * i) + 4 * (8 * hv + 2 * i) + 4 * v.num_heads
     assert by["none"] >= PATCHES * v.depth * block
-    # ~40 KB per patch and block: ~36 GiB over bench-vl's 32,640 patches and 27 blocks.
-    assert 30 * GiB < by["none"] < 45 * GiB
+    # XLA's temp for this tower's gradient on an H200 was 96.7 GiB (benchmarks/NOTES.md).
+    assert 0.95 * 96.7 * GiB < by["none"] < 1.1 * 96.7 * GiB
     # vision_remat falls back to remat; rows scale it.
     assert vision_bytes(VL, dataclasses.replace(RT, remat="full"), 1, PATCHES) == by["full"]
     assert vision_bytes(VL, RT, 2, PATCHES) == 2 * by["none"]
