@@ -56,8 +56,10 @@ PY=${PYTHON:-python3}
 export PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}ignore:Editable installation"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+# --no-compile: pip would byte-compile every module of torch, transformers and jax (tens of
+# thousands of files; most of a fresh set-up's CPU time); Python compiles the ones used on import.
 if [ "$DEV" -eq 1 ]; then
-  .venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | grep -v "is ignored" || true
+  .venv/bin/python -m pip install -q --no-compile -e ".[dev]" 2>&1 | grep -v "is ignored" || true
   # Upstream OSWorld's own controllers (desktop_env/controllers/python.py) drive the local
   # sandbox in tests/env/local/test_upstream_client.py: the wheel is kept, not installed.
   UPSTREAM=.venv/share/osworld-upstream
@@ -65,6 +67,6 @@ if [ "$DEV" -eq 1 ]; then
     .venv/bin/python -m pip download -q --no-deps desktop-env==1.0.2 -d "$UPSTREAM" 2>&1 \
       | grep -v "is ignored" || true
 else
-  .venv/bin/python -m pip install -q -e . 2>&1 | grep -v "is ignored" || true
+  .venv/bin/python -m pip install -q --no-compile -e . 2>&1 | grep -v "is ignored" || true
 fi
 .venv/bin/python -c "import osworld_jax, jax; print('osworld_jax ready: jax', jax.__version__)"
