@@ -5,7 +5,11 @@ processor's ``chat_template.json``) is rendered
 with jinja2 in an immutable sandbox, with the same environment HF ``transformers`` uses
 (``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, ``raise_exception``, ``tojson``,
 ``strftime_now``), so a prompt renders exactly as ``apply_chat_template(..., tokenize=False)``
-would. A built-in Qwen-style (ChatML) template serves models without one. The agent room renders
+would. A template from an untrusted checkpoint cannot reach Python objects (the sandbox), cannot
+build a string or list of more than `MAX_REPEAT` items with ``*`` in one step, and
+``render(timeout_s=...)`` stops it at a deadline (a trace on the template's own frames: loops of
+any depth, e.g. two nested ``range(100000)``, fail with `ChatTemplateError`). A built-in
+Qwen-style (ChatML) template serves models without one. The agent room renders
 its prompts with it (`osworld_jax.agent.tokenizer.AgentTokenizer`), the embedded server its
 ``/v1/chat/completions`` messages (`osworld_jax.server.openai_api`).
 """
@@ -14,6 +18,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +39,51 @@ QWEN_CHAT_TEMPLATE = (
 )
 
 Message = Mapping[str, Any]
+
+
+#: Most items ``*`` may produce in a template (``'x' * 10**10`` would allocate 10 GB at once).
+MAX_REPEAT = 1 << 24
+
+
+class _Sandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """HF's sandbox, plus a size check on ``*`` and ``**``."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, str | list | tuple) and isinstance(n, int):
+                    if len(seq) * n > MAX_REPEAT:
+                        raise jinja2.sandbox.SecurityError(
+                            f"'*' would build {len(seq) * n} items, more than {MAX_REPEAT}"
+                        )
+        if operator == "**" and isinstance(right, int) and abs(right) > 1024:
+            raise jinja2.sandbox.SecurityError(f"'**' with an exponent of {right}")
+        return super().call_binop(context, operator, left, right)
+
+
+class _Deadline:
+    """A ``sys.settrace`` hook that raises in the template's own frames past a deadline."""
+
+    def __init__(self, timeout_s: float, name: str) -> None:
+        self.end, self.timeout_s, self.name = time.monotonic() + timeout_s, timeout_s, name
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code.co_filename != "<template>":
+            return None  # no line events outside the template's code
+        self.check()
+        return self.line
+
+    def line(self, frame: Any, event: str, arg: Any) -> Any:
+        self.check()
+        return self.line
+
+    def check(self) -> None:
+        if time.monotonic() > self.end:
+            raise ChatTemplateError(
+                f"{self.name}: rendering took more than {self.timeout_s} s (stopped)"
+            )
 
 
 def _raise_exception(message: str) -> None:
@@ -75,9 +126,7 @@ class ChatTemplate:
         self.source = source
         self.name = name
         self.special_tokens = dict(special_tokens or {})
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-        )
+        env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
@@ -143,15 +192,46 @@ class ChatTemplate:
         return cls(source, name=name, special_tokens=special)
 
     def render(
-        self, messages: Sequence[Message], *, add_generation_prompt: bool, **kwargs: Any
+        self,
+        messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool,
+        timeout_s: float | None = None,
+        **kwargs: Any,
     ) -> str:
-        """Renders ``messages`` (dicts with ``role`` and ``content``) to text."""
+        """Renders ``messages`` (dicts with ``role`` and ``content``) to text.
+
+        Args:
+          messages: the conversation.
+          add_generation_prompt: end with the assistant's turn header.
+          timeout_s: stop rendering after this long (`ChatTemplateError`); it traces the
+            calling thread meanwhile, so run it in a thread of its own (a server does).
+          **kwargs: further template variables (``tools``, ``enable_thinking``, ...).
+
+        Raises:
+          ChatTemplateError: the template failed (any error of its code), was refused by the
+            sandbox, or ran past ``timeout_s``.
+        """
         ctx = {**self.special_tokens, **kwargs}
+        previous = sys.gettrace()
+        if timeout_s is not None:
+            sys.settrace(_Deadline(timeout_s, self.name))
         try:
             return self._template.render(
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 **ctx,
             )
+        except ChatTemplateError:
+            raise
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"{self.name}: rendering failed: {e}") from e
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+            raise ChatTemplateError(
+                f"{self.name}: rendering failed: {type(e).__name__}: {e}"
+            ) from e
+        except (RecursionError, OverflowError, MemoryError) as e:
+            raise ChatTemplateError(f"{self.name}: rendering failed: {type(e).__name__}") from e
+        finally:
+            if timeout_s is not None:
+                sys.settrace(previous)

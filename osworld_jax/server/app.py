@@ -24,6 +24,7 @@ from osworld_jax.server import info, openai_api
 from osworld_jax.server.engine import Engine, GenRequest
 from osworld_jax.server.http_base import (
     ARGS_KEY,
+    BUDGET_KEY,
     ENGINE_KEY,
     LIMITS_KEY,
     EngineHolder,
@@ -35,12 +36,14 @@ from osworld_jax.server.http_base import (
     ready_engine,
     too_large,
 )
+from osworld_jax.server.images import ImageBudget
 from osworld_jax.server.protocol import BadRequest, ServerLimits
+from osworld_jax.server.refit_check import CheckpointMismatch, checkpoint_signature
 
 
 async def _parse(request: web.Request, engine: Engine) -> tuple[list[GenRequest], bool, bool]:
     body = await read_json(request)
-    return await parse_body_requests(body, engine, request.app[LIMITS_KEY])
+    return await parse_body_requests(body, engine, request.app[LIMITS_KEY], request.app[BUDGET_KEY])
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -160,10 +163,18 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         return too_large(request, e.args[0])
     except BadRequest as e:
         return fail(str(e))
+    path, limit = body["model_path"], request.app[LIMITS_KEY].refit_read_timeout_s
+    # Off the engine thread, with a deadline: a slow or hostile directory fails this request.
+    reading = asyncio.ensure_future(asyncio.to_thread(checkpoint_signature, path))
+    try:
+        async with asyncio.timeout(limit):
+            signature = await asyncio.shield(reading)
+    except TimeoutError:
+        return fail(f"refused {path}: reading it took more than {limit} s")
+    except CheckpointMismatch as e:
+        return fail(f"refused {path}: {e}")
     ok, message, n = await asyncio.wrap_future(
-        engine.update_weights(
-            body["model_path"], version, bool(body.get("abort_all_requests", False))
-        )
+        engine.update_weights(path, version, bool(body.get("abort_all_requests", False)), signature)
     )
     return web.json_response(
         {"success": ok, "message": message, "num_paused_requests": n}, status=200 if ok else 400
@@ -171,8 +182,14 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """``GET /health``: 200 once the warm-up generation succeeded, 503 before."""
-    ready_engine(request)  # 503 while starting, 500 if the engine failed to start
+    """``GET /health``: 200 when ready; 503 while starting or while the engine is stuck.
+
+    Stuck: inside one command or step for longer than ``stall_timeout_s`` (`Engine.stalled_s`).
+    """
+    engine = ready_engine(request)  # 503 while starting, 500 if the engine failed to start
+    stuck = engine.stalled_s()
+    if stuck is not None:
+        return web.Response(status=503, text=f"the engine has not progressed for {stuck:.0f} s")
     return web.Response(text="")
 
 
@@ -221,6 +238,7 @@ def build_app(
     app[ENGINE_KEY] = EngineHolder(engine)
     app[ARGS_KEY] = dict(server_args or {})
     app[LIMITS_KEY] = limits
+    app[BUDGET_KEY] = ImageBudget(limits.max_server_image_pixels)
     r = app.router
     r.add_post("/generate", generate)
     r.add_post("/abort_request", abort_request)

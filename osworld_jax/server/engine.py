@@ -15,6 +15,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,6 +28,8 @@ from osworld_jax.server.model_files import eos_ids, load_processor, load_tokeniz
 from osworld_jax.server.prefix_cache import PrefixCache, prefix_key
 from osworld_jax.server.refit_check import (
     CheckpointMismatch,
+    CheckpointSignature,
+    check_checkpoint_files,
     checkpoint_signature,
     first_difference,
 )
@@ -68,6 +71,7 @@ class Engine:
 
         self.config = config
         path = Path(config.model_path)
+        check_checkpoint_files(path)  # regular files of bounded size only (no FIFO, no device)
         model_cfg = Qwen3MoeConfig.from_json(path / "config.json")
         context = config.context_length or min(model_cfg.max_position_embeddings, 4096)
         slot_len = next_pow2(context, config.min_bucket)
@@ -110,6 +114,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.ready = threading.Event()
         self.num_decode_steps = 0
+        self._beat_at, self._working = time.monotonic(), False  # last progress; in a step?
         self.num_generated_tokens = 0
         # per-slot sampling state (host arrays, sliced to the decode bucket)
         self._temp = np.ones(n, np.float32)
@@ -195,15 +200,28 @@ class Engine:
         self._cmds.put(run)
         return fut
 
+    def stalled_s(self) -> float | None:
+        """Seconds the engine thread is stuck in one command or step (past the timeout), or None."""
+        stuck = time.monotonic() - self._beat_at
+        if self._working and stuck > self.config.stall_timeout_s:
+            return stuck
+        return None
+
+    def _beat(self, working: bool) -> None:
+        self._beat_at, self._working = time.monotonic(), working
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             busy = not self.paused and (self.waiting or any(self.slots))
+            self._beat(working=False)
             try:
                 cmd = self._cmds.get(block=not busy, timeout=None if busy else 0.5)
             except queue.Empty:
                 cmd = None
+            self._beat(working=True)
             while cmd is not None:
                 cmd()
+                self._beat(working=True)
                 try:
                     cmd = self._cmds.get_nowait()
                 except queue.Empty:
@@ -214,7 +232,7 @@ class Engine:
                 self._admit()
                 if any(self.slots):
                     self._decode_step()
-            except Exception as e:  # a failing step must not kill the server silently
+            except Exception as e:  # a failing decode step cannot be pinned on one request
                 log.exception("engine step failed")
                 self._abort_matching(lambda r: True, f"engine error: {type(e).__name__}: {e}")
                 self.prefix.clear()  # the slots' rows may be half written
@@ -241,10 +259,16 @@ class Engine:
         self._cmds.put(lambda: self.waiting.append(req))
 
     def abort(self, rid: str | None, abort_all: bool = False) -> concurrent.futures.Future[int]:
-        """Aborts requests whose rid starts with ``rid`` (or all); returns how many."""
+        """Aborts requests whose rid starts with ``rid`` (or all); returns how many.
+
+        An empty ``rid`` without ``abort_all`` aborts nothing (SGLang's ``TokenizerManager.
+        abort_request`` ignores it: as a prefix it would match every request).
+        """
         if abort_all:
             return self._call(lambda: self._abort_matching(lambda r: True, "abort_all"))
         prefix = rid or ""
+        if not prefix:
+            return self._call(lambda: 0)
         return self._call(
             lambda: self._abort_matching(
                 lambda r: r.rid.startswith(prefix), f"aborted by /abort_request {prefix!r}"
@@ -297,22 +321,29 @@ class Engine:
         return self._call(run)
 
     def update_weights(
-        self, model_path: str, weight_version: str | None, abort_all: bool
+        self,
+        model_path: str,
+        weight_version: str | None,
+        abort_all: bool,
+        signature: CheckpointSignature | None = None,
     ) -> concurrent.futures.Future[tuple[bool, str, int]]:
         """Loads ``model_path`` between steps; returns (success, message, running requests).
 
         A checkpoint whose config or tensor names / shapes differ from the served one is
         refused before anything is aborted or loaded (the message names the first
-        difference); on any failure the served weights stay as they were.
+        difference); on any failure the served weights stay as they were. ``signature``: the
+        checkpoint's, read beforehand off the engine thread (the HTTP handler does, with a
+        deadline); else it is read here.
         """
 
         def run() -> tuple[bool, str, int]:
             running = sum(r is not None for r in self.slots)
             try:
-                signature = checkpoint_signature(model_path)
+                new = signature or checkpoint_signature(model_path)
+                check_checkpoint_files(model_path)  # still regular files, just before loading
             except CheckpointMismatch as e:
                 return False, f"refused {model_path}: {e}", running
-            diff = first_difference(self.signature, signature)
+            diff = first_difference(self.signature, new)
             if diff is not None:
                 return False, f"refused {model_path}: {diff} (still serving the old weights)", 0
             if abort_all:
@@ -322,7 +353,7 @@ class Engine:
             except Exception as e:
                 return False, f"failed to load {model_path}: {type(e).__name__}: {e}", running
             self.prefix.clear()  # kept KV belongs to the old weights
-            self.model_path, self.signature = str(model_path), signature
+            self.model_path, self.signature = str(model_path), new
             if weight_version is not None:
                 self.weight_version = weight_version
             return True, "Succeeded to update model weights.", running
@@ -414,7 +445,19 @@ class Engine:
             # Batch short prompts only: padding rows of long ones would waste whole prefills.
             step = max(1, min(self.config.max_prefill_batch, PREFILL_BATCH_TOKENS // bucket))
             for i in range(0, len(group), step):
-                self._prefill(group[i : i + step], step)
+                chunk = group[i : i + step]
+                try:
+                    self._prefill(chunk, step)
+                except Exception as e:  # only the requests of this prefill fail
+                    log.exception("prefill of %s failed", [r.rid for r in chunk])
+                    for r in chunk:
+                        if r.finish is None:
+                            slot = r.slot
+                            r.num_route_rows = 0  # its rows may be half written: keep none
+                            self._finish(r, {"type": "abort", "message": f"engine error: "
+                                             f"{type(e).__name__}: {e}"})  # fmt: skip
+                            if slot is not None:
+                                self.prefix.drop(slot)
 
     def _place(self, req: GenRequest) -> None:
         """Puts ``req`` into a free slot.

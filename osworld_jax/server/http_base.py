@@ -20,7 +20,14 @@ from aiohttp import web
 
 from osworld_jax.server import replies
 from osworld_jax.server.engine import Engine, GenRequest
-from osworld_jax.server.images import ImageRequestError, load_request_images
+from osworld_jax.server.images import (
+    ImageBudget,
+    ImageRequestError,
+    check_header_tokens,
+    decode_image,
+    open_body_images,
+    request_images,
+)
 from osworld_jax.server.protocol import (
     BadRequest,
     ServerLimits,
@@ -36,6 +43,8 @@ log = logging.getLogger(__name__)
 VERSION = "osworld_jax-embedded 0.1.0 (SGLang HTTP API 0.5.23)"
 #: How often a waiting non-streaming handler checks that its client is still connected.
 DISCONNECT_POLL_S = 0.25
+#: Bodies larger than this are parsed in a worker thread, not on the event loop.
+PARSE_IN_THREAD_BYTES = 1 << 20
 
 
 class EngineHolder:
@@ -54,6 +63,8 @@ class EngineHolder:
 ENGINE_KEY: web.AppKey[EngineHolder] = web.AppKey("engine", EngineHolder)
 ARGS_KEY: web.AppKey[Any] = web.AppKey("server_args")
 LIMITS_KEY: web.AppKey[ServerLimits] = web.AppKey("limits", ServerLimits)
+#: The server's `ImageBudget` (decoded image pixels held across all requests).
+BUDGET_KEY: web.AppKey[ImageBudget] = web.AppKey("image_budget", ImageBudget)
 
 
 def error_response(status: int, message: str) -> web.Response:
@@ -97,6 +108,8 @@ async def read_json(request: web.Request, *, optional: bool = False) -> Any:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:  # chunked bodies: aiohttp counts as it reads
         raise TooLarge(None) from None
+    if len(raw) > PARSE_IN_THREAD_BYTES:  # the depth walk is Python: /health keeps answering
+        return await asyncio.to_thread(parse_body, raw, limits, optional=optional)
     return parse_body(raw, limits, optional=optional)
 
 
@@ -108,12 +121,19 @@ def too_large(request: web.Request, size: int | None) -> web.Response:
 
 
 async def parse_body_requests(
-    body: Any, engine: Engine, limits: ServerLimits
+    body: Any, engine: Engine, limits: ServerLimits, budget: ImageBudget | None = None
 ) -> tuple[list[GenRequest], bool, bool]:
     """A ``/generate`` body's requests: text tokenized and images read and processed in threads.
 
+    Each distinct ``image_data`` string of the body is read and decoded once (300 prompts
+    sharing one image share its patches); the body's decoded pixels must fit
+    ``--max-request-image-pixels`` and the server's ``budget`` (checked from the headers before
+    any pixel is decoded), and stay reserved until each request is prefilled or finished
+    (`Submission` releases them). Every image is decoded completely and its token count taken
+    from the decoded pixels before a request reaches the engine.
+
     Raises:
-      BadRequest: naming the field, the request and the image.
+      BadRequest: naming the field, the request and the image, or the exceeded limit.
     """
     texts = prompt_texts(body, engine)
     tokenized = None
@@ -123,25 +143,42 @@ async def parse_body_requests(
         tokenized = [e.ids for e in encs]
     items = image_items(body, engine)
     images = None
+    hold = None
     if any(items):
         _, batch = prompt_count(body)
-        try:  # decoding and patchifying release the GIL for most of their time
-            images = await asyncio.gather(
-                *(
-                    asyncio.to_thread(
-                        load_request_images,
-                        its,
-                        f"request {i}" if batch else "request",
-                        engine.processor,
-                        limits.images,
-                        engine.context_length,
-                    )
-                    for i, its in enumerate(items)
+        names = [f"request {i}" if batch else "request" for i in range(len(items))]
+        processor, ctx = engine.processor, engine.context_length
+        try:
+            seen, pixels = await asyncio.to_thread(open_body_images, items, names, limits.images)
+            await asyncio.to_thread(check_header_tokens, items, names, seen, processor, ctx)
+            if budget is not None:
+                hold = budget.reserve(pixels, names[0] if not batch else "the body")
+            try:  # decoding and patchifying release the GIL for most of their time
+                done = await asyncio.gather(
+                    *(asyncio.to_thread(decode_image, e, processor) for e in seen.values())
                 )
-            )
+                decoded = dict(zip(seen, done, strict=True))
+                images = [
+                    request_images(its, decoded, n, ctx)
+                    for its, n in zip(items, names, strict=True)
+                ]
+            except BaseException:
+                if hold is not None:
+                    hold.release()
+                raise
         except ImageRequestError as e:
             raise BadRequest(str(e)) from None
-    return parse_generate(body, engine, limits, tokenized, images)
+    try:
+        reqs, batch, stream = parse_generate(body, engine, limits, tokenized, images)
+    except BaseException:
+        if hold is not None:
+            hold.release()
+        raise
+    if hold is not None:
+        hold.refs = len(reqs)  # each request gives its share back at its first notify
+        for r in reqs:
+            r.image_hold = hold
+    return reqs, batch, stream
 
 
 def _disconnected(request: web.Request) -> bool:
@@ -172,6 +209,9 @@ class Submission:
 
     def _notifier(self, i: int) -> Any:
         def notify(r: GenRequest, done: bool) -> None:  # called on the engine thread
+            if r.image_hold is not None:  # prefilled or finished: its patches are dropped
+                hold, r.image_hold = r.image_hold, None
+                hold.release()
             if done or self.stream:
                 reply = replies.generate_reply(self.engine, r, done)
                 self._loop.call_soon_threadsafe(self._events.put_nowait, (i, reply, done))

@@ -31,6 +31,7 @@ import hashlib
 import io
 import os
 import stat
+import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -62,14 +63,23 @@ class ImageLimits:
         one image; larger ones are refused before any pixel is decoded (decompression bombs).
       max_image_bytes: largest encoded image (a file path is read only up to this size).
       max_images: most images of one request.
+      max_request_image_pixels: most decoded pixels of one body's images (each distinct image
+        counted once, plus again per distinct list of several images: their patches are
+        concatenated), checked from the headers before any pixel is decoded.
     """
 
     max_image_pixels: int = 1 << 25
     max_image_bytes: int = 32 << 20
     max_images: int = 64
+    max_request_image_pixels: int = 1 << 26
 
     def __post_init__(self) -> None:
-        for name in ("max_image_pixels", "max_image_bytes", "max_images"):
+        for name in (
+            "max_image_pixels",
+            "max_image_bytes",
+            "max_images",
+            "max_request_image_pixels",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"ImageLimits.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -109,7 +119,11 @@ class RequestImages:
         """The same images with their patches (recomputed from the encoded bytes if dropped)."""
         if self.pixel_values is not None:
             return self
-        pixel_values, _ = processor([Image.open(io.BytesIO(raw)) for raw in self.encoded])
+        images = [
+            Image.open(io.BytesIO(raw), formats=[sniff_format(raw, "a restored image")])
+            for raw in self.encoded
+        ]
+        pixel_values, _ = processor(images)
         return dataclasses.replace(self, pixel_values=pixel_values)
 
 
@@ -164,6 +178,8 @@ def read_image_bytes(item: str, where: str, limits: ImageLimits) -> bytes:
             "a data: URL or a local file path"
         )
     if item.lower().endswith(PATH_SUFFIXES):
+        if "\x00" in item:
+            raise ImageRequestError(f"{where}: the file path holds a NUL character")
         return _read_file(item, where, limits)
     if item.startswith("data:"):
         comma = item.find(",")
@@ -209,16 +225,50 @@ def _read_file(path: str, where: str, limits: ImageLimits) -> bytes:
     return data
 
 
-def open_image(raw: bytes, where: str, limits: ImageLimits) -> Image.Image:
-    """Opens encoded bytes and checks the header size before any pixel is decoded.
+#: Formats a screenshot comes in, each recognised by its magic bytes before Pillow sees the
+#: data. Everything else (ICO/ICNS containers that wrap a PNG of another size, EPS that Pillow
+#: hands to Ghostscript, TIFF, PSD, ...) is refused unread: Pillow's ~40 plugins are attack
+#: surface no screenshot needs. BMP and GIF stay because agents' tools emit them; neither is
+#: a container (BMP's size is in its header, a GIF's first frame is used).
+ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF")
+_MAGIC = (
+    (b"\x89PNG\r\n\x1a\n", "PNG"),
+    (b"\xff\xd8\xff", "JPEG"),
+    (b"GIF87a", "GIF"),
+    (b"GIF89a", "GIF"),
+    (b"BM", "BMP"),
+)
+
+
+def sniff_format(raw: bytes, where: str) -> str:
+    """The allowed format of encoded bytes, from their magic bytes (nothing is decoded).
 
     Raises:
-      ImageRequestError: not an image Pillow decodes, or more than ``max_image_pixels`` pixels.
+      ImageRequestError: not one of `ALLOWED_FORMATS`.
     """
+    for magic, fmt in _MAGIC:
+        if raw.startswith(magic):
+            return fmt
+    if raw[:4] == b"RIFF" and raw[8:12] == b"WEBP":
+        return "WEBP"
+    raise ImageRequestError(
+        f"{where}: not a {', '.join(ALLOWED_FORMATS)} image (first bytes {raw[:8]!r}); "
+        "other formats are refused"
+    )
+
+
+def open_image(raw: bytes, where: str, limits: ImageLimits) -> Image.Image:
+    """Opens encoded bytes of an allowed format and checks the header size before decoding.
+
+    Raises:
+      ImageRequestError: not an allowed format, not decodable, or more than
+        ``max_image_pixels`` pixels.
+    """
+    fmt = sniff_format(raw, where)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(raw))
+            image = Image.open(io.BytesIO(raw), formats=[fmt])
     except Image.DecompressionBombError as e:
         raise ImageRequestError(f"{where}: refused, {e}") from None
     except Exception as e:  # Pillow raises several types for data it cannot read
@@ -232,6 +282,196 @@ def open_image(raw: bytes, where: str, limits: ImageLimits) -> Image.Image:
     return image
 
 
+class ImageBudget:
+    """Decoded image pixels held across the whole server (thread-safe).
+
+    A body's images reserve their pixels (`reserve`) before any is decoded and keep them until
+    every request of the body has been prefilled or finished (its patches are dropped then);
+    a body that would take the server past ``max_pixels`` gets a 400 naming the limit.
+    """
+
+    def __init__(self, max_pixels: int) -> None:
+        self.max_pixels = max_pixels
+        self.in_use = 0
+        self._lock = threading.Lock()
+
+    def reserve(self, pixels: int, where: str) -> ImageHold:
+        """Takes ``pixels`` from the budget, or raises `ImageRequestError` naming the limit."""
+        with self._lock:
+            if self.in_use + pixels > self.max_pixels:
+                raise ImageRequestError(
+                    f"{where}: its images decode to {pixels} pixels and the server holds "
+                    f"{self.in_use} of --max-server-image-pixels ({self.max_pixels}); retry later"
+                )
+            self.in_use += pixels
+        return ImageHold(self, pixels)
+
+    def _give_back(self, pixels: int) -> None:
+        with self._lock:
+            self.in_use -= pixels
+
+
+class ImageHold:
+    """Pixels reserved in an `ImageBudget` for ``refs`` holders; the last `release` frees them."""
+
+    def __init__(self, budget: ImageBudget, pixels: int) -> None:
+        self._budget, self.pixels, self.refs = budget, pixels, 1
+        self._lock = threading.Lock()
+
+    def release(self, n: int = 1) -> None:
+        """Drops ``n`` holders; the pixels return to the budget when none is left."""
+        with self._lock:
+            if self.refs <= 0:
+                return
+            self.refs = max(0, self.refs - n)
+            done = self.refs == 0
+        if done:
+            self._budget._give_back(self.pixels)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class EncodedImage:
+    """One distinct ``image_data`` string of a body, read and opened (header only).
+
+    Attributes:
+      name: its name in error messages (``"request 2 image 0"``: its first use).
+      raw: the encoded bytes.
+      image: the opened (not decoded) Pillow image.
+      pixels: width x height from the header.
+    """
+
+    name: str
+    raw: bytes
+    image: Image.Image
+    pixels: int
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class DecodedImage:
+    """One image decoded and processed: patches, grid and token count from the decoded pixels."""
+
+    patches: np.ndarray
+    grid: np.ndarray
+    num_tokens: int
+    digest: bytes
+    raw: bytes
+
+
+def open_body_images(
+    items: Sequence[Sequence[str]], names: Sequence[str], limits: ImageLimits
+) -> tuple[dict[str, EncodedImage], int]:
+    """Reads and opens each distinct image of a body once (headers only; blocking).
+
+    Args:
+      items: each request's ``image_data`` strings.
+      names: each request's name in messages (``"request 2"``).
+      limits: `ImageLimits`.
+
+    Returns:
+      ({image string: `EncodedImage`}, the body's decoded pixels: each distinct image once, plus
+      again for each distinct list of several images, whose patches are concatenated).
+
+    Raises:
+      ImageRequestError: naming the request and the image, or ``--max-request-image-pixels``.
+    """
+    seen: dict[str, EncodedImage] = {}
+    for its, where in zip(items, names, strict=True):
+        if len(its) > limits.max_images:
+            raise ImageRequestError(
+                f"{where}: {len(its)} images, at most {limits.max_images} are allowed "
+                "(--max-images-per-request)"
+            )
+        for j, item in enumerate(its):
+            if item not in seen:
+                name = f"{where} image {j}"
+                raw = read_image_bytes(item, name, limits)
+                image = open_image(raw, name, limits)
+                seen[item] = EncodedImage(
+                    name=name, raw=raw, image=image, pixels=image.width * image.height
+                )
+    total = sum(e.pixels for e in seen.values())
+    total += sum(
+        sum(seen[x].pixels for x in key) for key in {tuple(its) for its in items} if len(key) > 1
+    )
+    if total > limits.max_request_image_pixels:
+        raise ImageRequestError(
+            f"{names[0] if len(names) == 1 else 'the body'}: its images decode to {total} "
+            f"pixels, more than --max-request-image-pixels ({limits.max_request_image_pixels})"
+        )
+    return seen, total
+
+
+def decode_image(enc: EncodedImage, processor: ImageProcessor) -> DecodedImage:
+    """Decodes every pixel of ``enc`` and processes it (blocking: run it in a thread).
+
+    The token count comes from the decoded pixels' grid; a decoded size that differs from the
+    header's is refused (the engine would see a grid that does not fill the placeholder).
+
+    Raises:
+      ImageRequestError: undecodable (truncated) data, a size or token mismatch, or a size the
+        processor refuses.
+    """
+    image, name = enc.image, enc.name
+    header = image.size
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image.load()
+    except Exception as e:  # truncated data fails only when the pixels are decoded
+        raise ImageRequestError(f"{name}: not a decodable image ({e})") from None
+    if image.size != header:
+        raise ImageRequestError(
+            f"{name}: the header says {header[0]}x{header[1]}, the pixels are "
+            f"{image.width}x{image.height}"
+        )
+    try:
+        want = processor.num_image_tokens(image.height, image.width)
+        patches, grid = processor(image)
+    except ImageInputError as e:
+        raise ImageRequestError(f"{name}: {e}") from None
+    except Exception as e:
+        raise ImageRequestError(f"{name}: not a decodable image ({e})") from None
+    tokens = int(np.prod(grid, axis=-1).sum()) // processor.merge_size**2
+    if tokens != want or len(grid) != 1:
+        raise ImageRequestError(f"{name}: its pixels give {tokens} image tokens, its size {want}")
+    return DecodedImage(
+        patches=patches,
+        grid=grid.astype(np.int32),
+        num_tokens=tokens,
+        digest=hashlib.sha256(enc.raw).digest(),
+        raw=enc.raw,
+    )
+
+
+def request_images(
+    its: Sequence[str], decoded: dict[str, DecodedImage], where: str, max_tokens: int
+) -> RequestImages | None:
+    """One request's `RequestImages` from the body's decoded images (None without images).
+
+    A single image shares its patches array with every other request using it (no copy).
+
+    Raises:
+      ImageRequestError: the images need more tokens than ``max_tokens``.
+    """
+    if not its:
+        return None
+    parts = [decoded[x] for x in its]
+    tokens = [d.num_tokens for d in parts]
+    if sum(tokens) > max_tokens:
+        raise ImageRequestError(
+            f"{where}: the images need {sum(tokens)} image tokens ({tokens}), more than the "
+            f"context length ({max_tokens})"
+        )
+    one = len(parts) == 1
+    return RequestImages(
+        pixel_values=parts[0].patches if one else np.concatenate([d.patches for d in parts]),
+        grid_thw=parts[0].grid if one else np.concatenate([d.grid for d in parts]),
+        num_tokens=tuple(tokens),
+        digests=tuple(d.digest for d in parts),
+        encoded=tuple(d.raw for d in parts),
+    )
+
+
 def load_request_images(
     items: Sequence[str],
     where: str,
@@ -241,63 +481,46 @@ def load_request_images(
 ) -> RequestImages | None:
     """Reads, checks and processes the images of one request (blocking: run it in a thread).
 
-    Sizes come from the headers first: the images' total ``<|image_pad|>`` count must fit
+    The body path of the server (`open_body_images`, `decode_image`, `request_images`) in one
+    call. Sizes come from the headers first: the images' total ``<|image_pad|>`` count must fit
     ``max_tokens`` (the context) before any pixel is decoded.
-
-    Args:
-      items: the request's ``image_data`` strings.
-      where: the request's name in error messages (``"request 2"``).
-      processor: the model's `ImageProcessor`.
-      limits: `ImageLimits`.
-      max_tokens: most image tokens the request may hold.
-
-    Returns:
-      `RequestImages`, or None without images.
 
     Raises:
       ImageRequestError: naming the request and the image.
     """
     if not items:
         return None
-    if len(items) > limits.max_images:
-        raise ImageRequestError(
-            f"{where}: {len(items)} images, at most {limits.max_images} are allowed "
-            "(--max-images-per-request)"
-        )
-    opened, digests, tokens, encoded = [], [], [], []
-    for j, item in enumerate(items):
-        name = f"{where} image {j}"
-        raw = read_image_bytes(item, name, limits)
-        image = open_image(raw, name, limits)
+    seen, _ = open_body_images([items], [where], limits)
+    check_header_tokens([items], [where], seen, processor, max_tokens)
+    decoded = {k: decode_image(e, processor) for k, e in seen.items()}
+    return request_images(items, decoded, where, max_tokens)
+
+
+def check_header_tokens(
+    items: Sequence[Sequence[str]],
+    names: Sequence[str],
+    seen: dict[str, EncodedImage],
+    processor: ImageProcessor,
+    max_tokens: int,
+) -> None:
+    """Each request's image tokens, from the headers, must fit ``max_tokens`` (before decoding).
+
+    Raises:
+      ImageRequestError: a size the processor refuses, or too many tokens.
+    """
+    counts: dict[str, int] = {}
+    for item, e in seen.items():
         try:
-            tokens.append(processor.num_image_tokens(image.height, image.width))
-        except ImageInputError as e:
-            raise ImageRequestError(f"{name}: {e}") from None
-        opened.append(image)
-        digests.append(hashlib.sha256(raw).digest())
-        encoded.append(raw)
-    if sum(tokens) > max_tokens:
-        raise ImageRequestError(
-            f"{where}: the images need {sum(tokens)} image tokens ({tokens}), more than the "
-            f"context length ({max_tokens})"
-        )
-    patches, grids = [], []
-    for j, image in enumerate(opened):
-        try:
-            p, g = processor(image)
-        except ImageInputError as e:
-            raise ImageRequestError(f"{where} image {j}: {e}") from None
-        except Exception as e:  # truncated data fails only when the pixels are decoded
-            raise ImageRequestError(f"{where} image {j}: not a decodable image ({e})") from None
-        patches.append(p)
-        grids.append(g)
-    return RequestImages(
-        pixel_values=np.concatenate(patches, axis=0),
-        grid_thw=np.concatenate(grids, axis=0).astype(np.int32),
-        num_tokens=tuple(tokens),
-        digests=tuple(digests),
-        encoded=tuple(encoded),
-    )
+            counts[item] = processor.num_image_tokens(e.image.height, e.image.width)
+        except ImageInputError as err:
+            raise ImageRequestError(f"{e.name}: {err}") from None
+    for its, where in zip(items, names, strict=True):
+        tokens = [counts[x] for x in its]
+        if sum(tokens) > max_tokens:
+            raise ImageRequestError(
+                f"{where}: the images need {sum(tokens)} image tokens ({tokens}), more than "
+                f"the context length ({max_tokens})"
+            )
 
 
 def expand_image_tokens(

@@ -43,6 +43,7 @@ from aiohttp import web
 
 from osworld_jax.model.chat_template import ChatTemplate
 from osworld_jax.server.http_base import (
+    BUDGET_KEY,
     LIMITS_KEY,
     Submission,
     TooLarge,
@@ -84,8 +85,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
         gen, echo, logprobs = completion_body(body)
         stream, include_usage = bool_field(body, "stream"), stream_usage(body)
         gen["stream"] = stream
-        reqs, _, _ = await parse_body_requests(gen, engine, request.app[LIMITS_KEY])
         echoes = echo_texts(engine, body["prompt"]) if echo else None
+        reqs, _, _ = await parse_body_requests(
+            gen, engine, request.app[LIMITS_KEY], request.app[BUDGET_KEY]
+        )
     except _Refused as e:
         return e.response
     except BadRequest as e:
@@ -213,10 +216,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         if engine.tokenizer is None:
             raise BadRequest("chat completions need the tokenizer (not --skip-tokenizer-init)")
         template, defaults = _template(request.app, engine)
-        gen = chat_body(body, template, defaults, engine.context_length)
+        limit = request.app[LIMITS_KEY].chat_template_timeout_s
+        # off the event loop, with a deadline: a template from a checkpoint may loop for ever
+        gen = await asyncio.to_thread(
+            chat_body, body, template, defaults, engine.context_length, limit
+        )
         stream, include_usage = bool_field(body, "stream"), stream_usage(body)
         gen["stream"] = stream
-        reqs, _, _ = await parse_body_requests(gen, engine, request.app[LIMITS_KEY])
+        reqs, _, _ = await parse_body_requests(
+            gen, engine, request.app[LIMITS_KEY], request.app[BUDGET_KEY]
+        )
     except _Refused as e:
         return e.response
     except BadRequest as e:

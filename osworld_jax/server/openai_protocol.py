@@ -255,14 +255,19 @@ def chat_messages(body: dict[str, Any], fmt: str) -> tuple[list[dict[str, Any]],
             raise BadRequest(f"messages[{k}].role must be one of {ROLES}, got {m['role']!r}")
         msg = {key: v for key, v in m.items() if v is not None}
         msg["role"] = role
+        if "tool_calls" in msg:
+            _check_tool_calls(msg["tool_calls"], k)
         content = m.get("content")
         if content is None:
             msg["content"] = ""
         elif isinstance(content, list):
+            if role == "tool" and any(
+                not isinstance(p, dict) or p.get("type") != "text" for p in content
+            ):
+                raise BadRequest(f"messages[{k}]: a tool message may hold only text parts")
             msg["content"] = _parts(content, k, fmt, images)
             if role == "tool" and isinstance(msg["content"], list):
-                if all(p.get("type") == "text" for p in msg["content"]):
-                    msg["content"] = " ".join(p["text"] for p in msg["content"])
+                msg["content"] = " ".join(p["text"] for p in msg["content"])
         elif not isinstance(content, str):
             raise BadRequest(f"messages[{k}].content must be a string or a list of parts")
         out.append(msg)
@@ -275,6 +280,21 @@ def chat_messages(body: dict[str, Any], fmt: str) -> tuple[list[dict[str, Any]],
         else:  # SGLang: the last message is always the user's
             out[-1] = {"role": "user", "content": last["content"]}
     return out, images, prefix
+
+
+def _check_tool_calls(calls: Any, k: int) -> None:
+    """An assistant message's ``tool_calls``: objects whose ``function`` has a string name."""
+    if not isinstance(calls, list):
+        raise BadRequest(f"messages[{k}].tool_calls must be a list")
+    for j, call in enumerate(calls):
+        where = f"messages[{k}].tool_calls[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict):
+            raise BadRequest(f"{where} must be an object with a 'function' object")
+        if not isinstance(fn.get("name"), str):
+            raise BadRequest(f"{where}.function.name must be a string")
+        if not isinstance(fn.get("arguments", ""), str | dict):
+            raise BadRequest(f"{where}.function.arguments must be a string or an object")
 
 
 def _parts(parts: list[Any], k: int, fmt: str, images: list[str]) -> Any:
@@ -313,16 +333,25 @@ def generation_defaults(path: str) -> dict[str, Any]:
     return {k: config[k] for k in MODEL_DEFAULTS if config.get(k) is not None}
 
 
+#: Template variables the server sets itself; ``chat_template_kwargs`` may not override them.
+RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "tools")
+
+
 def chat_body(
-    body: dict[str, Any], template: ChatTemplate, defaults: dict[str, Any], context_length: int
+    body: dict[str, Any],
+    template: ChatTemplate,
+    defaults: dict[str, Any],
+    context_length: int,
+    timeout_s: float | None = None,
 ) -> dict[str, Any]:
-    """The ``/generate`` body of a chat request.
+    """The ``/generate`` body of a chat request (blocking: the server runs it in a thread).
 
     Args:
       body: the request.
       template: the model's chat template.
       defaults: sampling defaults of its ``generation_config.json`` (`generation_defaults`).
       context_length: the server's; the default ``max_new_tokens`` (clamped by the engine).
+      timeout_s: longest the template may render (`ChatTemplate.render`).
     """
     fmt = content_format(template.source)
     messages, images, prefix = chat_messages(body, fmt)
@@ -332,9 +361,18 @@ def chat_body(
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise BadRequest("chat_template_kwargs must be an object")
+    for key in RESERVED_TEMPLATE_KWARGS:
+        if key in kwargs:
+            raise BadRequest(f"chat_template_kwargs may not set {key!r} (the server sets it)")
+    if "timeout_s" in kwargs:
+        raise BadRequest("chat_template_kwargs may not set 'timeout_s'")
     tools = body.get("tools") if choice != "none" else None
+    if tools is not None and not isinstance(tools, list):
+        raise BadRequest("tools must be a list")
     try:
-        prompt = template.render(messages, add_generation_prompt=True, tools=tools, **kwargs)
+        prompt = template.render(
+            messages, add_generation_prompt=True, timeout_s=timeout_s, tools=tools, **kwargs
+        )
     except ChatTemplateError as e:
         raise BadRequest(str(e)) from None
     top = int_field(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)

@@ -47,6 +47,14 @@ class ServerLimits:
       max_image_pixels: most pixels of one image (from its header, before decoding: a
         decompression bomb is refused without being decoded).
       max_images_per_request: most images of one request.
+      max_request_image_pixels: most decoded pixels of one body's images (each distinct image
+        once; checked from the headers before decoding).
+      max_server_image_pixels: most decoded pixels of images held by the whole server (bodies
+        being decoded or waiting for their prefill); a body past it gets 400, retry later.
+      chat_template_timeout_s: longest a chat template may render (a template from an
+        untrusted checkpoint may loop); past it the request gets 400.
+      refit_read_timeout_s: longest ``/update_weights_from_disk`` may take to read a
+        checkpoint's config and headers (off the engine thread); past it, 400.
     """
 
     max_request_bytes: int = 32 << 20
@@ -55,6 +63,10 @@ class ServerLimits:
     max_stop_length: int = 1024
     max_image_pixels: int = 1 << 25
     max_images_per_request: int = 64
+    max_request_image_pixels: int = 1 << 26
+    max_server_image_pixels: int = 1 << 27
+    chat_template_timeout_s: float = 5.0
+    refit_read_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -64,6 +76,10 @@ class ServerLimits:
             "max_stop_length",
             "max_image_pixels",
             "max_images_per_request",
+            "max_request_image_pixels",
+            "max_server_image_pixels",
+            "chat_template_timeout_s",
+            "refit_read_timeout_s",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerLimits.{name} must be >= 1, got {getattr(self, name)}")
@@ -75,6 +91,7 @@ class ServerLimits:
             max_image_pixels=self.max_image_pixels,
             max_image_bytes=self.max_request_bytes,
             max_images=self.max_images_per_request,
+            max_request_image_pixels=self.max_request_image_pixels,
         )
 
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +25,47 @@ from osworld_jax.model import Qwen3MoeConfig
 MAX_HEADER_BYTES = 100 << 20
 
 
+#: Largest metadata file (``*.json``, ``*.jinja``, ``*.txt``) read from a checkpoint directory.
+MAX_METADATA_BYTES = 64 << 20
+#: Files of a checkpoint directory that a loader reads (config, tokenizer, weights, template).
+_READ_SUFFIXES = (".json", ".safetensors", ".jinja", ".txt", ".model")
+
+
 class CheckpointMismatch(ValueError):
     """A checkpoint that cannot be read or is not the served model's architecture."""
+
+
+def check_checkpoint_files(path: str | Path) -> None:
+    """Every file a loader reads from ``path`` is a regular file of bounded size.
+
+    Checked with ``stat`` (following symlinks) before anything is opened: a ``config.json``
+    that is a symlink to ``/dev/zero``, a FIFO that would block the reader forever, a directory
+    or a socket is refused; metadata files are at most `MAX_METADATA_BYTES`.
+
+    Raises:
+      CheckpointMismatch: not a directory, or the first offending file.
+    """
+    path = Path(path)
+    try:
+        names = sorted(os.listdir(path))
+    except NotADirectoryError:
+        raise CheckpointMismatch(f"{path}: not a checkpoint directory") from None
+    except OSError as e:
+        raise CheckpointMismatch(f"{path}: not a readable directory ({e.strerror})") from None
+    for name in names:
+        if not name.endswith(_READ_SUFFIXES):
+            continue
+        file = path / name
+        try:
+            st = os.stat(file)
+        except OSError as e:
+            raise CheckpointMismatch(f"{file}: unreadable ({e.strerror})") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointMismatch(f"{file}: not a regular file (a device, FIFO or directory)")
+        if not name.endswith(".safetensors") and st.st_size > MAX_METADATA_BYTES:
+            raise CheckpointMismatch(
+                f"{file}: {st.st_size} bytes, more than {MAX_METADATA_BYTES} for a metadata file"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,11 +112,13 @@ def checkpoint_signature(path: str | Path) -> CheckpointSignature:
     """The `CheckpointSignature` of a HF checkpoint directory (headers only, no tensor data).
 
     Raises:
-      CheckpointMismatch: no / invalid ``config.json``, no safetensors file, a bad header.
+      CheckpointMismatch: no / invalid ``config.json``, no safetensors file, a bad header, a
+        file that is not regular or too large (`check_checkpoint_files`).
     """
     path = Path(path)
     if not path.is_dir():
         raise CheckpointMismatch(f"{path}: not a checkpoint directory")
+    check_checkpoint_files(path)
     try:
         config = Qwen3MoeConfig.from_json(path / "config.json")
     except Exception as e:  # ModelConfigError and friends: one line naming the file

@@ -52,6 +52,8 @@ class EngineConfig:
       skip_tokenizer_init: serve token ids only, without loading a tokenizer (SGLang's
         ``--skip-tokenizer-init``): ``text`` prompts, ``stop`` strings and ``min_new_tokens``
         are refused, replies carry no ``text`` and logprob entries no token text.
+      stall_timeout_s: ``/health`` answers 503 when the engine thread has not finished an
+        iteration for this long while work is pending (a stuck step or weight load).
     """
 
     model_path: str
@@ -69,6 +71,7 @@ class EngineConfig:
     return_original_logprob: bool = False
     enable_prefix_cache: bool = True
     skip_tokenizer_init: bool = False
+    stall_timeout_s: float = 300.0
 
 
 @dataclass(kw_only=True, eq=False)
@@ -98,6 +101,8 @@ class GenRequest:
       cached_tokens: prompt tokens whose KV came from the prefix cache.
       prefix_key: i64 prefix-cache keys of the prompt (images keyed by their bytes).
       match: tokens of its current prefill reused from its slot's kept prefix.
+      image_hold: its body's `osworld_jax.server.images.ImageHold` (decoded pixels reserved
+        in the server's budget), released by the HTTP side at its first notify.
     """
 
     rid: str
@@ -139,6 +144,7 @@ class GenRequest:
     slot: int | None = None
     created: float = field(default_factory=time.monotonic)
     stop_window: int = 0
+    image_hold: Any = None
 
 
 def build_request(

@@ -119,6 +119,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="largest image (width x height, read from its header before decoding)",
     )
     p.add_argument("--max-images-per-request", type=int, default=limits.max_images_per_request)
+    p.add_argument("--max-request-image-pixels", type=int, default=limits.max_request_image_pixels)
+    p.add_argument("--max-server-image-pixels", type=int, default=limits.max_server_image_pixels)
+    p.add_argument("--chat-template-timeout-s", type=float, default=limits.chat_template_timeout_s)
+    p.add_argument("--refit-read-timeout-s", type=float, default=limits.refit_read_timeout_s)
+    p.add_argument("--stall-timeout-s", type=float, default=300.0, help="/health 503 after this")
     p.add_argument("--skip-server-warmup", action="store_true", help="accepted for parity")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
@@ -156,6 +161,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         return_original_logprob=args.return_original_logprob,
         skip_tokenizer_init=args.skip_tokenizer_init,
         enable_prefix_cache=not args.disable_radix_cache,
+        stall_timeout_s=args.stall_timeout_s,
     )
 
 
@@ -168,6 +174,10 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
         max_stop_length=args.max_stop_length,
         max_image_pixels=args.max_image_pixels,
         max_images_per_request=args.max_images_per_request,
+        max_request_image_pixels=args.max_request_image_pixels,
+        max_server_image_pixels=args.max_server_image_pixels,
+        chat_template_timeout_s=args.chat_template_timeout_s,
+        refit_read_timeout_s=args.refit_read_timeout_s,
     )
 
 

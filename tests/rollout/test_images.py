@@ -230,7 +230,7 @@ def test_bad_images_get_400_naming_request_and_image_and_the_server_keeps_servin
         ({"input_ids": one, "image_data": [str(tmp_path / "missing.png")]}, "no such file"),
         ({"input_ids": one, "image_data": [str(fifo)]}, "not a regular file"),
         ({"input_ids": one, "image_data": [str(tmp_path / "dir.png")]}, "request image 0"),
-        ({"input_ids": one, "image_data": [str(tmp_path / "text.png")]}, "not a decodable"),
+        ({"input_ids": one, "image_data": [str(tmp_path / "text.png")]}, "formats are refused"),
         ({"input_ids": one, "image_data": ["data:image/png;base64"]}, "without a ','"),
         ({"input_ids": one, "image_data": ["https://example.com/a.png"]}, "URLs are not"),
         ({"input_ids": one, "image_data": [b64(_bomb_png(9000, 9000))]}, "--max-image-pixels"),
