@@ -105,6 +105,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=limits.max_json_depth,
         help="deeper-nested bodies get HTTP 400",
     )
+    p.add_argument(
+        "--max-json-values",
+        type=int,
+        default=limits.max_json_values,
+        help="bodies with more values (numbers, strings) get HTTP 400 before they are parsed",
+    )
     p.add_argument("--max-stop-strings", type=int, default=limits.max_stop_strings)
     p.add_argument(
         "--max-stop-length",
@@ -170,6 +176,7 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
     return ServerLimits(
         max_request_bytes=args.max_request_bytes,
         max_json_depth=args.max_json_depth,
+        max_json_values=args.max_json_values,
         max_stop_strings=args.max_stop_strings,
         max_stop_length=args.max_stop_length,
         max_image_pixels=args.max_image_pixels,

@@ -34,7 +34,7 @@ def body_with(**sp) -> dict:
 
 
 def test_size_and_shape_limits(engine):
-    limits = ServerLimits(max_request_bytes=1 << 16, max_json_depth=8)
+    limits = ServerLimits(max_request_bytes=1 << 16, max_json_depth=8, max_json_values=4096)
 
     async def main():
         async with serving(engine, limits) as url:
@@ -53,6 +53,9 @@ def test_size_and_shape_limits(engine):
             for deep in (b"[" * 30_000 + b"]" * 30_000, b'{"a":' * 9 + b"1" + b"}" * 9):
                 status, reply = await post(url, "/generate", deep, raw=True)
                 assert status == 400 and "nests deeper than 8" in reply["error"]["message"]
+            many = json.dumps({"input_ids": [1] * 4096, "sampling_params": {}}).encode()
+            status, reply = await post(url, "/generate", many, raw=True)  # counted, not parsed
+            assert status == 400 and "more than 4096 values" in reply["error"]["message"]
             nested_ok = {"input_ids": [PROMPT], "sampling_params": [{"max_new_tokens": 1}]}
             status, _ = await post(url, "/generate", nested_ok)
             assert status == 200

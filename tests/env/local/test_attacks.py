@@ -321,6 +321,10 @@ def test_a_service_file_in_home_is_not_started_by_the_session_bus(runner, make_b
 def test_closing_a_sandbox_with_a_deep_hostile_tree_leaves_nothing(runner, make_backend):
     """Item 4: a tree deeper than Python's recursion limit, unwritable and unsearchable
     directories and odd modes: fork (snapshot) and close must succeed and leave nothing."""
+    # Python's default limit, pinned: a library imported by an earlier test of the same worker
+    # may have raised it, and a tree of 10,000+ levels is past PATH_MAX (cp refuses to copy it).
+    recursion_limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)
     depth = sys.getrecursionlimit() + 200
     backend = make_backend()
     sb = runner.run(backend.create(load_task(TASK)))
@@ -355,6 +359,7 @@ def test_closing_a_sandbox_with_a_deep_hostile_tree_leaves_nothing(runner, make_
     finally:
         for s in (*forks, sb):
             runner.run(s.close())
+        sys.setrecursionlimit(recursion_limit)
     root = backend._root
     assert root is not None
     assert not sb.desktop.dir.exists()
