@@ -381,14 +381,29 @@ RUN_LENGTH_KNOBS = frozenset(
 RUN_LENGTH_CLASSES = frozenset({"CheckpointConfig", "DistributedConfig"})
 
 
+def _default(f: dataclasses.Field) -> Any:
+    """The default of a dataclass field (``dataclasses.MISSING`` when it has none)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
 def _walk(new: Any, old: dict[str, Any], out: list[str]) -> None:
-    """Appends ``Class.field: old -> new`` for each field of dataclass ``new`` that differs."""
+    """Appends ``Class.field: old -> new`` for each field of dataclass ``new`` that differs.
+
+    A field the run's config does not have (added to the code since the run started) at its
+    default is not a change: upgrading the code does not stop a run from resuming.
+    """
     cls = type(new).__name__
     for f in dataclasses.fields(new):
         key, value = f"{cls}.{f.name}", getattr(new, f.name)
+        if f.name not in old and value == _default(f):
+            continue
         before = old.get(f.name, "<absent>")
         if dataclasses.is_dataclass(value) and isinstance(before, dict):
-            if {g.name for g in dataclasses.fields(value)} == set(before):  # the same class
+            if set(before) <= {g.name for g in dataclasses.fields(value)}:  # the same class
                 _walk(value, before, out)
                 continue
         if key in RUN_LENGTH_KNOBS or cls in RUN_LENGTH_CLASSES:

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 from osworld_jax import config
-from osworld_jax.rl.rundir import config_changes, point_latest_at, write_run_config
+from osworld_jax.rl.rundir import (
+    RESOLVED_CONFIG,
+    config_changes,
+    point_latest_at,
+    write_run_config,
+)
 from tests.rl.runs import REPO, quick_args, quick_tasks
 
 
@@ -36,6 +42,21 @@ def test_config_changes_name_model_data_and_algorithm_bindings_not_run_length(tm
         "RLConfig.estimator: 'grpo' -> 'rloo'",
     ]
     assert config_changes(tmp_path / "never-started", text) == []
+
+
+def test_a_field_added_since_the_run_is_a_change_only_off_its_default(tmp_path):
+    """A run written before a config field existed resumes under code that has it."""
+    exp = config.load_experiment(["default.gin"])
+    write_run_config(tmp_path, exp)
+    path = tmp_path / RESOLVED_CONFIG
+    old = json.loads(path.read_text())
+    assert old["rl"]["estimator"] == "grpo"  # RLConfig's default
+    del old["rl"]["estimator"]  # as a run of older code wrote it
+    del old["distributed"]["collective_timeout_s"]  # a run-length class's field
+    path.write_text(json.dumps(old))
+    assert config_changes(tmp_path, exp) == []
+    rloo = exp.replace(rl=dataclasses.replace(exp.rl, estimator="rloo"))
+    assert config_changes(tmp_path, rloo) == ["RLConfig.estimator: '<absent>' -> 'rloo'"]
 
 
 def test_latest_points_at_the_newest_run(tmp_path):
