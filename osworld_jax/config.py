@@ -262,7 +262,13 @@ def _unknown_name(cause: str) -> str | None:
     if m and cls is not None:
         fields = [f.name for f in dataclasses.fields(cls)]
         hint = _did_you_mean(m.group(2), fields)
-        return f"{cause.rstrip('.')}{hint.replace('mean ', f'mean {cls.__name__}.')}"
+        if hint:
+            return f"{cause.rstrip('.')}{hint.replace('mean ', f'mean {cls.__name__}.')}"
+        # the field of another configurable (RLConfig.learning_rate is OptimizerConfig's)
+        elsewhere = [f"{c.__name__}.{f.name}" for c in CONFIGURABLES for f in dataclasses.fields(c)]
+        by_field = {b.split(".", 1)[1]: b for b in reversed(elsewhere)}
+        close = difflib.get_close_matches(m.group(2), list(by_field), n=1, cutoff=0.75)
+        return f"{cause.rstrip('.')}" + (f"; did you mean {by_field[close[0]]}?" if close else "")
     return None
 
 

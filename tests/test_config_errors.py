@@ -51,6 +51,11 @@ def error_of(param: str) -> str:
             "parameter named 'stepz'; did you mean RLConfig.steps?",
         ),
         (
+            "RLConfig.learning_rat = 1e-5",  # a field of another configurable
+            "--gin_param[0]:1: RLConfig.learning_rat = 1e-5: Configurable 'RLConfig' doesn't "
+            "have a parameter named 'learning_rat'; did you mean OptimizerConfig.learning_rate?",
+        ),
+        (
             "RLConfg.steps = 3",
             "--gin_param[0]:1: RLConfg.steps = 3: No configurable matching 'RLConfg'; did you "
             "mean RLConfig?",
