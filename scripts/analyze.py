@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.run_dir}: no metrics.jsonl (not a run directory)", file=sys.stderr)
         return 2
     try:
+        import jupyter_client
         import jupytext
         import nbclient
         import nbformat
@@ -44,8 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["OSWORLD_RUN_DIR"] = str(run_dir)  # the kernel inherits it
     os.environ.pop("MPLBACKEND", None)  # the kernel's inline backend draws the figures
     nb = jupytext.read(NOTEBOOK)
+    # the kernel talks over local sockets (IPC, in a temporary directory), not TCP: nothing
+    # listens on the network, and the kernel has no "running over TCP without encryption" warning
+    sockets = tempfile.TemporaryDirectory(prefix="osworld_jax-kernel-")
+    km = jupyter_client.KernelManager(
+        kernel_name="python3", transport="ipc", ip=str(Path(sockets.name) / "kernel")
+    )
     client = nbclient.NotebookClient(
-        nb, timeout=args.timeout, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}
+        nb, km=km, timeout=args.timeout, resources={"metadata": {"path": str(REPO)}}
     )
     try:
         client.execute()
@@ -53,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the notebook failed on {run_dir}: {str(e).strip().splitlines()[-1]}",
               file=sys.stderr)  # fmt: skip
         return 1
+    finally:
+        if km.has_kernel:  # a kernel manager given to nbclient is ours to shut down
+            km.shutdown_kernel()
+        sockets.cleanup()
     out = Path(args.out) if args.out else run_dir / "analysis.ipynb"
     nbformat.write(nb, out)
     print(f"wrote {out}")

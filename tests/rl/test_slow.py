@@ -102,6 +102,8 @@ def test_analysis_notebook_executes(screenshot_run):
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip() == f"wrote {run_dir.resolve() / 'analysis.ipynb'}"
+    assert "WARNING" not in r.stderr, r.stderr  # no TCP warning, no kernel left to its parent
+    assert not list(REPO.glob("kernel-ipc-*"))  # the kernel's sockets live in a temp dir
     nb = nbformat.read(run_dir / "analysis.ipynb", as_version=4)
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
