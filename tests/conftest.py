@@ -78,7 +78,41 @@ def pytest_addoption(parser):
     )
 
 
+# The longest test files (seconds of their slowest tests in a 2-worker run of 2026-12-03),
+# longest first.
+LONGEST_FILES = (
+    "rl/test_slow.py",  # 817
+    "trainer/test_route_agreement.py",  # 326
+    "scale/test_multiprocess.py",  # 270
+    "agent/test_end_to_end.py",  # 256
+    "env/evaluators/test_table.py",  # 252
+    "rl/test_image_replay.py",  # 225
+    "trainer/test_minibatches.py",  # 201
+    "trainer/test_trainer.py",  # 170
+    "model/test_vl_parity.py",  # 167
+    "trainer/test_images.py",  # 153
+    "trainer/test_step_bounds.py",  # 148
+    "rl/test_async.py",  # 133
+)
+
+
+def _file_rank(item, slow_files: set) -> int:
+    try:
+        rel = item.path.relative_to(Path(__file__).parent).as_posix()
+    except ValueError:  # a file outside tests/
+        rel = ""
+    if rel in LONGEST_FILES:
+        return LONGEST_FILES.index(rel)
+    return len(LONGEST_FILES) + (item.path not in slow_files)
+
+
 def pytest_collection_modifyitems(config, items):
+    # The longest files first, then files with slow tests, then the rest (each file's own order
+    # kept): xdist's --dist loadfile hands files out in this order, so the long end-to-end files
+    # start early and the many quick files fill in beside them, instead of one long file running
+    # alone at the end while the other worker idles.
+    slow_files = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: _file_rank(item, slow_files))
     if config.getoption("--runslow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --runslow (.ci/run does)")
