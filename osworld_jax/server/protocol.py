@@ -43,10 +43,11 @@ class ServerLimits:
         body can hold up the event loop).
       max_json_depth: deepest nesting of arrays / objects in a body (SGLang's deepest body is 4).
       max_json_values: most values (numbers, strings, ...) in one body, bounded before parsing
-        by counting its commas (those inside strings too: a bound, not a count): parsing creates one Python object per value while holding the
-        GIL (a 20 MB body of 3M token ids: 0.17 s of orjson plus 0.07 s of type checks), so
-        this bounds how long one body holds up ``/health``. 2^20 is 64 prompts of 16,384 ids
-        in one batch body; a base64 image is one value.
+        by counting its commas (those inside strings too: a bound, not a count). Parsing
+        creates one Python object per value while holding the GIL (a 20 MB body of 3M token
+        ids: 0.17 s of orjson plus 0.07 s of type checks), so this bounds how long one body
+        holds up ``/health``. 2^20 is 64 prompts of 16,384 ids in one batch body; a base64
+        image is one value.
       max_stop_strings: most ``stop`` strings per request (SGLang's own limit is 32).
       max_stop_length: longest ``stop`` string, in characters (each is tokenized and searched
         for after every generated token).
