@@ -11,10 +11,13 @@ processor at its real pixel budget: a 1920x1080 screenshot is 8,160 patches, 2,0
   Qwen gives a tree at ``AgentConfig.a11y_max_chars`` = 20,000 chars, the seed's trim.
 
 It prints per owner: rows, forward tokens (segment tokens) and padded row tokens per trained
-token, ViT patches per trained token; per step (B x N owners): the batch arrays' bytes, the
-peak RSS growth of packing, and pack time. A whole step of today's layout does not fit in this
-machine's memory, so ``--pack-owners`` owners are packed (one `pack_batch` call) and the step's
-arrays / time are that times ``B * N / pack_owners`` (printed as extrapolated).
+token, ViT patches per trained token; per step (B x N owners): the host batch's bytes (arrays
+and the screenshots, each stored once as its PNG: `RowImages`), the same rows' bytes in the
+former layout (float32 patches per row, `with_pixel_values`) and the time to make them (the
+trainer now does it per device shard at upload), the peak RSS growth of packing, pack time.
+The former layout of a whole step does not fit in this machine's memory, so ``--pack-owners``
+owners are packed (one `pack_batch` call) and the step's bytes / time are that times
+``B * N / pack_owners`` (printed as extrapolated).
 
 Run (the "before" column: today's behaviour by config)::
 
@@ -42,7 +45,7 @@ from osworld_jax.agent.context import ContextManager
 from osworld_jax.agent.history import CallRecord, History
 from osworld_jax.agent.owner import OwnerRollout
 from osworld_jax.agent.segments import build_segments
-from osworld_jax.batch import Batch
+from osworld_jax.batch import Batch, host_nbytes, with_pixel_values
 from osworld_jax.env.backend import Observation
 from osworld_jax.model import make_tiny_checkpoint
 from osworld_jax.model.processor import QWEN3_VL_PREPROCESSOR, ImageProcessor
@@ -194,8 +197,15 @@ def run_owner(
 
 
 def batch_bytes(batch: Batch) -> int:
-    """Bytes of the batch's arrays (every ndarray field)."""
-    return sum(int(v.nbytes) for v in batch if isinstance(v, np.ndarray))
+    """Host bytes of the batch: its arrays and its stored screenshots (`batch.host_nbytes`)."""
+    return host_nbytes(batch)
+
+
+def image_bytes(batch: Batch) -> int:
+    """Host bytes of the batch's images: float32 ``pixel_values``, or the stored PNGs + index."""
+    if batch.images is not None:
+        return batch.images.nbytes
+    return 0 if batch.pixel_values is None else int(batch.pixel_values.nbytes)
 
 
 def rss_mib() -> float:
@@ -276,30 +286,44 @@ def main(argv: list[str] | None = None) -> int:
         vision=vision,
     )
     t_pack = time.perf_counter() - t0
-    nbytes = batch_bytes(batch)
     rss = rss_mib() - rss0
-    r_, t_ = batch.tokens.shape
-    pix = batch.pixel_values
-    pix_bytes = 0 if pix is None else int(pix.nbytes)
+    nbytes, pix_bytes = batch_bytes(batch), image_bytes(batch)
     route_bytes = int(batch.routed_experts.nbytes)
+    r_, t_ = batch.tokens.shape
     padded = r_ * t_ / (trained * len(pack))
+    stored = batch.images
     print(
-        f"pack_batch of {len(pack)} owner(s): R={r_} T={t_} pixel_values "
-        f"{None if pix is None else pix.shape} ({pix_bytes / MiB:.0f} MiB), arrays "
-        f"{nbytes / MiB:.0f} MiB, peak RSS +{rss:.0f} MiB, {t_pack:.2f} s; padded row "
-        f"tokens/trained {padded:.1f}"
+        f"pack_batch of {len(pack)} owner(s): R={r_} T={t_}, "
+        f"{0 if stored is None else len(stored.encoded)} distinct screenshots stored once "
+        f"({pix_bytes / MiB:.1f} MiB with the index), arrays + images {nbytes / MiB:.0f} MiB, "
+        f"peak RSS +{rss:.0f} MiB, {t_pack:.2f} s; padded row tokens/trained {padded:.1f}"
+    )
+    # The former host layout of the same rows: every row's float32 patches (what the trainer
+    # now makes per device shard at upload; `with_pixel_values` makes them for all rows).
+    t0 = time.perf_counter()
+    dense = with_pixel_values(batch)
+    t_patch = time.perf_counter() - t0
+    old_bytes, old_pix = batch_bytes(dense), image_bytes(dense)
+    row_pix = 0 if dense.pixel_values is None else dense.pixel_values[0].nbytes
+    del dense
+    print(
+        f"  the same rows as float32 patches (the former host batch): pixel_values "
+        f"{old_pix / MiB:.0f} MiB, arrays {old_bytes / MiB:.0f} MiB; making them "
+        f"{t_patch:.2f} s; one row's patches {row_pix / MiB:.0f} MiB (the trainer's upload "
+        f"holds one device shard's rows of them at a time)"
     )
     for recipe in args.recipes.split(","):
         b, n = (int(x) for x in recipe.lower().split("x"))
         scale = b * n / len(pack)
         print(
             f"B{b}/N{n} ({b * n} owners; extrapolated x{scale:.0f} from the packed owners): "
-            f"arrays {nbytes * scale / GiB:.1f} GiB (pixels {pix_bytes * scale / GiB:.1f}, "
-            f"routes {route_bytes * scale / GiB:.1f}), "
-            f"peak RSS +{rss * scale / 1024:.1f} GiB, pack {t_pack * scale:.0f} s, rows "
-            f"{mean['rows'] * b * n:.0f}; its distinct screenshots once: PNG "
-            f"{mean['png_bytes'] * b * n / GiB:.2f} GiB, uint8 patch levels "
-            f"{mean['level_bytes'] * b * n / GiB:.1f} GiB (issue 30 section 1, not built)"
+            f"host batch {nbytes * scale / GiB:.2f} GiB (screenshots "
+            f"{pix_bytes * scale / GiB:.2f}, routes {route_bytes * scale / GiB:.1f}); "
+            f"former layout {old_bytes * scale / GiB:.1f} "
+            f"GiB (pixels {old_pix * scale / GiB:.1f}) -> x{nbytes / old_bytes:.3f}; "
+            f"peak RSS of packing +{rss * scale / 1024:.1f} GiB, pack {t_pack * scale:.0f} s, "
+            f"patches at upload {t_patch * scale:.0f} s, rows {mean['rows'] * b * n:.0f}; "
+            f"uint8 patch levels once would be {mean['level_bytes'] * b * n / GiB:.1f} GiB"
         )
     return 0
 

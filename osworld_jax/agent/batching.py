@@ -6,24 +6,27 @@ feeds those to the jitted estimator (``osworld_jax.algorithms.compute_advantages
 the advantages back to `pack_batch`, which fans each one out to every trainable token of every
 row of its owner (``owner_ids`` lets ``aggregate_loss`` treat the owner's rows as one sequence).
 
-Screenshots (`VisionPacking`): the segments' PNGs are processed with the model's own image
-processor (the algorithm the server ran on the same bytes) into per-row patches, and positions
-become the M-RoPE ``i32[3, R, T]`` of ``mrope_positions``. NumPy + Pillow only (no jax).
+Screenshots (`VisionPacking`): each distinct PNG of the batch is stored once (`RowImages`), rows
+referring to it; the trainer makes the patches with the model's own image processor (the
+algorithm the server ran on the same bytes) per device shard. Positions become the M-RoPE
+``i32[3, R, T]`` of ``mrope_positions``. NumPy + Pillow only (no jax).
 """
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from PIL import Image
 
 from osworld_jax.agent.config import BaselinePopulation, GroupPolicyConfig
 from osworld_jax.agent.errors import GroupPolicyError, PackingError
 from osworld_jax.agent.owner import OwnerRollout
 from osworld_jax.agent.segments import Segment
-from osworld_jax.batch import Batch, check_batch
+from osworld_jax.batch import Batch, RowImages, check_batch
 from osworld_jax.errors import ConfigError
 from osworld_jax.model.mrope import mrope_positions
 from osworld_jax.model.processor import ImageProcessor
@@ -276,40 +279,57 @@ class VisionPacking:
         return 1 << (max(patches, m2) - 1).bit_length()
 
 
+def _image_grid(png: bytes, processor: ImageProcessor) -> np.ndarray:
+    """i32[3] the processor's patch grid of an encoded image, from its header (not decoded)."""
+    try:
+        with Image.open(io.BytesIO(png)) as image:
+            width, height = image.size
+    except Exception as e:  # Pillow raises several types for corrupt data
+        raise PackingError(f"a segment's image is not a decodable image ({e})") from None
+    return np.asarray(processor.grid_thw(height, width), np.int32)
+
+
 def _row_vision(
     rows: list[list[Segment]], vision: VisionPacking
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """(pixel_values f32[R, Np, P], image_grid_thw i32[R, m, 3]) of the rows, or None (no image).
+) -> tuple[RowImages, np.ndarray] | None:
+    """(the rows' `RowImages`, image_grid_thw i32[R, m, 3]), or None (no image).
 
-    Row r holds the patches of its segments' images back to back (in token order); each
-    distinct PNG is processed once.
+    Each distinct PNG is stored once (its bytes, as the server got them), row r's slot k
+    referring to row r's k-th image (its segments' images in token order); the patch counts
+    come from the images' sizes (`ImageProcessor.grid_thw`), no image is decoded here.
     """
-    done: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
-    per_row: list[list[tuple[np.ndarray, np.ndarray]]] = []
+    ids: dict[bytes, int] = {}
+    grids: list[np.ndarray] = []
+    per_row: list[list[int]] = []
     for segs in rows:
         items = []
         for seg in segs:
             for png in seg.images:
-                if png not in done:
-                    pixels, grid = vision.processor(png)
-                    done[png] = (pixels, grid[0])
-                items.append(done[png])
+                if png not in ids:
+                    ids[png] = len(ids)
+                    grids.append(_image_grid(png, vision.processor))
+                items.append(ids[png])
         per_row.append(items)
-    if not done:
+    if not ids:
         return None
     most = max(len(x) for x in per_row)
     slots = max(vision.image_slots, 1 << max(most - 1, 0).bit_length())
-    patches = vision.patch_bucket(max(sum(p.shape[0] for p, _ in x) for x in per_row))
-    dim = vision.processor.patch_dim
-    pixel_values = np.zeros((len(rows), patches, dim), np.float32)
+    sizes = [int(np.prod(g)) for g in grids]
+    patches = vision.patch_bucket(max(sum(sizes[i] for i in x) for x in per_row))
+    index = np.full((len(rows), slots), -1, np.int32)
     grid_thw = np.zeros((len(rows), slots, 3), np.int32)
     for r, items in enumerate(per_row):
-        at = 0
-        for k, (pixels, grid) in enumerate(items):
-            pixel_values[r, at : at + pixels.shape[0]] = pixels
-            grid_thw[r, k] = grid
-            at += pixels.shape[0]
-    return pixel_values, grid_thw
+        for k, i in enumerate(items):
+            index[r, k] = i
+            grid_thw[r, k] = grids[i]
+    images = RowImages(
+        encoded=tuple(ids),
+        grid_thw=np.stack(grids),
+        index=index,
+        num_patches=patches,
+        processor=vision.processor,
+    )
+    return images, grid_thw
 
 
 def _row_segments(
@@ -361,10 +381,13 @@ def pack_batch(
     ``advantages[t] = advantage[owner] * loss_mask[t]``.
 
     With ``vision``: ``positions`` are the M-RoPE i32[3, R, T] (`mrope_positions`; text-only
-    rows get three equal rows) and, when any segment has screenshots, ``pixel_values``
-    f32[R, Np, P] holds row r's image patches back to back (the images of its segments in token
-    order, padded to a patch bucket) with ``image_grid_thw`` i32[R, m, 3] (slot k = row r's
-    k-th image; t = 0: unused). Image tokens keep loss mask 0 (they are prompt tokens).
+    rows get three equal rows) and, when any segment has screenshots, ``images`` (`RowImages`)
+    stores each distinct screenshot of the batch once (its PNG bytes) with row r's slot k
+    referring to row r's k-th image (the images of its segments in token order), and
+    ``image_grid_thw`` i32[R, m, 3] their patch grids (t = 0: unused slot). ``pixel_values``
+    stays None: row r's patches (back to back, padded to a patch bucket ``Np``) are made from
+    ``images`` by the trainer per device shard (``batch.with_pixel_values`` for all rows). Image
+    tokens keep loss mask 0 (they are prompt tokens).
 
     Args:
       selection: the step's owners and groups (``select_groups`` or ``GroupSelection.of``).
@@ -430,11 +453,11 @@ def pack_batch(
                 routes[row, span] = seg.routed_experts
             at += n
         positions[row, at:] = np.arange(t - at) + (positions[row, at - 1] + 1 if at else 0)
-    pixel_values = image_grid_thw = None
+    images = image_grid_thw = None
     if vision is not None:
-        images = _row_vision([segs for _, _, segs in rows] + [[]] * (r - len(rows)), vision)
-        if images is not None:
-            pixel_values, image_grid_thw = images
+        stored = _row_vision([segs for _, _, segs in rows] + [[]] * (r - len(rows)), vision)
+        if stored is not None:
+            images, image_grid_thw = stored
         positions = mrope_positions(tokens, image_grid_thw, vision.config, segment_ids=segment_ids)
     batch = Batch(
         tokens=tokens,
@@ -447,8 +470,8 @@ def pack_batch(
         group_ids=group_ids,
         row_weight=row_weight,
         routed_experts=routes,
-        pixel_values=pixel_values,
         image_grid_thw=image_grid_thw,
+        images=images,
     )
     check_batch(batch)
     return batch

@@ -40,6 +40,7 @@ import contextlib
 import dataclasses
 import faulthandler
 import functools
+import json
 import logging
 import os
 import sys
@@ -52,8 +53,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from osworld_jax.batch import Batch, check_batch
+from osworld_jax.batch import Batch, RowImages, check_batch, from_arrays, to_arrays
 from osworld_jax.errors import ConfigError
+from osworld_jax.model.processor import ImageProcessor
 from osworld_jax.registry import check_choice
 from osworld_jax.trainer.state import TrainerError
 
@@ -102,6 +104,8 @@ class DistributedConfig:
         (process 1 waits there while process 0 rolls out a step, so this bounds a step's
         rollout too) and how long a collective that every process reached may run; past it
         the run fails naming the process and the collective (see the module docstring).
+      broadcast_chunk_bytes: the most bytes one collective of `broadcast_host_batch` carries
+        (a step's host batch goes as a stream of chunks of this size).
     """
 
     auto: AutoMode = "none"
@@ -113,6 +117,7 @@ class DistributedConfig:
     initialization_timeout_s: int = 300
     heartbeat_timeout_s: int = 100
     collective_timeout_s: int = 3600
+    broadcast_chunk_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         check_choice(self.auto, AutoMode, "DistributedConfig.auto")
@@ -139,6 +144,8 @@ class DistributedConfig:
         timeouts = (self.initialization_timeout_s, self.heartbeat_timeout_s)
         if min(*timeouts, self.collective_timeout_s) < 1:
             raise ConfigError("DistributedConfig: timeouts must be >= 1 s")
+        if self.broadcast_chunk_bytes < 1:
+            raise ConfigError("DistributedConfig.broadcast_chunk_bytes: must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,11 +263,12 @@ def initialize_distributed(config: DistributedConfig) -> ProcessValues | None:
       DistributedError: values missing/inconsistent, or the job was already initialised
         differently.
     """
-    global _initialized_with, _collective_timeout_s
+    global _initialized_with, _collective_timeout_s, _broadcast_chunk_bytes
     values = resolve_process_values(config)
     if values is None:
         return None
     _collective_timeout_s = config.collective_timeout_s
+    _broadcast_chunk_bytes = config.broadcast_chunk_bytes
     if jax.distributed.is_initialized():
         if _initialized_with is not None and _initialized_with != values:
             raise DistributedError(
@@ -323,6 +331,7 @@ def barrier(name: str) -> None:
 STUCK_EXIT_CODE = 124  # a collective every process reached did not complete (as `timeout`)
 _KEY = "osworld_jax/collective"
 _collective_timeout_s: float = DistributedConfig.collective_timeout_s
+_broadcast_chunk_bytes: int = DistributedConfig.broadcast_chunk_bytes
 _calls: collections.Counter[str] = collections.Counter()
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -437,62 +446,98 @@ def collective(name: str) -> Callable[[_F], _F]:
 
 # ---------------------------------------------------------------------- host batches
 
-_HEADER = 8  # R, T, L, K, rank of positions, and Np, P, m of the images (0: none)
+
+def device_pixel_values(images: RowImages, sharding: jax.sharding.Sharding) -> jax.Array:
+    """``pixel_values`` f32[R, Np, P] laid out as ``sharding``, made from the stored images.
+
+    The host makes the float32 patches of one device shard of rows at a time (each row range
+    once, copied to the devices that hold it, then dropped), so a step's patches are never
+    whole on the host: its peak is one shard's rows, and each process makes only its own rows.
+    """
+    rows = images.index.shape[0]
+    shape = (rows, images.num_patches, images.processor.patch_dim)
+    ranges: dict[tuple[int, int], list[Any]] = collections.defaultdict(list)
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        ranges[(index or (slice(None),))[0].indices(rows)[:2]].append(device)
+    shards = []
+    for (start, stop), devices in ranges.items():
+        host = images.pixel_values(np.arange(start, stop))  # [stop - start, Np, P]
+        shards += [jax.device_put(host, d) for d in devices]
+        jax.block_until_ready(shards[-len(devices) :])  # then the next range's host copy
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
 
 
-def _header(batch: Batch) -> np.ndarray:
-    pv, grid = batch.pixel_values, batch.image_grid_thw
-    images = (0, 0, 0) if pv is None or grid is None else (pv.shape[1], pv.shape[2], grid.shape[1])
-    return np.array([*batch.routed_experts.shape, np.ndim(batch.positions), *images], np.int64)
+def _processor_json(images: RowImages) -> np.ndarray:
+    """The stored images' processor as its HF JSON (the other processes rebuild it)."""
+    if not isinstance(images.processor, ImageProcessor):
+        raise DistributedError("broadcast_host_batch: the images' processor is no ImageProcessor")
+    return np.frombuffer(json.dumps(images.processor.to_dict()).encode(), np.uint8)
 
 
-def _empty_batch(header: np.ndarray) -> Batch:
-    r, t, layers, k, rank, patches, dim, slots = (int(v) for v in header)
-    rt = (r, t)
-    images = {}
-    if patches:
-        images = dict(
-            pixel_values=np.zeros((r, patches, dim), np.float32),
-            image_grid_thw=np.zeros((r, slots, 3), np.int32),
-        )
-    return Batch(
-        tokens=np.zeros(rt, np.int32),
-        loss_mask=np.zeros(rt, np.float32),
-        behavior_logprobs=np.zeros(rt, np.float32),
-        advantages=np.zeros(rt, np.float32),
-        positions=np.zeros((3, *rt) if rank == 3 else rt, np.int32),
-        segment_ids=np.zeros(rt, np.int32),
-        owner_ids=np.zeros((r,), np.int32),
-        group_ids=np.zeros((r,), np.int32),
-        row_weight=np.zeros((r,), np.float32),
-        routed_experts=np.full((r, t, layers, k), -1, np.int32),
-        **images,
-    )
+def _broadcast_arrays(arrays: list[np.ndarray], chunk_bytes: int) -> None:
+    """Process 0's bytes of ``arrays`` into every process's ``arrays`` (in place).
+
+    The arrays are one byte stream cut into collectives of ``chunk_bytes`` (the last one
+    shorter): every broadcast is bounded, and all but the last have one shape (one compile).
+    Bytes, not values, travel (a sum with zeros in uint8: bit for bit, -0.0 and NaNs too).
+    """
+    views = [a.reshape(-1).view(np.uint8) for a in arrays]
+    total = sum(v.size for v in views)
+    for start in range(0, total, chunk_bytes):
+        chunk = np.zeros((min(chunk_bytes, total - start),), np.uint8)
+        at = 0
+        for v in views:  # copy process 0's bytes in [start, start + chunk) out of the stream
+            lo, hi = max(start - at, 0), min(start + chunk.size - at, v.size)
+            if lo < hi and is_primary():
+                chunk[at + lo - start : at + hi - start] = v[lo:hi]
+            at += v.size
+        chunk = np.asarray(multihost_utils.broadcast_one_to_all(chunk))
+        at = 0
+        for v in views if not is_primary() else ():  # process 0 holds them already
+            lo, hi = max(start - at, 0), min(start + chunk.size - at, v.size)
+            if lo < hi:
+                v[lo:hi] = chunk[at + lo - start : at + hi - start]
+            at += v.size
 
 
 @collective("broadcast_host_batch")
-def broadcast_host_batch(batch: Batch | None) -> Batch:
-    """Process 0's host batch on every process.
+def broadcast_host_batch(batch: Batch | None, *, chunk_bytes: int | None = None) -> Batch:
+    """Process 0's host batch on every process, in bounded collectives.
 
-    Process 0 passes its packed batch, the others None; all must call it (it runs two
-    collectives: the shapes, then the arrays). Returns numpy arrays equal to process 0's bit
-    for bit (the broadcast is a sum with zeros). With one process it returns ``batch``.
+    Process 0 passes its packed batch, the others None; all must call it. It broadcasts the
+    layout (names, dtypes, shapes: one small collective), then every array's bytes in chunks of
+    ``chunk_bytes`` (default ``DistributedConfig.broadcast_chunk_bytes``). Returns numpy arrays
+    equal to process 0's bit for bit; stored images (`RowImages`) travel as their encoded
+    bytes, index and processor JSON and are rebuilt equal. With one process it returns
+    ``batch``.
     """
     if is_primary() and batch is None:
         raise DistributedError("broadcast_host_batch: process 0 passed no batch")
     if jax.process_count() == 1:
         assert batch is not None
         return batch
+    arrays: dict[str, np.ndarray] = {}
+    spec = b""
     if is_primary():
         assert batch is not None
         check_batch(batch)
-        header = _header(batch)
-    else:
-        header = np.zeros((_HEADER,), np.int64)
-    header = np.asarray(multihost_utils.broadcast_one_to_all(header))
-    local = batch if is_primary() and batch is not None else _empty_batch(header)
-    out = multihost_utils.broadcast_one_to_all(local)
-    return jax.tree.map(np.asarray, out)
+        arrays = to_arrays(batch)
+        if batch.images is not None:
+            arrays["images.processor"] = _processor_json(batch.images)
+        spec = json.dumps([[k, a.dtype.str, a.shape] for k, a in arrays.items()]).encode()
+    size = np.asarray(multihost_utils.broadcast_one_to_all(np.asarray([len(spec)], np.int64)))
+    layout = np.frombuffer(spec, np.uint8).copy() if spec else np.zeros(int(size[0]), np.uint8)
+    chunk = chunk_bytes or _broadcast_chunk_bytes
+    _broadcast_arrays([layout], chunk)
+    if is_primary():
+        _broadcast_arrays([np.ascontiguousarray(a) for a in arrays.values()], chunk)
+        assert batch is not None
+        return batch
+    out = {k: np.zeros(s, np.dtype(t)) for k, t, s in json.loads(layout.tobytes())}
+    _broadcast_arrays(list(out.values()), chunk)
+    text = out.pop("images.processor", None)
+    processor = None if text is None else ImageProcessor.from_dict(json.loads(text.tobytes()))
+    return from_arrays(out, processor)
 
 
 def broadcast_host_batches(batches: list[Batch] | None) -> list[Batch]:

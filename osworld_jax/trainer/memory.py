@@ -156,7 +156,7 @@ def estimate_step_memory(
       batch_shards: devices the batch rows are split over (the data-parallel size).
       expert_parallel: devices the experts are split over with tokens dispatched to them (the
         mesh's ``expert`` axis when ``ModelRuntimeConfig.expert_parallel``; 1: none).
-      patches: image patches per row (``Batch.pixel_values.shape[1]``; 0: no images).
+      patches: image patches per row (``Batch.num_patches``; 0: no images).
     """
     c = jnp.dtype(runtime.dtype).itemsize
     m = c if config.master_dtype is None else jnp.dtype(config.master_dtype).itemsize

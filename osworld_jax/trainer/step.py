@@ -38,7 +38,8 @@ coefficients and PPO clipping are unchanged), which makes each micro-batch loss 
 Micro-batch ``i`` takes rows ``i, i + M, i + 2M, ...`` so every data shard holds an equal share.
 
 Images (a Qwen3-VL policy): the batch's ``pixel_values`` [R, Np, P] and ``image_grid_thw``
-[R, m, 3] are per row, so a micro-batch takes its rows' images with them; positions are the
+[R, m, 3] are per row (made from a host batch's stored screenshots at the trainer's upload, per
+device shard), so a micro-batch takes its rows' images with them; positions are the
 M-RoPE [3, R, T] (split along their row axis, 1). The vision tower runs inside the same forward;
 R3 replays the routes of image tokens like those of any other token.
 """

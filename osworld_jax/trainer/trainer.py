@@ -7,7 +7,8 @@ and HF export.
 
 Sharding: parameters follow the model room's `ShardingRules`; optimizer moments follow their
 parameters; batch rows are split over the rules' ``batch_axes`` (axis 0 of every field, axis 1
-of the M-RoPE positions [3, R, T]; a row's images travel with it); the jitted functions run
+of the M-RoPE positions [3, R, T]; a row's images travel with it: a host batch's stored
+screenshots become float32 patches per device shard at upload); the jitted functions run
 under ``jax.set_mesh(mesh)`` so the model's activation constraints apply. The step is jitted
 once per batch layout (text, or with images) and compiles once per padded shape.
 """
@@ -38,7 +39,7 @@ from osworld_jax.model import (
 from osworld_jax.model.params import decay_mask
 from osworld_jax.trainer.checkpoint import Checkpointer
 from osworld_jax.trainer.config import TrainerConfig
-from osworld_jax.trainer.distributed import collective
+from osworld_jax.trainer.distributed import collective, device_pixel_values
 from osworld_jax.trainer.memory import check_step_fits
 from osworld_jax.trainer.optimizer import make_optimizer, make_schedule
 from osworld_jax.trainer.state import NonFiniteError, TrainerError, TrainState
@@ -258,7 +259,9 @@ class Trainer:
         fields: dict[str, Any] = {}
         for name in Batch._fields:
             value = getattr(batch, name)
-            if value is None:
+            if name == "pixel_values" and batch.images is not None:
+                fields[name] = self._rows  # made from the stored images at upload
+            elif value is None or name == "images":
                 fields[name] = None
             elif name == "positions" and np.ndim(value) == 3:
                 fields[name] = self._rows_axis1
@@ -483,12 +486,16 @@ class Trainer:
             batch = batch._replace(routed_experts=None)  # type: ignore[arg-type]
         elif isinstance(batch.routed_experts, np.ndarray):
             validate_replay(batch.routed_experts, self.model)  # raises RouterReplayError
-        if batch.pixel_values is not None and not hasattr(self.model, "vision"):
+        if batch.has_images and not hasattr(self.model, "vision"):
             raise TrainerError(
                 "Batch.pixel_values: the batch has images but the policy is a text model"
             )
         shardings = self.batch_shardings(batch)
-        return jax.device_put(batch, shardings), shardings
+        images = batch.images
+        if images is None:
+            return jax.device_put(batch, shardings), shardings
+        device = jax.device_put(batch._replace(images=None), shardings._replace(pixel_values=None))
+        return device._replace(pixel_values=device_pixel_values(images, self._rows)), shardings
 
     # ------------------------------------------------------------------ checkpoints, export
 

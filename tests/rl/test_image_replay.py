@@ -26,7 +26,7 @@ from osworld_jax.agent import (
     OwnerAgent,
     pack_batch,
 )
-from osworld_jax.batch import BatchBounds
+from osworld_jax.batch import BatchBounds, with_pixel_values
 from osworld_jax.env.agent_env import OwnerResult
 from osworld_jax.env.backend import Observation
 from osworld_jax.model import Qwen3MoeConfig, load_hf_checkpoint
@@ -129,12 +129,18 @@ def test_a_packed_batch_with_images_reproduces_every_behaviour_logprob(vl_ckpt):
         length_buckets=[1024],
     )  # fmt: skip
     assert batch.tokens.shape[0] == OWNERS and batch.segment_ids.max() == 2  # packed rows
-    assert batch.pixel_values is not None and (batch.image_grid_thw[..., 0] > 0).sum() == 9
+    assert batch.pixel_values is None and (batch.image_grid_thw[..., 0] > 0).sum() == 9
+    # The host batch holds each distinct screenshot once (its PNG); the trainer makes the
+    # patches at its input boundary.
+    shown = {png for o in owners for s in o.segments for png in s.images}
+    assert set(batch.images.encoded) == shown and len(batch.images.encoded) == len(shown)
     policy = load_hf_checkpoint(vl_ckpt, dtype="float32")
     bounds = BatchBounds(num_owners=OWNERS, num_groups=1, norm_length=64)
     trainer = Trainer(trainer_config(), policy, bounds=bounds)
     state = trainer.init_state()
     lp = np.asarray(trainer.logprobs(state.params, batch))
+    # Bit for bit the logprobs of the whole-batch float32 patches (the former host batch).
+    np.testing.assert_array_equal(lp, trainer.logprobs(state.params, with_pixel_values(batch)))
     mask = batch.loss_mask > 0
     assert mask.sum() >= OWNERS * TURNS * 4
     diff = np.abs(lp - batch.behavior_logprobs)[mask]

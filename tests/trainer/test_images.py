@@ -20,7 +20,7 @@ from flax import nnx
 from PIL import Image
 
 from osworld_jax.agent import GroupSelection, OwnerRollout, Segment, VisionPacking, pack_batch
-from osworld_jax.batch import BatchBounds
+from osworld_jax.batch import BatchBounds, with_pixel_values
 from osworld_jax.model import (
     ImageProcessor,
     ModelRuntimeConfig,
@@ -166,8 +166,12 @@ def test_trainer_logprobs_equal_each_segment_alone(policy):
     for packed in (False, True):
         b = with_engine_replies(policy, batch(pack_segments=packed, length_buckets=[256]))
         assert b.tokens.shape[0] == (3 if packed else 4)
-        assert b.positions.shape == (3, *b.tokens.shape) and b.pixel_values is not None
+        # The host batch stores each screenshot once; the trainer makes the patches at upload.
+        assert b.positions.shape == (3, *b.tokens.shape) and b.images is not None
+        assert b.pixel_values is None
         lp = np.asarray(trainer.logprobs(state.params, b))
+        dense = np.asarray(trainer.logprobs(state.params, with_pixel_values(b)))
+        np.testing.assert_array_equal(lp, dense)  # the same pixels as the whole-batch patches
         for r, start, seg in spans(b):
             want, _ = alone(policy, seg)
             np.testing.assert_allclose(lp[r, start + 1 : start + seg.length], want[1:], atol=2e-6)
