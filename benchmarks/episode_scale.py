@@ -233,6 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--layers", type=int, default=48, help="L of routed_experts (Qwen3-VL-30B)")
     p.add_argument("--top-k", type=int, default=8)
+    p.add_argument(
+        "--experts",
+        type=int,
+        default=128,
+        help="E of the model (Qwen3-VL-30B: 128; routes in int8); 0: int32 routes as before",
+    )
     args = p.parse_args(argv)
 
     extra: dict[str, object] = {}
@@ -283,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         np.ones(len(pack), np.float32),
         num_layers=args.layers,
         top_k=args.top_k,
+        num_experts=args.experts or None,
         vision=vision,
     )
     t_pack = time.perf_counter() - t0

@@ -128,7 +128,10 @@ class Batch(NamedTuple):
       owner_ids: i32[R] logical owner in ``[0, num_owners)``.
       group_ids: i32[R] prompt group in ``[0, num_groups)``.
       row_weight: f32[R] 0 for padding rows and failed owners, else 1.
-      routed_experts: i32[R, T, L, K] engine route when token t was the input; -1 = none.
+      routed_experts: int[R, T, L, K] engine route when token t was the input; -1 = none. The
+        smallest signed integer type that holds the expert ids (`route_dtype`: int8 for 128
+        experts, as Qwen3-VL-30B-A3B): with 48 layers x top-8 the routes are most of a step's
+        host batch (a 16k-token row: 6 MiB in int8, 24 MiB in int32).
       pixel_values: f32[R, Np, P] row r's image patches back to back (its images in token
         order, each the image processor's patches), zero-padded to a patch bucket; None
         without images. Row r's images fill row r's ``<|image_pad|>`` runs in order.
@@ -170,6 +173,23 @@ class Batch(NamedTuple):
     def has_images(self) -> bool:
         """Whether the batch carries images (in either form)."""
         return self.pixel_values is not None or self.images is not None
+
+
+def route_dtype(num_experts: int | None) -> np.dtype:
+    """The dtype of ``Batch.routed_experts`` for a model of ``num_experts`` experts.
+
+    The smallest signed integer type holding ids ``0 .. num_experts - 1`` and the ``-1`` of no
+    route (int32 when ``num_experts`` is unknown).
+
+    >>> route_dtype(128), route_dtype(129), route_dtype(None)
+    (dtype('int8'), dtype('int16'), dtype('int32'))
+    """
+    if num_experts is None:
+        return np.dtype(np.int32)
+    for dtype in (np.int8, np.int16, np.int32):
+        if num_experts - 1 <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    raise ValueError(f"{num_experts} experts: ids beyond int32")
 
 
 def with_pixel_values(batch: Batch) -> Batch:
@@ -251,6 +271,9 @@ class BatchBounds:
                 )
 
 
+ROUTE_DTYPES = (np.dtype(np.int8), np.dtype(np.int16), np.dtype(np.int32))
+
+
 def check_batch(batch: Batch) -> None:
     """Raises ``ValueError`` naming the field when shapes or dtypes break the contract."""
     r, t = batch.tokens.shape
@@ -274,8 +297,11 @@ def check_batch(batch: Batch) -> None:
                 f"got {np.dtype(arr.dtype).name}{list(arr.shape)}"
             )
     re_ = batch.routed_experts
-    if re_.ndim != 4 or re_.shape[:2] != (r, t) or np.dtype(re_.dtype) != np.int32:
-        raise ValueError(f"Batch.routed_experts: expected int32[{r}, {t}, L, K], got {re_.shape}")
+    if re_.ndim != 4 or re_.shape[:2] != (r, t) or np.dtype(re_.dtype) not in ROUTE_DTYPES:
+        raise ValueError(
+            f"Batch.routed_experts: expected int8|int16|int32[{r}, {t}, L, K], got "
+            f"{np.dtype(re_.dtype).name}{list(re_.shape)}"
+        )
     pv, grid, images = batch.pixel_values, batch.image_grid_thw, batch.images
     if pv is not None and images is not None:
         raise ValueError("Batch.pixel_values and Batch.images: give one form of the images")

@@ -26,7 +26,7 @@ from osworld_jax.agent.config import BaselinePopulation, GroupPolicyConfig
 from osworld_jax.agent.errors import GroupPolicyError, PackingError
 from osworld_jax.agent.owner import OwnerRollout
 from osworld_jax.agent.segments import Segment
-from osworld_jax.batch import Batch, RowImages, check_batch
+from osworld_jax.batch import Batch, RowImages, check_batch, route_dtype
 from osworld_jax.errors import ConfigError
 from osworld_jax.model.mrope import mrope_positions
 from osworld_jax.model.processor import ImageProcessor
@@ -361,6 +361,7 @@ def pack_batch(
     *,
     num_layers: int,
     top_k: int,
+    num_experts: int | None = None,
     dp_size: int = 1,
     length_buckets: Sequence[int] | None = None,
     min_length: int = 128,
@@ -394,6 +395,8 @@ def pack_batch(
       advantages: f32[N] one advantage per selected owner.
       num_layers: L of ``routed_experts``.
       top_k: K of ``routed_experts``.
+      num_experts: E of the model: ``routed_experts`` takes `route_dtype` (int8 for up to 128
+        experts; None: int32).
       dp_size: the data-parallel size R must be a multiple of.
       length_buckets: allowed T values (else next power of two >= max(len, ``min_length``)).
       min_length: the smallest power-of-two T.
@@ -429,7 +432,8 @@ def pack_batch(
     owner_ids = np.zeros((r,), np.int32)
     group_ids = np.zeros((r,), np.int32)
     row_weight = np.zeros((r,), np.float32)
-    routes = np.full((r, t, num_layers, top_k), -1, np.int32)
+    routes = np.full((r, t, num_layers, top_k), -1, route_dtype(num_experts))
+    route_max = np.iinfo(routes.dtype).max
     for row, (i, g, segs) in enumerate(rows):
         owner_ids[row] = selection.owner_index[i]
         group_ids[row] = g
@@ -449,6 +453,11 @@ def pack_batch(
                     raise PackingError(
                         f"owner {i}: routed_experts [L, K] = {seg.routed_experts.shape[1:]}, "
                         f"expected ({num_layers}, {top_k})"
+                    )
+                if int(seg.routed_experts.max(initial=-1)) > route_max:
+                    raise PackingError(
+                        f"owner {i}: routed_experts holds expert id "
+                        f"{int(seg.routed_experts.max())}, the model has {num_experts} experts"
                     )
                 routes[row, span] = seg.routed_experts
             at += n

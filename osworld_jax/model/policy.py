@@ -123,6 +123,8 @@ def forward(
     common |= dict(positions=cache_positions, valid=valid)
     num_deep = 0 if deep is None else deep.levels
 
+    if replay_experts is not None:  # the batch's compact route type (int8 for 128 experts)
+        replay_experts = replay_experts.astype(jnp.int32)
     routed, counts, prob_sums, z_sums, new_k, new_v = [], [], [], [], [], []
     agreeing, replayed = [], []
     for is_moe, start, end, kind_start in _split_runs(layer_runs(config), num_deep):

@@ -217,6 +217,7 @@ class RunResources(RolloutResources):
         self.pack_kwargs: dict[str, Any] = dict(
             num_layers=model_config.num_hidden_layers,
             top_k=model_config.num_experts_per_tok,
+            num_experts=model_config.num_experts,
             dp_size=self.trainer.data_parallel * exp.trainer.num_micro_batches,
             length_buckets=rl.length_buckets or None,
             row_buckets=[owners * k for k in range(1, 9)],

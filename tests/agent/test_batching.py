@@ -214,6 +214,19 @@ def test_routes_with_the_wrong_layer_count_are_rejected():
         pack(owners, [1.0], num_layers=4, top_k=K)
 
 
+def test_routes_take_the_smallest_type_of_the_models_expert_ids():
+    owners = [owner(0, 0, 1.0, [segment(0, 0, 3, 2, seed=s)]) for s in range(2)]
+    wide, _ = pack(owners, [1.0, -1.0], num_layers=L, top_k=K)
+    small, _ = pack(owners, [1.0, -1.0], num_layers=L, top_k=K, num_experts=128)
+    assert wide.routed_experts.dtype == np.int32 and small.routed_experts.dtype == np.int8
+    np.testing.assert_array_equal(small.routed_experts, wide.routed_experts)  # -1 kept
+    assert small.routed_experts.nbytes * 4 == wide.routed_experts.nbytes
+    seg = segment(0, 0, 3, 2)
+    seg.routed_experts[0, 0, 0] = 200  # an id the int8 of 128 experts cannot hold
+    with pytest.raises(PackingError, match="expert id 200, the model has 128 experts"):
+        pack([owner(0, 0, 1.0, [seg])], [1.0], num_layers=L, top_k=K, num_experts=128)
+
+
 def test_generated_media_tokens_get_no_advantage():
     # Output starts with media token 7 (history media id): its mask and advantage are 0.
     seg = segment(0, 0, 3, 4, media=(7,))

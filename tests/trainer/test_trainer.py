@@ -184,6 +184,11 @@ def test_router_replay_uses_batch_routes(policy, trainer):
     bad[0, 0, 0, :] = [0, 0]  # duplicate expert ids
     with pytest.raises(RouterReplayError):
         trainer.logprobs(params, batch._replace(routed_experts=bad))
+    # The compact route type (pack_batch's int8 for up to 128 experts) replays the same routes.
+    small = batch._replace(routed_experts=batch.routed_experts.astype(np.int8))
+    np.testing.assert_array_equal(
+        np.asarray(trainer.logprobs(params, small)), np.asarray(trainer.logprobs(params, batch))
+    )
 
 
 @pytest.mark.slow
