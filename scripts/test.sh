@@ -11,6 +11,8 @@ export OSWORLD_JAX_REQUIRE_APPS=1
 .venv/bin/mypy osworld_jax
 # Two workers (pytest-xdist), a test file each at a time: XLA compiles on one thread and many
 # slow tests wait on the processes they start, so one worker leaves a core idle most of the time.
+# Files are handed out in collection order (tests/conftest.py puts the longest first), not
+# xdist's most-tests-first (which left the few-test end-to-end files to the end).
 # OSWORLD_JAX_TEST_WORKERS=0 runs everything in this process.
 exec .venv/bin/python -m pytest -q --runslow -p no:cacheprovider \
-  -n "${OSWORLD_JAX_TEST_WORKERS:-2}" --dist loadfile "$@"
+  -n "${OSWORLD_JAX_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

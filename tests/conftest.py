@@ -108,7 +108,8 @@ def _file_rank(item, slow_files: set) -> int:
 
 def pytest_collection_modifyitems(config, items):
     # The longest files first, then files with slow tests, then the rest (each file's own order
-    # kept): xdist's --dist loadfile hands files out in this order, so the long end-to-end files
+    # kept): xdist's --dist loadfile --no-loadscope-reorder (scripts/test.sh) hands files out in
+    # this order (its default reorders by number of tests), so the long end-to-end files
     # start early and the many quick files fill in beside them, instead of one long file running
     # alone at the end while the other worker idles.
     slow_files = {item.path for item in items if "slow" in item.keywords}
