@@ -14,6 +14,7 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import aiohttp
 import pytest
 
 from osworld_jax.rollout import RolloutConfig, SamplingParams, SGLangClient, launch_embedded
@@ -109,7 +110,13 @@ def test_server_killed_mid_step_then_refit_skips_it(servers):
             ]
             while by_url[victim.url].outstanding < SLOTS:  # all of the victim's share sent
                 await asyncio.sleep(0.01)
-            await asyncio.sleep(0.1)  # let the victim start prefilling / decoding
+            await asyncio.sleep(0.02)  # let the victim start prefilling / decoding
+            # and hold its requests where they are (its 8 x 48 tokens were once all done within
+            # a 0.1 s wait): the kill is mid-request whatever the machine's speed
+            async with aiohttp.ClientSession() as http:
+                pause = {"mode": "in_place"}
+                async with http.post(victim.url + "/pause_generation", json=pause) as resp:
+                    assert resp.status == 200, await resp.text()
             in_flight_at_kill = by_url[victim.url].outstanding
             dispatched_before = {u: s.dispatched for u, s in by_url.items()}
             # The spread is the load up to the kill: afterwards the victim's requests are retried
