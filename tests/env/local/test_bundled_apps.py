@@ -61,14 +61,16 @@ def _apps_installed() -> bool:
 
 
 async def _wait_for_window(sandbox, title: str) -> None:
-    """Waits (up to 90 s) for the app's window, as an agent looking at the screen would."""
+    """Waits (up to 90 s) for the app's window to have the keyboard focus, as an agent looking
+    at the screen would (keys typed before that go nowhere: seen on a loaded machine)."""
     for _ in range(900):
-        res = await sandbox.vm.execute(["wmctrl", "-l"])
+        res = await sandbox.vm.execute(["xdotool", "getactivewindow", "getwindowname"])
         if title in res["output"]:
             await asyncio.sleep(2.0)  # (a window shows before its app takes keys)
             return
         await asyncio.sleep(0.1)
-    raise AssertionError(f"{sandbox.task.id}: no {title!r} window after 90 s")
+    listed = (await sandbox.vm.execute(["wmctrl", "-l"]))["output"]
+    raise AssertionError(f"{sandbox.task.id}: no focused {title!r} window after 90 s: {listed}")
 
 
 async def _tabs(sandbox) -> list[str]:
