@@ -112,8 +112,10 @@ def pytest_collection_modifyitems(config, items):
     # this order (its default reorders by number of tests), so the long end-to-end files
     # start early and the many quick files fill in beside them, instead of one long file running
     # alone at the end while the other worker idles.
-    slow_files = {item.path for item in items if "slow" in item.keywords}
-    items.sort(key=lambda item: _file_rank(item, slow_files))
+    # One process (no xdist worker): the files' plain order.
+    if hasattr(config, "workerinput"):
+        slow_files = {item.path for item in items if "slow" in item.keywords}
+        items.sort(key=lambda item: _file_rank(item, slow_files))
     if config.getoption("--runslow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --runslow (.ci/run does)")
