@@ -130,9 +130,14 @@ def _apps_missing(names: tuple[str, ...]) -> list[str]:
     return [a.name for a in apps.APPS if a.name in names and not apps.installed(a)]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def real_apps():
-    """One jailed desktop whose real applications make test files (``RealApps``), per session.
+    """One jailed desktop whose real applications make test files (``RealApps``), per module.
+
+    Not per session: with its headless LibreOffice still running, a later test's jailed Calc
+    (tests/env/local/test_bundled_apps.py, calc-sum-column) scored its correct solution 0
+    (reproduced in one process: test_table's apps tests, then that test; the cause is not
+    known yet: a possible cross-jail LibreOffice interaction, see the stop's closing note).
 
     Skips without LibreOffice, Chromium, GIMP, VLC and Thunderbird (``bash scripts/setup.sh
     --apps``); with ``OSWORLD_JAX_REQUIRE_APPS=1`` (CI's ``scripts/test.sh``) that is a failure.
