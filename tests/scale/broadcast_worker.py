@@ -80,22 +80,10 @@ def digest(b: Batch) -> str:
 def main() -> None:
     coordinator, pid, chunk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     from osworld_jax.trainer import distributed
-    from osworld_jax.trainer.distributed import (
-        DistributedConfig,
-        broadcast_host_batch,
-        initialize_distributed,
-    )
+    from osworld_jax.trainer.distributed import broadcast_host_batch
+    from tests.scale.pair import init_pair
 
-    initialize_distributed(
-        DistributedConfig(
-            coordinator_address=coordinator,
-            num_processes=2,
-            process_id=pid,
-            initialization_timeout_s=60,
-            collective_timeout_s=60,
-            broadcast_chunk_bytes=chunk,
-        )
-    )
+    init_pair(coordinator, pid, collective_timeout_s=60, broadcast_chunk_bytes=chunk)
     sizes = []
     broadcast = distributed.multihost_utils.broadcast_one_to_all
 

@@ -26,22 +26,13 @@ def main() -> None:
     scenario, coordinator, pid, timeout = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     from osworld_jax.trainer.distributed import (
         CollectiveTimeout,
-        DistributedConfig,
         barrier,
         guarded,
-        initialize_distributed,
         params_to_host,
     )
+    from tests.scale.pair import init_pair
 
-    initialize_distributed(
-        DistributedConfig(
-            coordinator_address=coordinator,
-            num_processes=2,
-            process_id=pid,
-            initialization_timeout_s=60,
-            collective_timeout_s=int(timeout),
-        )
-    )
+    init_pair(coordinator, pid, collective_timeout_s=int(timeout))
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -8,44 +8,24 @@ each screenshot travels once, as its encoded bytes; every collective carries at 
 from __future__ import annotations
 
 import hashlib
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from osworld_jax.batch import with_pixel_values
+from tests.scale.pair import kill_pair, spawn_pair
 
 WORKER = Path(__file__).with_name("broadcast_worker.py")
-REPO = WORKER.parents[2]
 CHUNK = 1000  # bytes: the batch (~3.5 KB of arrays, ~25 KB of PNGs) takes dozens of chunks
 
 
 def _run() -> list[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        coordinator = f"127.0.0.1:{s.getsockname()[1]}"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), coordinator, str(pid), str(CHUNK)],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for pid in range(2)
-    ]
+    procs = spawn_pair(WORKER, lambda coordinator, pid: [coordinator, str(pid), str(CHUNK)])
     try:
         out = [p.communicate(timeout=240)[0] for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_pair(procs)
     for p, text in zip(procs, out, strict=True):
         assert p.returncode == 0, text
     return out

@@ -8,38 +8,24 @@ batch broadcast).
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.scale.pair import kill_pair, spawn_pair
+
 WORKER = Path(__file__).with_name("collective_worker.py")
-REPO = WORKER.parents[2]
 TIMEOUT_S = 6  # DistributedConfig.collective_timeout_s of the workers
 SLACK_S = 60  # start-up of two jax processes on a loaded 2-core machine, and exit
 
 
 def _run(scenario: str) -> list[tuple[int, str, float]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        coordinator = f"127.0.0.1:{s.getsockname()[1]}"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     t0 = time.monotonic()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, coordinator, str(pid), str(TIMEOUT_S)],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for pid in range(2)
-    ]
+    procs = spawn_pair(
+        WORKER, lambda coordinator, pid: [scenario, coordinator, str(pid), str(TIMEOUT_S)]
+    )
     out = []
     try:
         for p in procs:
@@ -48,10 +34,7 @@ def _run(scenario: str) -> list[tuple[int, str, float]]:
     except subprocess.TimeoutExpired:
         pytest.fail(f"{scenario}: a process still runs after {TIMEOUT_S + SLACK_S} s (a hang)")
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_pair(procs)
     return out
 
 
