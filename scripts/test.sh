@@ -10,9 +10,8 @@ export OSWORLD_JAX_REQUIRE_APPS=1
 .venv/bin/ruff format --check osworld_jax tests scripts benchmarks
 .venv/bin/mypy osworld_jax
 # One process by default. OSWORLD_JAX_TEST_WORKERS=2 runs two pytest-xdist workers, a test file
-# each at a time, the longest files first (tests/conftest.py; --no-loadscope-reorder keeps that
-# order): 42 min for the whole command on a 2-core machine, but there the end-to-end tests, the
-# real applications and the /health latency bounds share two cores with a second suite, and a
-# LibreOffice task (calc-sum-column) and a 1 s /health bound failed in two rehearsals of two.
+# each at a time (42 min for the whole command on 2 cores instead of about an hour), but there
+# the end-to-end tests, the real applications and the 1 s /health bounds share two cores with a
+# second suite, and a /health bound failed under that load.
 exec .venv/bin/python -m pytest -q --runslow -p no:cacheprovider \
-  -n "${OSWORLD_JAX_TEST_WORKERS:-0}" --dist loadfile --no-loadscope-reorder "$@"
+  -n "${OSWORLD_JAX_TEST_WORKERS:-0}" --dist loadfile "$@"

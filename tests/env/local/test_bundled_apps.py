@@ -62,7 +62,7 @@ def _apps_installed() -> bool:
 
 async def _wait_for_window(sandbox, title: str) -> None:
     """Waits (up to 90 s) for the app's window to have the keyboard focus, as an agent looking
-    at the screen would (keys typed before that go nowhere: seen on a loaded machine)."""
+    at the screen would (keys typed before that would reach another window)."""
     for _ in range(900):
         res = await sandbox.vm.execute(["xdotool", "getactivewindow", "getwindowname"])
         if title in res["output"]:
