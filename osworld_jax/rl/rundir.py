@@ -171,14 +171,35 @@ def _late_completion_on_closed_loop(unraisable: Any) -> bool:
     )
 
 
+# absl's canonical status codes: how tensorstore's errors begin ("FAILED_PRECONDITION: ...").
+_STATUS_CODES = (
+    "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+    "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+    "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+    "UNAUTHENTICATED",
+)  # fmt: skip
+
+
+def _tensorstore_status(error: BaseException) -> bool:
+    """An error that tensorstore set on an awaited read or write (a status, no Python frame)."""
+    return (
+        isinstance(error, ValueError)
+        and error.__traceback__ is None
+        and str(error).startswith(tuple(f"{c}: " for c in _STATUS_CODES))
+    )
+
+
 class _DropAbandonedOrbaxTasks(logging.Filter):
-    """asyncio's "Task/Future exception was never retrieved" for orbax's abandoned reads."""
+    """asyncio's "Task/Future exception was never retrieved" for orbax's abandoned reads:
+    orbax's own coroutines (a traceback through orbax) and the futures that tensorstore
+    completed with a status after orbax gave up awaiting them (no traceback at all: logged as
+    a bare ``ValueError: FAILED_PRECONDITION: ...`` line after the run's one-line error)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
         if error is None or "exception was never retrieved" not in record.getMessage():
             return True
-        return not _raised_in_orbax(error)
+        return not (_raised_in_orbax(error) or _tensorstore_status(error))
 
 
 def quiet_storage_tracebacks() -> None:
@@ -188,7 +209,11 @@ def quiet_storage_tracebacks() -> None:
     with its traceback before the failure reaches the run; and when one array of a damaged
     checkpoint fails to read, orbax abandons the reads of the others, whose coroutines Python
     reports ("Exception ignored in: <coroutine ...>", with a traceback) when they are collected,
-    and asyncio logs those that ended in an exception ("Task exception was never retrieved");
+    and asyncio logs those that ended in an exception ("Task exception was never retrieved"),
+    and the futures of reads and writes that tensorstore completed with an error after orbax
+    stopped awaiting them ("Future exception was never retrieved": the error has no traceback,
+    so the report's last line is a bare ``ValueError: FAILED_PRECONDITION: ...`` or
+    ``RESOURCE_EXHAUSTED: ...``, printed whenever they are collected, after the one line);
     reads still in flight complete after orbax closed their event loop, which tensorstore
     reports as an unraisable ``RuntimeError('Event loop is closed')`` raised straight from
     asyncio's ``call_soon_threadsafe``. Other unraisable exceptions and asyncio reports are

@@ -315,6 +315,42 @@ def test_quiet_storage_tracebacks_drops_only_orbax_tasks_never_retrieved(monkeyp
     ], [r.getMessage() for r in reported]
 
 
+def test_quiet_storage_tracebacks_drops_tensorstore_futures_never_retrieved(monkeypatch, caplog):
+    """A read or write that tensorstore completed with an error after orbax stopped awaiting it:
+    asyncio logs its future when collected, with no traceback, so the report's last line is a
+    bare ``ValueError: FAILED_PRECONDITION: ...`` after the run's one line (seen on CI under
+    both the corrupt-checkpoint and the full-disk run). Those are dropped; a future that failed
+    with anything else is still reported."""
+    import asyncio
+    import gc
+    import logging
+
+    from osworld_jax.rl.rundir import quiet_storage_tracebacks
+
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        monkeypatch.setattr(logger, "filters", list(logger.filters))
+    quiet_storage_tracebacks()
+    errors = [
+        ValueError('FAILED_PRECONDITION: Error reading "params.mlp.gate/0.0.0" in OCDBT'),
+        ValueError("RESOURCE_EXHAUSTED: Error writing \"x\" [os_error_code='28']"),
+        ValueError("FAILED_PRECONDITION but not a status"),
+        KeyError("DATA_LOSS: a KeyError is not tensorstore's"),
+    ]
+
+    async def abandon() -> None:
+        loop = asyncio.get_running_loop()
+        for error in errors:
+            loop.create_future().set_exception(error)  # completed, never awaited
+        gc.collect()
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        asyncio.run(abandon())
+        gc.collect()
+    reported = [r.exc_info[1] for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert reported == errors[2:], reported
+
+
 def test_quiet_storage_tracebacks_drops_reads_completed_after_their_loop_closed(monkeypatch):
     """A tensorstore read awaited on a loop that orbax closed completes later, from
     tensorstore's thread: ``RuntimeError('Event loop is closed')`` reported as unraisable with
