@@ -318,6 +318,7 @@ def test_a_hostile_checkpoint_directory_is_refused_and_health_reports_a_stuck_en
     assert after == 200
 
 
+@pytest.mark.serial  # a 1 s latency bound: not beside another worker's compile on 2 cores
 def test_a_looping_chat_template_and_a_30_mb_body_do_not_stall_health(vl_engine, monkeypatch):
     """Item 9: a checkpoint template with two nested range(100000) loops gets a 400 at the
     deadline while /health keeps answering (< 1 s); so does a 30 MB chat body."""

@@ -83,6 +83,7 @@ def _config(ckpt, urls) -> RolloutConfig:
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a kill timed against requests in flight on three servers
 def test_server_killed_mid_step_then_refit_skips_it(servers):
     ckpt, base, srvs = servers
     new_weights = _ckpt(base / "w1", seed=1)

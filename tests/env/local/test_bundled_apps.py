@@ -41,6 +41,11 @@ WINDOWS = {
 }
 
 
+# Real applications typed into on a clock (the task's own postconfig saves, then waits 3 s):
+# run alone, after the parallel part of scripts/test.sh.
+pytestmark = pytest.mark.serial
+
+
 def _solutions() -> dict:
     return json.loads(SOLUTIONS.read_text())["tasks"]
 
