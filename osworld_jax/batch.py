@@ -5,9 +5,11 @@ is a ``NamedTuple`` and therefore already a jax pytree.
 
 Images have two forms. The host step batch (``pack_batch``) stores each distinct screenshot of
 the batch once, as the encoded bytes the server was given (`RowImages`: rows refer to them by
-index); the trainer makes the float32 patches at its input boundary, per device shard of rows
-(`RowImages.pixel_values`, `with_pixel_values`), so the step's ``pixel_values`` never exist
-whole on the host. A device batch has ``pixel_values`` f32[R, Np, P] and ``images=None``.
+index); the trainer makes their uint8 patch levels at its input boundary, per device shard of
+rows (`RowImages.levels`), and looks the float32 values up on the device, so the step's
+``pixel_values`` never exist on the host (`RowImages.pixel_values`, `with_pixel_values`: the
+same lookup on the host, for tests and tools). A device batch has ``pixel_values``
+f32[R, Np, P] and ``images=None``.
 """
 
 from __future__ import annotations
@@ -27,8 +29,28 @@ class Patchifier(Protocol):
         """P, the values per patch."""
         ...
 
+    @property
+    def temporal_patch_size(self) -> int:
+        """T, the frames of a patch (an image is repeated T times)."""
+        ...
+
     def __call__(self, image: bytes, /) -> tuple[np.ndarray, np.ndarray]:
         """``(patches f32[n, P], grid_thw i32[1, 3])`` of one encoded image."""
+        ...
+
+    def levels(self, image: bytes, /) -> tuple[np.ndarray, np.ndarray]:
+        """``(levels u8[n, C, P / (C T)], grid_thw i32[1, 3])``: patches before the lookup.
+
+        ``patches_from_levels(levels)`` is the ``patches`` of ``__call__`` bit for bit.
+        """
+        ...
+
+    def value_table(self) -> np.ndarray:
+        """f32[C, 256]: channel c's patch value of each uint8 level."""
+        ...
+
+    def patches_from_levels(self, levels: np.ndarray, /) -> np.ndarray:
+        """u8[n, C, P / (C T)] -> f32[n, P]."""
         ...
 
 
@@ -82,15 +104,25 @@ class RowImages:
             processor=processor,
         )
 
-    def pixel_values(self, rows: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
-        """f32[len(rows), Np, P]: the patches of ``rows`` (default all), each image made once.
+    def levels(
+        self, rows: Sequence[int] | np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The uint8 patch levels of ``rows`` (default all), each image decoded once.
+
+        Returns:
+          (levels u8[len(rows), Np, C, P / (C T)]: row r's images' levels back to back, zero
+          beyond them; counts i32[len(rows)]: row r's real patches, the rest is padding whose
+          patches are 0.0). The float32 patches are the processor's value table looked up
+          (`pixel_values` on the host; the trainer does it on the device, from 1 / (4 T) of
+          the bytes).
 
         Raises:
           ValueError: the processor made another grid than ``grid_thw`` of an image, or a row's
             images need more than ``num_patches`` patches.
         """
         rows = np.arange(self.index.shape[0]) if rows is None else np.asarray(rows, np.int64)
-        out = np.zeros((rows.size, self.num_patches, self.processor.patch_dim), np.float32)
+        out: np.ndarray | None = None
+        counts = np.zeros((rows.size,), np.int32)
         made: dict[int, np.ndarray] = {}
         for j, r in enumerate(rows.tolist()):
             at = 0
@@ -98,7 +130,7 @@ class RowImages:
                 if i < 0:
                     continue
                 if i not in made:
-                    made[i], grid = self.processor(self.encoded[i])
+                    made[i], grid = self.processor.levels(self.encoded[i])
                     if not np.array_equal(grid.reshape(-1), self.grid_thw[i]):
                         raise ValueError(
                             f"RowImages: image {i}'s patch grid is {grid.reshape(-1).tolist()}, "
@@ -109,8 +141,27 @@ class RowImages:
                     raise ValueError(
                         f"RowImages: row {r}'s images need more than {self.num_patches} patches"
                     )
+                if out is None:  # [R, Np, C, P / (C T)]
+                    out = np.zeros((rows.size, self.num_patches, *made[i].shape[1:]), np.uint8)
                 out[j, at : at + n] = made[i]
                 at += n
+            counts[j] = at
+        if out is None:  # no image in these rows
+            dim = self.processor.patch_dim // self.processor.temporal_patch_size
+            out = np.zeros((rows.size, self.num_patches, 3, dim // 3), np.uint8)
+        return out, counts
+
+    def pixel_values(self, rows: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
+        """f32[len(rows), Np, P]: the patches of ``rows`` (default all), each image made once.
+
+        Raises:
+          ValueError: as `levels`.
+        """
+        levels, counts = self.levels(rows)
+        r, np_ = levels.shape[:2]
+        out = self.processor.patches_from_levels(levels.reshape(r * np_, *levels.shape[2:]))
+        out = out.reshape(r, np_, self.processor.patch_dim)
+        out[np.arange(np_)[None, :] >= counts[:, None]] = 0.0  # padding patches
         return out
 
 

@@ -272,17 +272,31 @@ class ImageProcessor:
           (pixel_values f32[N, 3 * T * P * P] in HF's patch order, image_grid_thw i32[n, 3]),
           the patches of the n images concatenated in order.
         """
+        levels, grids = self.levels(images)
+        return self.patches_from_levels(levels), grids
+
+    def levels(self, images: ImageLike | Sequence[ImageLike]) -> tuple[np.ndarray, np.ndarray]:
+        """The images' resized uint8 levels in patch order, before rescale and normalise.
+
+        ``patches_from_levels(levels(x)[0])`` is ``self(x)[0]`` bit for bit; the levels are
+        1 / (4 T) of the float32 patches' bytes (a 1920x1080 screenshot at Qwen3-VL's limits:
+        6.0 MiB instead of 47.8), so a trainer can send them and look the values up on device.
+
+        Returns:
+          (levels u8[N, 3, P * P]: patch n's channel c in HF's pixel order, image_grid_thw
+          i32[n, 3]), the patches of the n images concatenated in order.
+        """
         if isinstance(images, (Image.Image, np.ndarray, bytes, bytearray)):
             images = [images]
-        patches, grids = [], []
+        blocks, grids = [], []
         for i, image in enumerate(images):
             rgb = _to_rgb(image, i, convert=self.do_convert_rgb)
-            p, grid = self._one(rgb, i)
-            patches.append(p)
+            b, grid = self._one(rgb, i)
+            blocks.append(b)
             grids.append(grid)
-        if not patches:
-            return np.zeros((0, self.patch_dim), np.float32), np.zeros((0, 3), np.int32)
-        return np.concatenate(patches, axis=0), np.asarray(grids, np.int32)
+        if not blocks:
+            return np.zeros((0, 3, self.patch_size**2), np.uint8), np.zeros((0, 3), np.int32)
+        return np.concatenate(blocks, axis=0), np.asarray(grids, np.int32)
 
     def _one(self, image: Image.Image, index: int) -> tuple[np.ndarray, tuple[int, int, int]]:
         width, height = image.size
@@ -293,9 +307,9 @@ class ImageProcessor:
         if self.do_resize:  # HF resizes even when the size is unchanged (a copy then)
             image = image.resize((w, h), resample=self.resample)
         pixels: np.ndarray = np.asarray(image)  # [H', W', 3] uint8
-        return self._patchify(pixels.transpose(2, 0, 1))
+        return self._patch_levels(pixels.transpose(2, 0, 1))
 
-    def _value_table(self) -> np.ndarray:
+    def value_table(self) -> np.ndarray:
         """f32[3, 256]: each channel's processed value of every uint8 level.
 
         ``(float32(u8 * rescale_factor in float64) - mean) / std`` in float32, i.e. HF's rescale
@@ -310,21 +324,29 @@ class ImageProcessor:
             x = (x - mean) / std
         return np.ascontiguousarray(x, np.float32)
 
-    def _patchify(self, chw: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
-        """uint8 [C, H', W'] -> (patches f32[gh * gw, C * T * P * P], (1, gh, gw)), HF's order."""
+    def _patch_levels(self, chw: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
+        """uint8 [C, H', W'] -> (levels u8[gh * gw, C, P * P], (1, gh, gw)), HF's patch order."""
         c, h, w = chw.shape
-        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        p, m = self.patch_size, self.merge_size
         gh, gw = h // p, w // p
         blocks = chw.reshape(c, gh // m, m, p, gw // m, m, p)
         blocks = blocks.transpose(1, 4, 2, 5, 0, 3, 6)  # [gh/m, gw/m, m, m, C, P, P] uint8
-        levels = np.ascontiguousarray(blocks).reshape(gh * gw, c, p * p)
-        table = self._value_table()
-        out = np.empty((gh * gw, c, t, p * p), np.float32)  # each frame repeats the image
+        return np.ascontiguousarray(blocks).reshape(gh * gw, c, p * p), (1, gh, gw)
+
+    def patches_from_levels(self, levels: np.ndarray) -> np.ndarray:
+        """u8[N, C, P * P] (`levels`) -> f32[N, C * T * P * P]: the value table looked up.
+
+        Each of the T frames is the same image (HF's patch layout).
+        """
+        n, c, pp = levels.shape
+        t = self.temporal_patch_size
+        table = self.value_table()
+        out = np.empty((n, c, t, pp), np.float32)
         for ch in range(c):
             values = table[ch][levels[:, ch]]  # [N, P * P]
             for frame in range(t):
                 out[:, ch, frame] = values
-        return out.reshape(gh * gw, c * t * p * p), (1, gh, gw)
+        return out.reshape(n, c * t * pp)
 
 
 def _to_rgb(image: ImageLike, index: int, *, convert: bool) -> Image.Image:

@@ -190,10 +190,12 @@ def _tensorstore_status(error: BaseException) -> bool:
 
 
 class _DropAbandonedOrbaxTasks(logging.Filter):
-    """asyncio's "Task/Future exception was never retrieved" for orbax's abandoned reads:
-    orbax's own coroutines (a traceback through orbax) and the futures that tensorstore
+    """asyncio's "Task/Future exception was never retrieved" for orbax's abandoned reads.
+
+    Orbax's own coroutines (a traceback through orbax) and the futures that tensorstore
     completed with a status after orbax gave up awaiting them (no traceback at all: logged as
-    a bare ``ValueError: FAILED_PRECONDITION: ...`` line after the run's one-line error)."""
+    a bare ``ValueError: FAILED_PRECONDITION: ...`` line after the run's one-line error).
+    """
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None

@@ -447,26 +447,6 @@ def collective(name: str) -> Callable[[_F], _F]:
 # ---------------------------------------------------------------------- host batches
 
 
-def device_pixel_values(images: RowImages, sharding: jax.sharding.Sharding) -> jax.Array:
-    """``pixel_values`` f32[R, Np, P] laid out as ``sharding``, made from the stored images.
-
-    The host makes the float32 patches of one device shard of rows at a time (each row range
-    once, copied to the devices that hold it, then dropped), so a step's patches are never
-    whole on the host: its peak is one shard's rows, and each process makes only its own rows.
-    """
-    rows = images.index.shape[0]
-    shape = (rows, images.num_patches, images.processor.patch_dim)
-    ranges: dict[tuple[int, int], list[Any]] = collections.defaultdict(list)
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
-        ranges[(index or (slice(None),))[0].indices(rows)[:2]].append(device)
-    shards = []
-    for (start, stop), devices in ranges.items():
-        host = images.pixel_values(np.arange(start, stop))  # [stop - start, Np, P]
-        shards += [jax.device_put(host, d) for d in devices]
-        jax.block_until_ready(shards[-len(devices) :])  # then the next range's host copy
-    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
-
-
 def _processor_json(images: RowImages) -> np.ndarray:
     """The stored images' processor as its HF JSON (the other processes rebuild it)."""
     if not isinstance(images.processor, ImageProcessor):

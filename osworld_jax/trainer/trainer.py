@@ -39,7 +39,8 @@ from osworld_jax.model import (
 from osworld_jax.model.params import decay_mask
 from osworld_jax.trainer.checkpoint import Checkpointer
 from osworld_jax.trainer.config import TrainerConfig
-from osworld_jax.trainer.distributed import collective, device_pixel_values
+from osworld_jax.trainer.distributed import collective
+from osworld_jax.trainer.images import device_pixel_values
 from osworld_jax.trainer.memory import check_step_fits
 from osworld_jax.trainer.optimizer import make_optimizer, make_schedule
 from osworld_jax.trainer.state import NonFiniteError, TrainerError, TrainState

@@ -213,3 +213,30 @@ def test_text_model_path_is_unchanged():
     trainer = Trainer(trainer_config(), text_policy, bounds=BOUNDS)
     with pytest.raises(TrainerError, match="text model"):
         trainer.train_step(trainer.init_state(), batch())
+
+
+def test_device_patches_from_uint8_levels_equal_the_host_processors_bit_for_bit():
+    """The trainer sends each device shard's uint8 patch levels and the processor's value table,
+    and looks the float32 patches up on the device: the same values as the host processor's
+    patches of the same PNGs (``with_pixel_values``), padding patches 0.0, a text-only row
+    zeros, over 8 devices that split the rows; the levels are 1 / (4 T) of the patches' bytes."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from osworld_jax.trainer.images import device_pixel_values
+
+    b = batch(dp_size=8)  # 3 rows with images, a text-only row, 4 padding rows: one per device
+    images, dense = b.images, with_pixel_values(b).pixel_values
+    levels, counts = images.levels()
+    assert levels.dtype == np.uint8 and levels.nbytes * 4 * PROCESSOR.temporal_patch_size == (
+        dense.nbytes
+    )
+    assert counts.tolist() == [int(np.prod(g, axis=-1).sum()) for g in b.image_grid_thw]
+    assert 0 in counts.tolist() and np.all(dense[counts == 0] == 0.0)  # text-only / padding rows
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(8), ("data",))
+    on_device = device_pixel_values(images, NamedSharding(mesh, PartitionSpec("data")))
+    assert on_device.sharding.shard_shape(on_device.shape)[0] == dense.shape[0] // 8
+    np.testing.assert_array_equal(np.asarray(on_device), dense)
+    # and each image alone through the processor (the server's path): the same values
+    first = np.concatenate([PROCESSOR(png)[0] for png in SEGMENTS[1][0].images])
+    row = next(r for r in range(len(counts)) if b.owner_ids[r] == 1 and counts[r])
+    np.testing.assert_array_equal(np.asarray(on_device[row, : first.shape[0]]), first)
