@@ -3,11 +3,14 @@
 For each case: the patch grid, the LM image tokens, and the best wall time over ``--reps`` calls
 (the least disturbed by other load) of ours and of transformers' ``Qwen2VLImageProcessorPil``
 (the reference we are bit-equal to), PNG decoding included for the screenshot (``bytes`` in, as
-a sandbox observation gives).
+a sandbox observation gives). Then the trainer's upload (``trainer/images.py``): the host's
+part (``levels``: decode, resize, patch order in uint8) and the value lookup on the device
+(``patches_from_levels``, jitted; on this machine the "device" is the CPU), and the bytes sent
+(uint8 levels against the float32 patches the host made before).
 
 Usage::
 
-    python benchmarks/image_processor.py [--reps 10]
+    python benchmarks/image_processor.py [--reps 10] [--upload-rows 4]
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ def _best_ms(fn, reps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--upload-rows", type=int, default=4, help="0: no upload measurement")
     args = parser.parse_args()
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
@@ -57,8 +61,17 @@ def main() -> None:
             rng.randint(0, 256, (720, 1280, 3), dtype=np.uint8),
         ),
     ]
-    print(f"| {'case':<36} | {'grid':>11} | {'tokens':>6} | {'ours ms':>8} | {'HF PIL ms':>9} |")
-    print(f"|{'-' * 38}|{'-' * 13}|{'-' * 8}|{'-' * 10}|{'-' * 11}|")
+    import jax
+
+    from osworld_jax.trainer.images import patches_from_levels
+
+    print(
+        f"| {'case':<36} | {'grid':>11} | {'tokens':>6} | {'ours ms':>8} | {'HF PIL ms':>9} "
+        f"| {'levels ms':>9} | {'lookup ms':>9} | {'MiB f32 -> u8':>13} |"
+    )
+    print(
+        f"|{'-' * 38}|{'-' * 13}|{'-' * 8}|{'-' * 10}|{'-' * 11}|{'-' * 11}|{'-' * 11}|{'-' * 15}|"
+    )
     for name, config, image in cases:
         ours = ImageProcessor.from_dict(config)
         skip = ("processor_class", "image_processor_type")
@@ -72,6 +85,18 @@ def main() -> None:
 
         ms_ours = _best_ms(lambda image=image, ours=ours: ours(image), args.reps)
         ms_ref = _best_ms(hf, args.reps)
+        ms_levels = _best_ms(lambda image=image, ours=ours: ours.levels(image), args.reps)
+        levels = ours.levels(image)[0][None]  # u8[1, N, 3, P * P]: one row
+        dev = [jax.device_put(x) for x in (levels, np.asarray([levels.shape[1]], np.int32))]
+        table = jax.device_put(ours.value_table())
+        frames = ours.temporal_patch_size
+
+        def lookup(dev=dev, table=table, frames=frames):
+            return jax.block_until_ready(patches_from_levels(*dev, table, frames=frames))
+
+        lookup()  # compile
+        ms_lookup = _best_ms(lookup, args.reps)
+        f32, u8 = levels.size * frames * 4 / 2**20, levels.nbytes / 2**20
         tokens = ours.num_image_tokens(
             *(
                 Image.open(io.BytesIO(image)).size[::-1]
@@ -80,8 +105,56 @@ def main() -> None:
             )
         )
         print(
-            f"| {name:<36} | {f'{t}x{h}x{w}':>11} | {tokens:>6} | {ms_ours:8.1f} | {ms_ref:9.1f} |"
+            f"| {name:<36} | {f'{t}x{h}x{w}':>11} | {tokens:>6} | {ms_ours:8.1f} | {ms_ref:9.1f} "
+            f"| {ms_levels:9.1f} | {ms_lookup:9.1f} | {f'{f32:.1f} -> {u8:.1f}':>13} |"
         )
+    if args.upload_rows:
+        upload(args.upload_rows, 3, max(1, args.reps // 3))
+
+
+def upload(rows: int, per_row: int, reps: int) -> None:
+    """One device shard's rows as the trainer uploads them: before (float32 patches made on the
+    host, then copied) and now (uint8 levels on the host, value lookup on the device)."""
+    import jax
+
+    from osworld_jax.batch import RowImages
+    from osworld_jax.trainer.images import device_pixel_values
+
+    processor = ImageProcessor.from_dict(QWEN3_VL_PREPROCESSOR)
+    base = Image.open(SCREENSHOT).convert("RGB")
+    shots = []
+    for i in range(rows + per_row - 1):  # a sliding window: row r shows shots r .. r + m - 1
+        img = base.copy()
+        img.paste((40 * i % 256, 90, 160), (100 + 30 * i, 200, 400 + 30 * i, 500))
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        shots.append(buf.getvalue())
+    grid = processor.levels(shots[0])[1]
+    index = np.asarray([[r + k for k in range(per_row)] for r in range(rows)], np.int32)
+    images = RowImages(
+        encoded=tuple(shots),
+        grid_thw=np.repeat(grid, len(shots), axis=0),
+        index=index,
+        num_patches=per_row * int(np.prod(grid)),
+        processor=processor,
+    )
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def before():
+        return jax.block_until_ready(jax.device_put(images.pixel_values(), jax.devices()[0]))
+
+    def now():
+        return jax.block_until_ready(device_pixel_values(images, sharding))
+
+    assert np.array_equal(np.asarray(before()), np.asarray(now()))
+    ms_before, ms_now = _best_ms(before, reps), _best_ms(now, reps)
+    f32 = rows * images.num_patches * processor.patch_dim * 4 / 2**30
+    print(
+        f"\nUpload of {rows} rows x {per_row} screenshots (1920x1080, Qwen3-VL budget, "
+        f"{len(shots)} distinct): before {ms_before / 1e3:.2f} s ({f32:.2f} GiB float32 on the "
+        f"host), now {ms_now / 1e3:.2f} s ({f32 / 4 / processor.temporal_patch_size:.2f} GiB "
+        "uint8 sent); equal bit for bit"
+    )
 
 
 if __name__ == "__main__":
