@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from osworld_jax.model.config import Qwen3MoeConfig
@@ -258,6 +259,8 @@ def make_tiny_checkpoint(
     kind: str = "qwen3_moe",
     vision: dict[str, Any] | None = None,
     preprocessor: dict[str, Any] | None = None,
+    weights: bool = True,
+    weights_dtype: str = "float32",
     **overrides: Any,
 ) -> Path:
     """Writes a random tiny Qwen3-MoE (or Qwen3-VL-MoE) checkpoint + tokenizer into ``path``.
@@ -268,6 +271,10 @@ def make_tiny_checkpoint(
       kind: "qwen3_moe" (text) or "qwen3_vl_moe" (adds the vision tower and processor files).
       vision: `VisionConfig` fields replacing the tiny ViT's defaults (VL only).
       preprocessor: ``preprocessor_config.json`` keys replacing the tiny processor's (VL only).
+      weights: write the random weights (False: every other file, e.g. to validate a run of a
+        model too large to make here; ``config.json`` is written either way).
+      weights_dtype: "float32" or "bfloat16" (as published checkpoints: half the disk of a
+        large random model).
       **overrides: `Qwen3MoeConfig` fields replacing the tiny defaults, e.g.
         ``num_hidden_layers=4``, ``tie_word_embeddings=True``, ``initializer_range=0.2``.
 
@@ -286,6 +293,8 @@ def make_tiny_checkpoint(
     tok = build_tokenizer(specials)
     n_tok = tok.get_vocab_size()
     vocab = -(-n_tok // 64) * 64  # padded like Qwen's (vocab_size >= tokenizer size)
+    overrides = dict(overrides)
+    vocab = overrides.pop("vocab_size", vocab)  # a larger embedding (e.g. Qwen's 151,936)
     config = tiny_config(
         vocab, _special_id(tok, EOS_TOKEN), **({**_TINY_VL_TEXT, **overrides} if vl else overrides)
     )
@@ -318,8 +327,17 @@ def make_tiny_checkpoint(
         "top_k": 0,
     }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    if not weights:
+        hf = config.to_hf_dict(torch_dtype="float32")
+        (out / "config.json").write_text(json.dumps(hf, indent=2))
+        return out
+    if weights_dtype not in ("float32", "bfloat16"):
+        raise ModelConfigError(f"make_tiny_checkpoint: weights_dtype {weights_dtype!r}")
     params = random_params(config, seed)
-    write_hf_dir(out, config, hf_tensors(params, config), torch_dtype="float32")
+    tensors = hf_tensors(params, config)
+    if weights_dtype == "bfloat16":
+        tensors = ((name, a.astype(ml_dtypes.bfloat16)) for name, a in tensors)
+    write_hf_dir(out, config, tensors, torch_dtype=weights_dtype)
     return out
 
 

@@ -53,6 +53,9 @@ class MeshConfig:
         (`osworld_jax.trainer.overlap.OVERLAP_PRESETS`: "none", "pipelined",
         "collective_matmul"); set in ``XLA_FLAGS`` before the backend starts (flags the user
         set there win).
+      device_memory_gib: each device's memory, for the checks made before the devices are seen
+        (``scripts/train.py --validate_only`` of a GPU recipe on a laptop); None: only a run
+        checks, against what its devices report.
     """
 
     data: int = 1
@@ -60,11 +63,16 @@ class MeshConfig:
     expert: int = 1
     tensor: int = 1
     overlap: Literal["none", "pipelined", "collective_matmul"] = "none"
+    device_memory_gib: float | None = None
 
     def __post_init__(self) -> None:
         for name, value in self.axes().items():
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"MeshConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.device_memory_gib is not None and not self.device_memory_gib > 0:
+            raise ConfigError(
+                f"MeshConfig.device_memory_gib must be > 0 (or None), got {self.device_memory_gib}"
+            )
         from osworld_jax.trainer.overlap import overlap_flags
 
         overlap_flags(self.overlap)  # an unknown preset raises, naming the choices
@@ -268,6 +276,12 @@ class ServerConfig:
         (SGLang's ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``, set on the servers the run starts;
         for ``launch = 'none'`` say how the external servers run). See
         `osworld_jax.rollout.logprob_temperature`.
+      device_memory_fraction: the embedded server and the trainer share the accelerators: the
+        server's share of each device's memory (its ``XLA_PYTHON_CLIENT_MEM_FRACTION``); the
+        trainer takes ``1 - fraction - SHARE_MARGIN`` (`osworld_jax.rl.servers.memory_shares`).
+        Both are checked before anything compiles: the server's weights and KV cache against
+        its share, the train step against the trainer's. None: they do not share (jax's
+        default of 75% each would not fit twice on one GPU); ignored on the CPU.
       sglang: how ``launch = 'sglang'`` starts SGLang (interpreter, count, parallelism, GPUs).
     """
 
@@ -279,10 +293,23 @@ class ServerConfig:
     startup_timeout_s: float = 300.0
     extra_args: tuple[str, ...] = ()
     return_original_logprob: bool = False
+    device_memory_fraction: float | None = None
     sglang: SGLangLaunchConfig = field(default_factory=SGLangLaunchConfig)
 
     def __post_init__(self) -> None:
         check_choice(self.launch, ServerLauncher, "ServerConfig.launch", "server launcher")
+        f = self.device_memory_fraction
+        if f is not None:
+            if self.launch != "embedded":
+                raise ConfigError(
+                    "ServerConfig.device_memory_fraction splits each device between the embedded "
+                    f"server and the trainer; launch is {self.launch!r} (use launch = 'embedded', "
+                    "or SGLangLaunchConfig.mem_fraction_static for SGLang)"
+                )
+            if not 0.02 <= f <= 0.9:
+                raise ConfigError(
+                    f"ServerConfig.device_memory_fraction must be in [0.02, 0.9], got {f}"
+                )
         if not 0 <= self.port < 65536:
             raise ConfigError(f"ServerConfig.port must be in [0, 65536), got {self.port}")
         if self.max_running_requests < 1:

@@ -21,14 +21,15 @@ from osworld_jax.rl.config import ExperimentConfig
 from osworld_jax.rl.servers import server_problems
 
 
-def check_model_path(path: str | Path) -> str | None:
-    """``None`` when ``path`` is an HF checkpoint dir, else the problem."""
+def check_model_path(path: str | Path, *, weights: bool = True) -> str | None:
+    """``None`` when ``path`` is an HF checkpoint dir (``weights``: with its weights), else the
+    problem."""  # noqa: D205, D209
     p = Path(path)
     if not p.is_dir():
         return f"model path {str(path)!r} does not exist (ModelSourceConfig.path)"
     if not (p / "config.json").is_file():
         return f"model path {str(path)!r} has no config.json (not an HF checkpoint)"
-    if not any(p.glob("*.safetensors")):
+    if weights and not any(p.glob("*.safetensors")):
         return f"model path {str(path)!r} has no *.safetensors weights"
     if not (p / "tokenizer.json").is_file():
         return f"model path {str(path)!r} has no tokenizer.json"
@@ -70,6 +71,7 @@ def run_preflight(
     *,
     model_path: str | Path,
     backend_preflight: Callable[[], None],
+    weights_made_by_run: bool = False,
 ) -> None:
     """Runs every check; raises `PreflightError` listing each problem on its own line.
 
@@ -77,9 +79,11 @@ def run_preflight(
       experiment: the run's config.
       model_path: the resolved starting checkpoint (the tiny model is built before preflight).
       backend_preflight: the sandbox backend's ``preflight`` (raises ``PreflightError``).
+      weights_made_by_run: the checkpoint's random weights are not written yet (a tiny model
+        of ``--validate_only``): only its other files are checked.
     """
     problems: list[str] = []
-    model_problem = check_model_path(model_path)
+    model_problem = check_model_path(model_path, weights=not weights_made_by_run)
     if model_problem:
         problems.append(model_problem)
     if experiment.server.launch == "none":

@@ -43,7 +43,7 @@ from osworld_jax.rl.rundir import (
     writing,
 )
 from osworld_jax.rollout import SGLangClient
-from osworld_jax.trainer import Trainer
+from osworld_jax.trainer import Trainer, TrainerError
 from osworld_jax.trainer.checkpoint import CorruptCheckpointError, set_aside
 from osworld_jax.trainer.distributed import barrier, initialize_distributed, is_primary
 from osworld_jax.trainer.overlap import apply_overlap
@@ -97,6 +97,9 @@ class RolloutResources(contextlib.ExitStack):
     def _open(self) -> None:
         exp = self.experiment
         apply_overlap(exp.rl.mesh.overlap)  # XLA_FLAGS, read when the backend starts
+        from osworld_jax.rl.servers import share_devices
+
+        share_devices(exp)  # a GPU shared with the embedded server: this process's share
         initialize_distributed(exp.distributed)  # multi-host: join the job (no-op alone)
         self.rolls_out = is_primary()  # multi-host: process 0 drives servers and sandboxes
         check_writable(self.run_dir)  # read-only or full: one line before anything starts
@@ -366,21 +369,29 @@ class RunResources(RolloutResources):
 def validate(experiment: ExperimentConfig) -> list[str]:
     """Checks a run without running it: preflight and the step's memory estimate.
 
-    Nothing is written to a run directory: a tiny model is built in a temporary directory, a
-    local backend's sandboxes live in another. Nothing is compiled.
+    Nothing is written to a run directory: a tiny model's files (not its random weights) are
+    made in a temporary directory, a local backend's sandboxes live in another. Nothing is
+    compiled. The memory checks use ``MeshConfig.device_memory_gib`` where set (a GPU recipe
+    checked on a machine without that GPU), else what the devices report: the train step
+    against the trainer's share, an embedded server's weights and KV cache against its share
+    (``ServerConfig.device_memory_fraction``).
 
     Returns:
-      lines for the user: the model, the preflight, the estimate of one train step.
+      lines for the user: the model, the preflight, the estimate of one train step (and of the
+      embedded server on a shared device).
 
     Raises:
       PreflightError: a part of the run is missing (one line each, as a run's start).
       TrainerError: the step does not fit the device (with what would).
+      ConfigError: the embedded server does not fit its share (with what would).
     """
+    from osworld_jax.rl.servers import check_server_fits, memory_shares
     from osworld_jax.trainer.memory import GiB, check_step_fits
 
     exp = experiment
     with tempfile.TemporaryDirectory(prefix="osworld_jax-validate-") as tmp:
-        model_path = stages.prepare_model(exp.model, Path(tmp))
+        tiny = exp.model.path == "tiny"
+        model_path = stages.prepare_model(exp.model, Path(tmp), weights=not tiny)
         sandbox = exp.sandbox
         if isinstance(sandbox, LocalBackendConfig) and sandbox.root is None:
             sandbox = dataclasses.replace(sandbox, root=str(Path(tmp) / "sandboxes"))
@@ -388,7 +399,10 @@ def validate(experiment: ExperimentConfig) -> list[str]:
         try:
             need = _required_tasks(exp)
             run_preflight(
-                exp, model_path=model_path, backend_preflight=lambda: backend.preflight(need)
+                exp,
+                model_path=model_path,
+                backend_preflight=lambda: backend.preflight(need),
+                weights_made_by_run=tiny,
             )
         finally:
             asyncio.run(backend.aclose())
@@ -398,23 +412,43 @@ def validate(experiment: ExperimentConfig) -> list[str]:
     rl, m = exp.rl, exp.rl.mesh
     rows = rl.num_logical_owners
     seq = max(rl.length_buckets, default=exp.agent.compaction.max_context_tokens)
-    est = check_step_fits(
-        model,
-        exp.runtime,
-        exp.trainer,
-        rows=rows,
-        seq=seq,
-        param_shards=m.fsdp * m.expert * m.tensor,
-        batch_shards=m.data,
-        expert_parallel=m.expert if exp.runtime.expert_parallel else 1,
-        patches=patches,
-    )
+    device = m.device_memory_gib * GiB if m.device_memory_gib is not None else None
+    shares = memory_shares(exp.server)
+    lines = []
+    if device is not None and shares is not None:  # the server shares the trainer's device
+        lines.append(f"memory: the embedded server needs {check_server_fits(exp, model, device)}")
+    try:
+        est = check_step_fits(
+            model,
+            exp.runtime,
+            exp.trainer,
+            rows=rows,
+            seq=seq,
+            param_shards=m.fsdp * m.expert * m.tensor,
+            batch_shards=m.data,
+            expert_parallel=m.expert if exp.runtime.expert_parallel else 1,
+            patches=patches,
+            capacity=None if device is None else device * (shares[1] if shares else 1.0),
+        )
+    except TrainerError as e:
+        if shares is None:
+            raise
+        raise TrainerError(
+            f"{e}; or a smaller server share (ServerConfig.device_memory_fraction = {shares[0]} "
+            f"leaves the trainer {shares[1]} of each device)"
+        ) from None
     size = f"{est.total / GiB:.1f} GiB" if est.total >= GiB else f"{est.total / 2**20:.0f} MiB"
-    where = "the tiny model" if exp.model.path == "tiny" else str(model_path)
+    where = str(model_path)
+    if tiny:  # built by the run: the tiny model, or the random one of tiny_overrides' shapes
+        where = "a random model the run builds" if exp.model.tiny_overrides else "the tiny model"
+    of = ""
+    if device is not None:
+        of = f" of {device * (shares[1] if shares else 1.0) / GiB:.1f} GiB"
     return [
         f"model: {where} ({model.num_hidden_layers} layers, {model.num_experts} experts)",
         f"preflight: ok (sandbox backend {exp.backend!r}, task set {exp.data.task_set!r})",
+        *lines,
         f"memory: one train step of {rows} rows x {seq} tokens"
         + (f" ({patches} image patches per row)" if patches else "")
-        + f" needs ~{size} per device (of {m.data * m.fsdp * m.expert * m.tensor})",
+        + f" needs ~{size}{of} per device (of {m.data * m.fsdp * m.expert * m.tensor})",
     ]

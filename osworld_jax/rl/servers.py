@@ -4,16 +4,83 @@
 ``ServerConfig.sglang.num_servers`` real SGLang servers (``python -m sglang.launch_server``, as
 verl and slime do). Either way the run waits until they serve, points the client at them and
 stops them (their whole process groups) when it ends.
+
+An embedded server can share the trainer's accelerators (``ServerConfig.device_memory_fraction``):
+each process then preallocates only its share of each device (`memory_shares`), and both
+shares are checked before anything compiles (`check_server_fits`, the trainer's step estimate).
 """
 
 from __future__ import annotations
 
+import argparse
+import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-from osworld_jax.rl.config import ExperimentConfig
+from osworld_jax.errors import ConfigError
+from osworld_jax.model.config import Qwen3MoeConfig
+from osworld_jax.model.serving import (
+    DEFAULT_MIN_BUCKET,
+    GiB,
+    ServerMemory,
+    cache_layout,
+    fit_problem,
+    server_memory,
+)
+from osworld_jax.rl.config import ExperimentConfig, ServerConfig
 from osworld_jax.rollout.launch import EmbeddedServer, ServerGroup, SGLangServer
+
+log = logging.getLogger(__name__)
+
+#: Of each shared device, left to neither process: what XLA allocates outside its pool (the
+#: CUDA context, cuBLAS / cuDNN workspaces) for two processes.
+SHARE_MARGIN = 0.05
+MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+
+
+def memory_shares(server: ServerConfig) -> tuple[float, float] | None:
+    """``(server, trainer)`` fractions of each device when the embedded server shares the
+    trainer's devices (``device_memory_fraction``), else None.
+
+    >>> memory_shares(ServerConfig(launch="embedded", device_memory_fraction=0.25))
+    (0.25, 0.7)
+    """  # noqa: D205, D209
+    f = server.device_memory_fraction
+    if f is None:
+        return None
+    return f, round(1.0 - f - SHARE_MARGIN, 6)
+
+
+def share_devices(exp: ExperimentConfig) -> None:
+    """Sets this (the trainer's) process's share of each device before jax starts its backend.
+
+    No-op without a split. A share already in the environment wins (logged). Raises
+    `ConfigError` when a GPU backend already started with another share (too late to change).
+    """
+    shares = memory_shares(exp.server)
+    if shares is None:
+        return
+    want = str(shares[1])
+    have = os.environ.get(MEM_FRACTION_ENV)
+    if have is not None and have != want:
+        log.warning(
+            "%s=%s from the environment (the config's split says %s)", MEM_FRACTION_ENV, have, want
+        )
+        return
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized() and have is None:
+        import jax
+
+        if jax.default_backend() == "gpu":
+            raise ConfigError(
+                "ServerConfig.device_memory_fraction: jax's GPU backend started before the run "
+                f"could set {MEM_FRACTION_ENV}={want}; start the run in a fresh process"
+            )
+        return  # the CPU: no preallocation to split
+    os.environ[MEM_FRACTION_ENV] = want
 
 
 def server_group(exp: ExperimentConfig, model_path: str | Path, run_dir: Path) -> ServerGroup:
@@ -37,7 +104,7 @@ def server_group(exp: ExperimentConfig, model_path: str | Path, run_dir: Path) -
             extra_args=extra,
             startup_timeout_s=s.startup_timeout_s,
             # the flag decides, not an inherited environment variable
-            env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "0"},
+            env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "0", **_share_env(s)},
             log_path=run_dir / "server.log",
         )
         return ServerGroup([embedded])
@@ -61,6 +128,56 @@ def server_group(exp: ExperimentConfig, model_path: str | Path, run_dir: Path) -
             for i in range(s.sglang.num_servers)
         ]
     )
+
+
+def embedded_server_memory(exp: ExperimentConfig, model: Qwen3MoeConfig) -> ServerMemory:
+    """What the run's embedded server will hold on its device: its KV cache from the flags the
+    run gives it (``ServerConfig.max_running_requests``, ``dtype`` and any ``--context-length``,
+    ``--max-total-tokens`` or ``--min-bucket`` in ``extra_args``), its weights."""  # noqa: D205, D209
+    s = exp.server
+    flags = argparse.ArgumentParser(add_help=False)  # the server's flags that size its cache
+    flags.add_argument("--context-length", type=int, default=None)
+    flags.add_argument("--max-total-tokens", type=int, default=None)
+    flags.add_argument("--min-bucket", type=int, default=DEFAULT_MIN_BUCKET)
+    args, _ = flags.parse_known_args(list(s.extra_args))
+    layout = cache_layout(
+        model,
+        max_running_requests=s.max_running_requests,
+        context_length=args.context_length,
+        max_total_tokens=args.max_total_tokens,
+        min_bucket=args.min_bucket,
+    )
+    return server_memory(model, layout, "bfloat16" if s.dtype == "auto" else s.dtype)  # a GPU
+
+
+def check_server_fits(exp: ExperimentConfig, model: Qwen3MoeConfig, device_bytes: float) -> str:
+    """The embedded server's memory against its share of a ``device_bytes`` device; one line.
+
+    Raises:
+      ConfigError: it does not fit, naming what to change.
+    """
+    shares = memory_shares(exp.server)
+    share = shares[0] if shares is not None else 1.0
+    mem = embedded_server_memory(exp, model)
+    problem = fit_problem(mem, device_bytes * share)
+    if problem is not None:
+        bf16 = (
+            ", or serve in ServerConfig.dtype = 'bfloat16'"
+            if exp.server.dtype != "bfloat16"
+            else ""
+        )
+        raise ConfigError(
+            f"the embedded server {problem} (ServerConfig.device_memory_fraction = {share} of "
+            f"{device_bytes / GiB:.1f} GiB): raise device_memory_fraction, lower "
+            "ServerConfig.max_running_requests (KV-cache slots) or its --context-length "
+            f"(ServerConfig.extra_args){bf16}"
+        )
+    return f"~{mem.describe()} of its {device_bytes * share / GiB:.1f} GiB"
+
+
+def _share_env(server: ServerConfig) -> dict[str, str]:
+    shares = memory_shares(server)
+    return {} if shares is None else {MEM_FRACTION_ENV: str(shares[0])}
 
 
 def server_problems(exp: ExperimentConfig) -> list[str]:

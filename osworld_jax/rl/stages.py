@@ -153,8 +153,9 @@ def model_dir(config: ModelSourceConfig, run_dir: Path) -> Path:
     return run_dir / "base_model" if config.path == "tiny" else Path(config.path).expanduser()
 
 
-def prepare_model(config: ModelSourceConfig, run_dir: Path) -> Path:
-    """The run's starting HF checkpoint: ``config.path``, or a tiny one built into the run dir."""
+def prepare_model(config: ModelSourceConfig, run_dir: Path, *, weights: bool = True) -> Path:
+    """The run's starting HF checkpoint: ``config.path``, or a tiny one built into the run dir
+    (``weights=False``: its files but not its random weights, for ``--validate_only``)."""  # noqa: D205, D209
     if config.path != "tiny":
         return model_dir(config, run_dir)
     path = model_dir(config, run_dir)
@@ -163,7 +164,11 @@ def prepare_model(config: ModelSourceConfig, run_dir: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         with writing(tmp):  # a full disk names the directory
             make_tiny_checkpoint(
-                tmp, seed=config.tiny_seed, kind=config.tiny_kind, **config.tiny_overrides
+                tmp,
+                seed=config.tiny_seed,
+                kind=config.tiny_kind,
+                weights=weights,
+                **config.tiny_overrides,
             )
         tmp.rename(path)
     return path

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from osworld_jax.rollout.errors import EngineError
+from osworld_jax.server.memory import check_fits, engine_layout
 from osworld_jax.server.model_files import eos_ids, load_processor, load_tokenizer
 from osworld_jax.server.prefix_cache import PrefixCache, prefix_key
 from osworld_jax.server.refit_check import (
@@ -73,16 +74,13 @@ class Engine:
         path = Path(config.model_path)
         check_checkpoint_files(path)  # regular files of bounded size only (no FIFO, no device)
         model_cfg = Qwen3MoeConfig.from_json(path / "config.json")
-        context = config.context_length or min(model_cfg.max_position_embeddings, 4096)
-        slot_len = next_pow2(context, config.min_bucket)
-        slots = config.max_running_requests
-        if config.max_total_tokens is not None:
-            slots = max(1, min(slots, config.max_total_tokens // slot_len))
-        self.context_length = context
+        layout = engine_layout(model_cfg, config)
+        self.context_length = layout.context_length
+        check_fits(model_cfg, layout, config.dtype)  # before any weight is loaded
         self.runner = ModelRunner(
             path,
-            num_slots=slots,
-            slot_len=slot_len,
+            num_slots=layout.slots,
+            slot_len=layout.slot_len,
             dtype=config.dtype,
             expert_backend=config.expert_backend,
             min_bucket=config.min_bucket,

@@ -31,6 +31,7 @@ from osworld_jax.model import (
     unembed_matrix,
 )
 from osworld_jax.model.mrope import mrope_positions
+from osworld_jax.model.serving import next_pow2
 from osworld_jax.rollout.errors import EngineError
 from osworld_jax.server.images import RequestImages
 from osworld_jax.server.sampling import sample, step_keys, token_logprobs, top_logprobs
@@ -42,12 +43,6 @@ MAX_BANNED = 16
 #: Most top logprobs per position (``top_logprobs_num``; OpenAI's ``top_logprobs`` limit). A step
 #: in which any request asks for some computes this many (one more compiled variant per bucket).
 MAX_TOP_LOGPROBS = 20
-
-
-def next_pow2(n: int, minimum: int = 1) -> int:
-    """Smallest power of two ``>= max(n, minimum)``."""
-    n = max(n, minimum, 1)
-    return 1 << (n - 1).bit_length()
 
 
 def patch_bucket(n: int, unit: int) -> int:

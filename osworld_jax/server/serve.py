@@ -28,6 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
+from osworld_jax.model.serving import DEFAULT_MIN_BUCKET
 from osworld_jax.server.app import build_app
 from osworld_jax.server.engine import Engine, EngineConfig
 from osworld_jax.server.http_base import ENGINE_KEY
@@ -71,7 +72,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--expert-backend", default=None, help="auto | dense | ragged | pallas_gmm | tokamax"
     )
     p.add_argument("--random-seed", type=int, default=0)
-    p.add_argument("--min-bucket", type=int, default=16)
+    p.add_argument("--min-bucket", type=int, default=DEFAULT_MIN_BUCKET)
     p.add_argument("--min-decode-batch", type=int, default=1)
     p.add_argument("--max-prefill-batch", type=int, default=8)
     p.add_argument(

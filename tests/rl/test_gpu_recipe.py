@@ -1,0 +1,132 @@
+"""The one-GPU recipe (configs/gpu_1x_h200.gin) built and validated on the CPU: preflight, the
+embedded server's and the train step's memory against their shares of the H200, what a split
+that cannot fit names, and how each process gets its share of the device."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+
+import jax
+import pytest
+
+from osworld_jax import config
+from osworld_jax.errors import ConfigError
+from osworld_jax.model import Qwen3MoeConfig
+from osworld_jax.model.serving import CacheLayout, GiB, cache_layout, server_memory
+from osworld_jax.rl.config import ServerConfig
+from osworld_jax.rl.run import validate
+from osworld_jax.rl.servers import (
+    MEM_FRACTION_ENV,
+    embedded_server_memory,
+    memory_shares,
+    server_group,
+)
+from osworld_jax.rollout.errors import EngineError
+from osworld_jax.trainer import TrainerError
+from tests.rl.runs import REPO
+
+GPU = "gpu_1x_h200.gin"
+SEED = "osworld_flash_b8n8_r3_dr_grpo.gin"
+
+
+def _lines(files, params=()):
+    return validate(config.load_experiment(files, params))
+
+
+def test_the_gpu_recipe_validates_on_a_cpu_with_both_shares_checked():
+    lines = _lines([GPU])
+    assert lines[0] == "model: a random model the run builds (8 layers, 128 experts)"
+    assert lines[1] == "preflight: ok (sandbox backend 'local', task set 'bundled')"
+    # Hand-derived: KV = 2 (k, v) x 8 layers x 8 slots x 16,384 tokens x 4 heads x 128 x 2 B
+    kv = 2 * 8 * 8 * 16384 * 4 * 128 * 2
+    assert kv / GiB == 2.0
+    assert lines[2].startswith("memory: the embedded server needs ~")
+    assert "KV cache 2.0) of its 35.0 GiB" in lines[2]  # 0.25 x 139.8 GiB
+    assert lines[3].startswith("memory: one train step of 8 rows x 16384 tokens (24480 image")
+    assert lines[3].endswith(" of 97.9 GiB per device (of 1)")  # 0.70 x 139.8 GiB
+
+
+def test_after_a_seed_recipe_it_keeps_the_recipes_algorithm_on_one_gpu():
+    exp = config.load_experiment([SEED, GPU])
+    assert exp.rl.estimator == "dr_grpo" and exp.trainer.router_replay
+    t = exp.trainer
+    assert t.optimizer.learning_rate == 5e-6 and t.loss.gate == "binary_kl"
+    assert t.loss.gate_threshold == 0.01 and t.loss.agg_mode == "prompt-mean-token-mean"
+    assert exp.rl.mesh.axes() == dict(data=1, fsdp=1, expert=1, tensor=1)
+    assert (exp.server.launch, exp.model.path) == ("embedded", "tiny")
+    assert _lines([SEED, GPU])[3] == _lines([GPU])[3]
+
+
+def test_a_split_that_cannot_fit_fails_before_compiling_naming_what_to_change():
+    with pytest.raises(TrainerError, match=r"ServerConfig\.device_memory_fraction = 0\.5 leaves"):
+        _lines([GPU], ["ServerConfig.device_memory_fraction = 0.5"])
+    with pytest.raises(ConfigError) as e:
+        _lines([GPU], ["ServerConfig.max_running_requests = 64"])
+    msg = str(e.value)
+    assert "KV cache 16.0) of the 35.0 GiB" in msg and "max_running_requests" in msg, msg
+    assert "--context-length" in msg and "dtype = 'bfloat16'" not in msg  # already bfloat16
+    with pytest.raises(ConfigError, match="launch is 'none'"):
+        ServerConfig(launch="none", device_memory_fraction=0.25)
+    with pytest.raises(ConfigError, match=r"\[0\.02, 0\.9\]"):
+        ServerConfig(launch="embedded", device_memory_fraction=0.95)
+
+
+def test_each_process_gets_its_share_of_the_device(tmp_path):
+    exp = config.load_experiment([GPU])
+    assert memory_shares(exp.server) == (0.25, 0.7)
+    server = server_group(exp, tmp_path / "model", tmp_path).servers[0]
+    assert server.env[MEM_FRACTION_ENV] == "0.25"
+    # The trainer's process sets its own before jax starts its backend (a fresh process).
+    code = (
+        "import os\n"
+        "from osworld_jax import config\n"
+        "from osworld_jax.rl.servers import share_devices\n"
+        f"share_devices(config.load_experiment([{GPU!r}]))\n"
+        f"print(os.environ[{MEM_FRACTION_ENV!r}])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != MEM_FRACTION_ENV}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=120
+    )
+    assert out.stdout.strip() == "0.7", out.stderr[-2000:]
+
+
+def test_the_engine_refuses_a_cache_its_device_share_cannot_hold(monkeypatch):
+    from osworld_jax.server.memory import check_fits
+
+    model = Qwen3MoeConfig(
+        vocab_size=1024, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=8, num_experts_per_tok=2,
+    )  # fmt: skip
+    layout = cache_layout(
+        model, max_running_requests=5, context_length=3000, max_total_tokens=None, min_bucket=16
+    )
+    assert layout == CacheLayout(context_length=3000, slots=8, slot_len=4096)
+    mem = server_memory(model, layout, "float32")
+    assert mem.kv_cache == 2 * 2 * 8 * 4096 * 2 * 16 * 4  # k/v x layers x slots x len x KV x D
+    device = types.SimpleNamespace(memory_stats=lambda: {"bytes_limit": mem.total - 1})
+    monkeypatch.setattr(jax, "local_devices", lambda: [device])
+    with pytest.raises(EngineError, match=r"8 slots x 4096 tokens.*--max-running-requests"):
+        check_fits(model, layout, "float32")
+    device.memory_stats = lambda: {"bytes_limit": mem.total}
+    check_fits(model, layout, "float32")  # exactly fits
+    device.memory_stats = lambda: None  # the CPU reports no limit: nothing to check
+    check_fits(model, layout, "float32")
+
+
+def test_the_server_estimate_parses_the_servers_own_flags():
+    flags = "('--context-length', '8192', '--max-total-tokens', '20000')"
+    exp = config.load_experiment([GPU], [f"ServerConfig.extra_args = {flags}"])
+    model = Qwen3MoeConfig.from_hf_dict(  # the recipe's text model
+        {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+         "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 8,
+         "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+         "num_experts": 128, "num_experts_per_tok": 8}
+    )  # fmt: skip
+    mem = embedded_server_memory(exp, model)
+    # --max-total-tokens 20000 // 8192 = 2 slots of 8192 tokens, bf16
+    assert mem.kv_cache == 2 * 8 * 2 * 8192 * 4 * 128 * 2
