@@ -105,6 +105,11 @@ class RLConfig:
       metrics_dir: where ``metrics.jsonl`` and TensorBoard events go, relative to the run dir.
       weights_keep: how many exported HF weight directories (``weights/step_*``) to keep.
       progress_bar: show a tqdm bar with per-stage timing.
+      compilation_cache_dir: jax's persistent compilation cache for the trainer and the
+        embedded server the run starts (``~`` expanded; an environment's
+        ``JAX_COMPILATION_CACHE_DIR`` wins): a restarted or resumed run, and the next run of
+        the same shapes, load their programs instead of compiling them again (minutes on a GPU:
+        the train step, each prefill bucket of the server). None: no persistent cache.
       success_reward: a healthy owner with reward >= this counts as a pass (``reward/pass_rate``).
       norm_length: the constant L of ``seq-mean-token-sum-norm`` (Dr.GRPO); ``None`` uses the
         generation budget ``max_new_tokens x max_turns``.
@@ -148,6 +153,7 @@ class RLConfig:
     metrics_dir: str = "."
     weights_keep: int = 2
     progress_bar: bool = True
+    compilation_cache_dir: str | None = None
     success_reward: float = 1.0
     norm_length: int | None = None
     mesh: MeshConfig = field(default_factory=MeshConfig)

@@ -97,9 +97,10 @@ class RolloutResources(contextlib.ExitStack):
     def _open(self) -> None:
         exp = self.experiment
         apply_overlap(exp.rl.mesh.overlap)  # XLA_FLAGS, read when the backend starts
-        from osworld_jax.rl.servers import share_devices
+        from osworld_jax.rl.servers import share_devices, use_compilation_cache
 
         share_devices(exp)  # a GPU shared with the embedded server: this process's share
+        use_compilation_cache(exp)
         initialize_distributed(exp.distributed)  # multi-host: join the job (no-op alone)
         self.rolls_out = is_primary()  # multi-host: process 0 drives servers and sandboxes
         check_writable(self.run_dir)  # read-only or full: one line before anything starts

@@ -104,7 +104,7 @@ def server_group(exp: ExperimentConfig, model_path: str | Path, run_dir: Path) -
             extra_args=extra,
             startup_timeout_s=s.startup_timeout_s,
             # the flag decides, not an inherited environment variable
-            env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "0", **_share_env(s)},
+            env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "0", **_share_env(s), **_cache_env(exp)},
             log_path=run_dir / "server.log",
         )
         return ServerGroup([embedded])
@@ -178,6 +178,35 @@ def check_server_fits(exp: ExperimentConfig, model: Qwen3MoeConfig, device_bytes
 def _share_env(server: ServerConfig) -> dict[str, str]:
     shares = memory_shares(server)
     return {} if shares is None else {MEM_FRACTION_ENV: str(shares[0])}
+
+
+CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+
+
+def _cache_env(exp: ExperimentConfig) -> dict[str, str]:
+    d = compilation_cache(exp)
+    return {} if d is None else {CACHE_ENV: d}
+
+
+def compilation_cache(exp: ExperimentConfig) -> str | None:
+    """The run's persistent compilation cache directory (``RLConfig.compilation_cache_dir``,
+    ``~`` expanded; ``JAX_COMPILATION_CACHE_DIR`` of the environment wins), or None."""  # noqa: D205, D209
+    if os.environ.get(CACHE_ENV):
+        return os.environ[CACHE_ENV]
+    d = exp.rl.compilation_cache_dir
+    return None if d is None else str(Path(d).expanduser())
+
+
+def use_compilation_cache(exp: ExperimentConfig) -> None:
+    """Points this process's jax at the run's compilation cache (before its first compile);
+    the embedded server gets it through its environment (`server_group`)."""  # noqa: D205, D209
+    d = compilation_cache(exp)
+    if d is None:
+        return
+    import jax
+
+    Path(d).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", d)
 
 
 def server_problems(exp: ExperimentConfig) -> list[str]:

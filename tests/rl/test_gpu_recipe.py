@@ -130,3 +130,31 @@ def test_the_server_estimate_parses_the_servers_own_flags():
     mem = embedded_server_memory(exp, model)
     # --max-total-tokens 20000 // 8192 = 2 slots of 8192 tokens, bf16
     assert mem.kv_cache == 2 * 8 * 2 * 8192 * 4 * 128 * 2
+
+
+def test_the_trainer_and_its_server_share_a_persistent_compilation_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "xla"
+    exp = config.load_experiment([GPU], [f"RLConfig.compilation_cache_dir = '{cache}'"])
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # cache even a tiny program
+    code = (
+        "import jax, jax.numpy as jnp\n"
+        "from osworld_jax import config\n"
+        "from osworld_jax.rl.servers import use_compilation_cache\n"
+        f"use_compilation_cache(config.load_experiment([{GPU!r}], "
+        f"[\"RLConfig.compilation_cache_dir = '{cache}'\"]))\n"
+        "print(jax.jit(lambda x: x * 2 + 1)(jnp.arange(3.0)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert any(cache.iterdir()), "nothing written to the compilation cache"
+    # the embedded server the run starts compiles into the same directory; a cache named by
+    # the environment (as this suite's) wins over the config's
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    server = server_group(exp, tmp_path / "model", tmp_path).servers[0]
+    assert server.env["JAX_COMPILATION_CACHE_DIR"] == str(cache)
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
+    server = server_group(exp, tmp_path / "model", tmp_path).servers[0]
+    assert server.env["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "env")
