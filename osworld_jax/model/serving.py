@@ -9,10 +9,9 @@ check that it fits before anything is loaded or compiled. No jax.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from osworld_jax.model.config import Qwen3MoeConfig
-from osworld_jax.model.params import param_specs
+from osworld_jax.model.params import param_counts
 
 GiB = float(1 << 30)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -94,7 +93,7 @@ def fit_problem(memory: ServerMemory, capacity: float | None) -> str | None:
 def server_memory(config: Qwen3MoeConfig, layout: CacheLayout, dtype: str) -> ServerMemory:
     """The weights and KV cache of a server of ``config`` in ``dtype`` with ``layout``."""
     size = _DTYPE_BYTES[dtype]
-    params = sum(math.prod(spec.shape) for spec in param_specs(config).values())
+    params = param_counts(config)["total"]
     c = config
     kv = 2 * c.num_hidden_layers * layout.slots * layout.slot_len
     kv *= c.num_key_value_heads * c.head_dim * size

@@ -415,6 +415,7 @@ def validate(experiment: ExperimentConfig) -> list[str]:
     seq = max(rl.length_buckets, default=exp.agent.compaction.max_context_tokens)
     device = m.device_memory_gib * GiB if m.device_memory_gib is not None else None
     shares = memory_shares(exp.server)
+    trainer_bytes = None if device is None else device * (shares[1] if shares else 1.0)
     lines = []
     if device is not None and shares is not None:  # the server shares the trainer's device
         lines.append(f"memory: the embedded server needs {check_server_fits(exp, model, device)}")
@@ -429,7 +430,7 @@ def validate(experiment: ExperimentConfig) -> list[str]:
             batch_shards=m.data,
             expert_parallel=m.expert if exp.runtime.expert_parallel else 1,
             patches=patches,
-            capacity=None if device is None else device * (shares[1] if shares else 1.0),
+            capacity=trainer_bytes,
         )
     except TrainerError as e:
         if shares is None:
@@ -442,9 +443,7 @@ def validate(experiment: ExperimentConfig) -> list[str]:
     where = str(model_path)
     if tiny:  # built by the run: the tiny model, or the random one of tiny_overrides' shapes
         where = "a random model the run builds" if exp.model.tiny_overrides else "the tiny model"
-    of = ""
-    if device is not None:
-        of = f" of {device * (shares[1] if shares else 1.0) / GiB:.1f} GiB"
+    of = "" if trainer_bytes is None else f" of {trainer_bytes / GiB:.1f} GiB"
     return [
         f"model: {where} ({model.num_hidden_layers} layers, {model.num_experts} experts)",
         f"preflight: ok (sandbox backend {exp.backend!r}, task set {exp.data.task_set!r})",
