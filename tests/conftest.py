@@ -39,7 +39,17 @@ for _flag in _flags:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
+import signal  # noqa: E402
+
 import pytest  # noqa: E402
+
+# Ctrl-C as a user sends it. A suite started in the background by a script (``cmd &`` in a
+# non-interactive shell, nohup) begins with SIGINT ignored, and an ignored signal stays ignored
+# across exec: every train.py, server and service a test starts would ignore the SIGINT the
+# Ctrl-C tests send (they ran on to the end). A handled signal is reset to the default at exec,
+# so the processes the tests start get Python's KeyboardInterrupt again.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _prune_compile_cache(limit: int = 2 << 30, keep: int = 1 << 30) -> None:
