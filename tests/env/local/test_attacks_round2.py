@@ -15,11 +15,12 @@ from osworld_jax.env.tasks import load_task
 from tests.env.local.test_attacks import TASK, make_backend  # noqa: F401 - a fixture
 
 # Rewrites every script that appears in /tmp (what the server wrote for /run_python and
-# /run_bash_script) into one printing "FORGED", polling every millisecond for at most 60 s.
+# /run_bash_script) into one printing "FORGED", polling every millisecond until told to stop (at
+# most 300 s: a loaded machine can take a minute between its start and the control below).
 REWRITER = """
 import os, time
 open("/tmp/rewriter.up", "w").write("up")
-done, end = {"rewriter.py"}, time.time() + 60
+done, end = {"rewriter.py"}, time.time() + 300
 while time.time() < end and not os.path.exists("/tmp/rewriter.stop"):
     for name in os.listdir("/tmp"):
         path = os.path.join("/tmp", name)
@@ -63,11 +64,17 @@ def test_an_agent_process_cannot_rewrite_run_python_or_run_bash_scripts(runner, 
             body = {"script": f"echo bash {i}", "timeout": 30, "working_dir": None}
             reply = runner.run(sb.vm.post_json("/run_bash_script", body))
             assert reply["output"] == f"bash {i}\n", reply
-        # Control: the rewriter is alive and fast enough to forge a script written to /tmp.
+        # Control: the rewriter is alive and forges a script written to /tmp (waited for: on a
+        # loaded machine its next poll can be far more than a millisecond away).
         control = """
             import os, subprocess, time
             open("/tmp/control.py", "w").write("print('mine')")
-            time.sleep(0.2)
+            for _ in range(3000):
+                if os.path.exists("/tmp/rewriter.log") and "control.py" in open(
+                    "/tmp/rewriter.log"
+                ).read():
+                    break
+                time.sleep(0.01)
             print(subprocess.run(["python3", "/tmp/control.py"], capture_output=True,
                                  text=True).stdout, end="")
             open("/tmp/rewriter.stop", "w").close()
