@@ -11,14 +11,28 @@ tokens/s = C * max_new_tokens / wall seconds.
   python benchmarks/serve.py --config bench-moe    # mid-size MoE in bf16 (an H200)
   python benchmarks/serve.py --images              # the image row (tiny Qwen3-VL-MoE)
 
-Image row (``--images``): a tiny Qwen3-VL-MoE (make_tiny_checkpoint kind="qwen3_vl_moe": its
-processor turns a 1920x1080 screenshot into 288x512 pixels, 144 image tokens); each request is
-a chat turn holding one 1920x1080 PNG screenshot (base64 in ``image_data``, a different one per
-request: the desktop image with a per-request box, so no prefix is shared) and generates
-``--max-new-tokens``; all C requests stream (SSE) at once. tokens/s = C * new tokens / wall
-seconds; time to first token = from a request's POST to its first event (PNG decoding,
-resizing and patchifying, the ViT and the prefill included), mean and max over the C requests.
-Warm-up (one request alone, then C) compiles every bucket; a compile in the timed run is printed.
+Image rows (``--images``; ``--config bench-vl`` implies it): a Qwen3-VL-MoE checkpoint
+(make_tiny_checkpoint kind="qwen3_vl_moe": ``tiny``'s processor turns a 1920x1080 screenshot into
+288x512 pixels, 144 image tokens; ``bench-vl`` is `benchmarks/train_step.py`'s bench-vl model,
+Qwen3-VL-30B-A3B's ViT and text layers cut to 8, random bf16 weights, the published processor
+limits: 8,160 patches, 2,040 image tokens); each request is a chat turn holding one 1920x1080 PNG
+screenshot (base64 in ``image_data``, a different one per request: the desktop image with a
+per-request box, so no image is shared) and generates ``--max-new-tokens``; all C requests stream
+(SSE) at once (C = 1: ``--rounds`` requests one after another). tokens/s = C * new tokens / wall
+seconds; time to first token (TTFT) = from a request's POST to its first event (base64 and PNG
+decoding, resizing and patchifying, the ViT and the prefill included), mean and p99 over the
+requests. One engine serves every level (``--max-running-requests`` = the largest C); two
+warm-ups at each level (other screenshots; the second reuses the text before the image, as the
+timed requests do) compile every bucket first; a compile in a timed run is printed.
+
+HF peer of the image rows (``--skip-hf`` to leave it out): transformers
+``Qwen3VLMoeForConditionalGeneration`` from the same checkpoint (bf16 on a GPU, sdpa, grouped_mm
+experts), ``generate`` on the same token ids (the placeholders expanded to the processor's count)
+and the same ``pixel_values`` / ``image_grid_thw`` (made by osworld_jax's image processor from the
+same PNG bytes, which equals transformers' Qwen2-VL processor: tests/model/test_processor.py;
+timed as part of HF's TTFT, as the server times its own), the C requests as one batch
+(``do_sample``, ``min_new_tokens`` = max); TTFT = until ``generate``'s streamer receives the
+first new tokens. It runs in a subprocess before JAX touches the GPU.
 
 Measured 2026-12-01, ``python benchmarks/serve.py --images`` (64 new tokens; tiny, float32, 2 CPU
 cores shared with other jobs, load ~8): C=1 390 tok/s, TTFT 0.12 s | C=16 1017 tok/s, TTFT
@@ -59,7 +73,34 @@ CONFIGS = {
         num_experts_per_tok=8,
         mlp_only_layers=(),
     ),
+    # benchmarks/train_step.py's bench-vl model (filled in by `bench_vl_overrides`)
+    "bench-vl": {},
 }
+#: Context length of the image rows' engine (a screenshot's tokens + text + new tokens).
+IMAGE_CONTEXT = {"tiny": 256, "bench-vl": 4096}
+
+
+def bench_vl_overrides() -> dict:
+    """make_tiny_checkpoint arguments for train_step.py's bench-vl model: the text fields, the
+    ViT (``vision``) and the processor limits (``preprocessor``), bf16 weights."""  # noqa: D205, D209
+    import dataclasses
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from train_step import CONFIGS as TRAIN_CONFIGS  # type: ignore[import-not-found]
+
+    from osworld_jax.model import Qwen3MoeConfig
+
+    bench = TRAIN_CONFIGS["bench-vl"]
+    text = {f.name: getattr(bench.model, f.name) for f in dataclasses.fields(Qwen3MoeConfig)}
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        text.pop(key, None)
+    return dict(
+        text,
+        vision=dataclasses.asdict(bench.model.vision),
+        preprocessor=dict(bench.preprocessor),
+        weights_dtype="bfloat16",
+    )
 
 
 def parse_args() -> argparse.Namespace:
@@ -75,8 +116,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--images", action="store_true", help="the image row: one 1920x1080 screenshot a request"
     )
+    p.add_argument("--rounds", type=int, default=8, help="image rows: requests timed at C = 1")
+    p.add_argument("--peer-timeout", type=float, default=900.0, help="HF peer subprocess limit")
+    p.add_argument("--hf-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json-out", default=None)
-    return p.parse_args()
+    args = p.parse_args()
+    args.images = args.images or args.config == "bench-vl"
+    return args
 
 
 def make_checkpoint(args: argparse.Namespace) -> Path:
@@ -87,8 +133,8 @@ def make_checkpoint(args: argparse.Namespace) -> Path:
         t = time.perf_counter()
         kind = "qwen3_vl_moe" if args.images else "qwen3_moe"
         overrides = CONFIGS[args.config]
-        if args.images and args.config == "tiny":
-            overrides = {}
+        if args.images:
+            overrides = bench_vl_overrides() if args.config == "bench-vl" else {}
         make_tiny_checkpoint(path, seed=0, kind=kind, **overrides)
         print(f"wrote {args.config} checkpoint to {path} in {time.perf_counter() - t:.1f}s")
     return path
@@ -157,10 +203,11 @@ def screenshots(c: int, salt: int = 0) -> list[str]:
 
 
 async def embedded_image_rates(
-    engine, prompt: list[int], warm: list[str], images: list[str], n: int
-) -> tuple[float, float, float]:
-    """(tokens/s, mean time to first token s, max time to first token s) of C streamed
-    requests, one screenshot each (after a warm-up with the ``warm`` screenshots)."""
+    engine, prompt: list[int], levels: list[int], rounds: int, n: int
+) -> list[dict]:
+    """Per concurrency C: tokens/s and the TTFTs of C streamed requests, one screenshot each
+    (C = 1: ``rounds`` requests one after another), after a warm-up at that level with other
+    screenshots."""  # noqa: D205, D209
     import aiohttp
     from aiohttp import web
 
@@ -173,6 +220,7 @@ async def embedded_image_rates(
     await web.SockSite(runner, sock).start()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}/generate"
     sp = {"max_new_tokens": n, "ignore_eos": True, "temperature": 1.0}
+    rows = []
     try:
         conn = aiohttp.TCPConnector(limit=0)
         timeout = aiohttp.ClientTimeout(total=None)
@@ -191,20 +239,145 @@ async def embedded_image_rates(
                 done = json.loads(last[6:])
                 return first - t0, int(done["meta_info"]["completion_tokens"])
 
-            # warm-up: one request alone (1-row prefills), then all (batched prefills)
-            await one(warm[0])
-            await asyncio.gather(*(one(im) for im in warm))
-            before = compiled()
-            t = time.perf_counter()
-            res = await asyncio.gather(*(one(im) for im in images))
-            dt = time.perf_counter() - t
-            if compiled() != before:
-                print(f"  (compiled during the timed run: {before} -> {compiled()})")
+            for salt, c in enumerate(levels):
+                # Warm-up twice (other screenshots): the second finds the text before the image
+                # kept from the first (prefix reuse), as the timed requests do.
+                for warm in (3 * salt, 3 * salt + 1):
+                    await asyncio.gather(*(one(im) for im in screenshots(c, warm)))
+                images = screenshots(max(c, rounds) if c == 1 else c, 3 * salt + 2)
+                before = compiled()
+                t = time.perf_counter()
+                if c == 1:
+                    res = [await one(im) for im in images]
+                else:
+                    res = await asyncio.gather(*(one(im) for im in images))
+                dt = time.perf_counter() - t
+                if compiled() != before:
+                    print(f"  (compiled during the timed run: {before} -> {compiled()})")
+                assert all(r[1] == n for r in res), res
+                rows.append(_row(c, len(images) * n / dt, [r[0] for r in res]))
+                print(f"ours C={c}: {_fmt(rows[-1])}", flush=True)
     finally:
         await runner.cleanup()
-    ttft = [r[0] for r in res]
-    assert all(r[1] == n for r in res), res
-    return len(images) * n / dt, float(np.mean(ttft)), float(np.max(ttft))
+    return rows
+
+
+def _row(c: int, rate: float, ttft: list[float]) -> dict:
+    return {
+        "concurrency": c,
+        "tok_s": rate,
+        "ttft_mean_s": float(np.mean(ttft)),
+        "ttft_p99_s": float(np.percentile(ttft, 99)),
+    }
+
+
+def _fmt(r: dict) -> str:
+    return f"{r['tok_s']:.1f} tok/s, TTFT mean {r['ttft_mean_s']:.3f}s p99 {r['ttft_p99_s']:.3f}s"
+
+
+def image_prompt(tokenizer) -> list[int]:
+    """The image rows' chat turn: a question, one screenshot placeholder, the reply's header."""
+    text = "<|im_start|>user\nWhat should I click?<|vision_start|><|image_pad|>"
+    text += "<|vision_end|><|im_end|>\n<|im_start|>assistant\n"
+    return tokenizer.encode(text).ids
+
+
+def hf_image_rows(args: argparse.Namespace, path: Path, levels: list[int]) -> list[dict]:
+    """HF transformers ``generate`` on the image rows' prompts and pixels (module docstring)."""
+    import base64
+
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import Qwen3VLMoeForConditionalGeneration
+    from transformers.generation.streamers import BaseStreamer
+
+    from osworld_jax.model import Qwen3VLMoeConfig
+    from osworld_jax.model.processor import ImageProcessor
+    from osworld_jax.server.images import expand_image_tokens
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(
+        path, dtype=dtype, attn_implementation="sdpa"
+    )
+    model = model.to(device).eval()
+    if device == "cuda" and hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("grouped_mm")
+    config = Qwen3VLMoeConfig.from_json(path / "config.json")
+    processor = ImageProcessor.from_pretrained(path)
+    prompt = image_prompt(Tokenizer.from_file(str(path / "tokenizer.json")))
+    n = args.max_new_tokens
+
+    class FirstToken(BaseStreamer):
+        def __init__(self) -> None:
+            self.calls, self.at = 0, None
+
+        def put(self, value) -> None:  # the prompt first, then each step's new tokens
+            self.calls += 1
+            if self.calls == 2:
+                self.at = time.perf_counter()
+
+        def end(self) -> None:
+            pass
+
+    def generate(images: list[str]) -> tuple[float, float]:
+        """(time to first token, total) of one batch from its base64 PNGs."""
+        t0 = time.perf_counter()
+        pixels, grids = processor([base64.b64decode(im) for im in images])
+        per_image = [int(np.prod(g)) // config.vision.spatial_merge_size**2 for g in grids]
+        ids = [expand_image_tokens(prompt, [k], config, "hf") for k in per_image]
+        input_ids = torch.as_tensor(ids, device=device)
+        streamer = FirstToken()
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                pixel_values=torch.as_tensor(pixels, device=device, dtype=dtype),
+                image_grid_thw=torch.as_tensor(grids, device=device),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                streamer=streamer,
+            )
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert out.shape[1] - input_ids.shape[1] == n and streamer.at is not None
+        return streamer.at - t0, time.perf_counter() - t0
+
+    rows = []
+    for salt, c in enumerate(levels):
+        generate(screenshots(c, 2 * salt))  # warm-up
+        if c == 1:
+            timed = [generate([im]) for im in screenshots(args.rounds, 2 * salt + 1)]
+            rows.append(_row(1, len(timed) * n / sum(t for _, t in timed), [f for f, _ in timed]))
+        else:
+            first, total = generate(screenshots(c, 2 * salt + 1))
+            rows.append(_row(c, c * n / total, [first] * c))
+        print(f"HF C={c}: {_fmt(rows[-1])}", flush=True)
+    return rows
+
+
+def run_hf_child(args: argparse.Namespace, path: Path) -> list[dict] | str:
+    """The HF image rows in a subprocess (before JAX takes the GPU): rows, or an error line."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, __file__, "--hf-child", "--config", args.config, "--images"]
+    cmd += ["--ckpt-dir", str(path), "--concurrency", args.concurrency]
+    cmd += ["--max-new-tokens", str(args.max_new_tokens), "--rounds", str(args.rounds)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.peer_timeout)
+    except subprocess.TimeoutExpired as e:
+        return f"no result within --peer-timeout {e.timeout} s"
+    sys.stdout.write(proc.stdout[-3000:])
+    for line in proc.stdout.splitlines():
+        if line.startswith("HF_RESULT "):
+            return json.loads(line[len("HF_RESULT ") :])
+    sys.stderr.write(proc.stderr[-4000:])
+    return (proc.stderr.strip().splitlines() or ["?"])[-1]
 
 
 def compiled() -> tuple[int, int]:
@@ -214,47 +387,50 @@ def compiled() -> tuple[int, int]:
     return runner._prefill._cache_size(), runner._decode._cache_size()
 
 
-def image_rows(args: argparse.Namespace, path: Path, dtype: str, levels: list[int]) -> None:
-    from osworld_jax.server.engine import Engine, EngineConfig
-
-    n = args.max_new_tokens
-    rows = []
-    for c in levels:
-        engine = Engine(
-            EngineConfig(
-                model_path=str(path),
-                max_running_requests=c,
-                min_decode_batch=c,
-                context_length=256,
-                dtype=dtype,
-                expert_backend=args.expert_backend or "ragged",
-            )
-        ).start()
-        try:
-            text = "<|im_start|>user\nWhat should I click?<|vision_start|><|image_pad|>"
-            text += "<|vision_end|><|im_end|>\n<|im_start|>assistant\n"
-            prompt = engine.tokenizer.encode(text).ids
-            rate, mean, worst = asyncio.run(
-                embedded_image_rates(engine, prompt, screenshots(c, 0), screenshots(c, 1), n)
-            )
-        finally:
-            engine.shutdown()
-        rows.append({"concurrency": c, "tok_s": rate, "ttft_mean_s": mean, "ttft_max_s": worst})
-        text_tokens = len(prompt) - 1
-        print(f"C={c}: {rate:.1f} tok/s, TTFT mean {mean:.3f}s max {worst:.3f}s", flush=True)
+def image_rows(args: argparse.Namespace, path: Path, levels: list[int]) -> None:
+    hf = None if args.skip_hf else run_hf_child(args, path)  # before JAX takes the GPU
     import jax
 
+    from osworld_jax.server.engine import Engine, EngineConfig
+
+    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+
+    n = args.max_new_tokens
+    engine = Engine(
+        EngineConfig(
+            model_path=str(path),
+            max_running_requests=max(levels),
+            context_length=IMAGE_CONTEXT[args.config],
+            dtype=dtype,
+            expert_backend=args.expert_backend or "auto",
+        )
+    ).start()
+    try:
+        prompt = image_prompt(engine.tokenizer)
+        rows = asyncio.run(embedded_image_rates(engine, prompt, levels, args.rounds, n))
+        tokens = engine.processor.num_image_tokens(1080, 1920)
+    finally:
+        engine.shutdown()
     dev = jax.devices()[0].device_kind
-    print(f"\n{args.config} Qwen3-VL-MoE ({dtype}) on {dev}; one 1920x1080 screenshot (144 image")
-    print(f"tokens) + {text_tokens} text tokens a request, {n} new tokens a request, streamed")
-    print("| concurrency | tokens/s | TTFT mean s | TTFT max s |\n|---|---|---|---|")
+    print(f"\n{args.config} Qwen3-VL-MoE ({dtype}) on {dev}; one 1920x1080 screenshot ({tokens}")
+    print(f"image tokens) + {len(prompt) - 1} text tokens a request, {n} new tokens a request")
+    if isinstance(hf, str):
+        print(f"HF peer: {hf}")
+    peer = {r["concurrency"]: r for r in hf} if isinstance(hf, list) else {}
+    print("| C | ours tok/s | ours TTFT mean / p99 s | HF generate tok/s | HF TTFT mean / p99 s |")
+    print("|---|---|---|---|---|")
     for r in rows:
+        h = peer.get(r["concurrency"])
+        theirs = "- | -" if h is None else (
+            f"{h['tok_s']:.1f} | {h['ttft_mean_s']:.3f} / {h['ttft_p99_s']:.3f}"
+        )  # fmt: skip
         print(
-            f"| {r['concurrency']} | {r['tok_s']:.1f} | {r['ttft_mean_s']:.3f} | "
-            f"{r['ttft_max_s']:.3f} |"
+            f"| {r['concurrency']} | {r['tok_s']:.1f} | {r['ttft_mean_s']:.3f} / "
+            f"{r['ttft_p99_s']:.3f} | {theirs} |"
         )
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"config": args.config, "image_rows": rows}))
+        out = {"config": args.config, "image_rows": rows, "hf_image_rows": hf}
+        Path(args.json_out).write_text(json.dumps(out))
 
 
 def hf_rate(model, prompts: list[list[int]], n: int, device: str) -> float:
@@ -279,6 +455,16 @@ def hf_rate(model, prompts: list[list[int]], n: int, device: str) -> float:
 
 def main() -> None:
     args = parse_args()
+    if args.hf_child:
+        rows = hf_image_rows(
+            args, Path(args.ckpt_dir), [int(c) for c in args.concurrency.split(",")]
+        )
+        print("HF_RESULT " + json.dumps(rows), flush=True)
+        return
+    levels = [int(c) for c in args.concurrency.split(",")]
+    if args.images:
+        image_rows(args, make_checkpoint(args), levels)
+        return
     import jax
 
     from osworld_jax.server.engine import Engine, EngineConfig
@@ -286,11 +472,7 @@ def main() -> None:
     on_gpu = jax.default_backend() == "gpu"
     dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     path = make_checkpoint(args)
-    levels = [int(c) for c in args.concurrency.split(",")]
     n = args.max_new_tokens
-    if args.images:
-        image_rows(args, path, dtype, levels)
-        return
 
     def start(c: int) -> Engine:
         # One engine per level, decoding exactly C slots, every bucket compiled before timing.

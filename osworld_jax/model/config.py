@@ -359,6 +359,10 @@ class ModelRuntimeConfig:
         with ``attention="cudnn"`` on a GPU the ViT runs cuDNN's packed flash attention instead
         (`osworld_jax.model.vision.packed_attention`: per image, no score buffer).
       vision_remat: rematerialisation policy per ViT block (`remat`'s names); None: ``remat``.
+      vision_attention: the ViT's attention kernel, "xla" or "cudnn" (cuDNN's packed flash
+        attention per image on a GPU in 16-bit; XLA elsewhere); None: ``attention``. The
+        embedded server sets it alone (its LM attends to a KV cache, which ``attention`` does
+        not cover).
       expert_parallel: when the call runs under a mesh whose ``expert`` axis is > 1, send each
         token to the devices holding its experts and run the grouped GEMMs on local experts
         only (`osworld_jax.model.expert_parallel`: all-gather dispatch, reduce-scatter
@@ -377,6 +381,7 @@ class ModelRuntimeConfig:
     attention_chunk: int = 0
     vision_attention_chunk: int = 1024
     vision_remat: str | None = None
+    vision_attention: Attention | None = None
     expert_parallel: bool = True
 
     def __post_init__(self) -> None:
@@ -390,10 +395,14 @@ class ModelRuntimeConfig:
                 REMAT_POLICIES.validate(self.vision_remat, "ModelRuntimeConfig.vision_remat")
         except Exception as e:
             raise ModelConfigError(str(e)) from None
-        if self.attention not in typing.get_args(Attention):
-            raise ModelConfigError(
-                f"ModelRuntimeConfig.attention: {self.attention!r}; choose 'xla' or 'cudnn'"
-            )
+        for key in ("attention", "vision_attention"):
+            value = getattr(self, key)
+            if value is None and key == "vision_attention":
+                continue
+            if value not in typing.get_args(Attention):
+                raise ModelConfigError(
+                    f"ModelRuntimeConfig.{key}: {value!r}; choose 'xla' or 'cudnn'"
+                )
         for key in ("attention_chunk", "vision_attention_chunk"):
             if getattr(self, key) < 0:
                 raise ModelConfigError(

@@ -300,10 +300,11 @@ def image_attention(
 
 
 def fused_vision_attention(runtime: ModelRuntimeConfig) -> bool:
-    """Whether the ViT's attention runs cuDNN's packed kernel: ``attention="cudnn"``, on a GPU,
-    16-bit compute (cuDNN's flash kernels take fp16/bf16 only)."""  # noqa: D205, D209
+    """Whether the ViT's attention runs cuDNN's packed kernel: ``vision_attention`` (else
+    ``attention``) "cudnn", on a GPU, 16-bit compute (cuDNN's flash kernels take fp16/bf16
+    only)."""  # noqa: D205, D209
     return (
-        runtime.attention == "cudnn"
+        (runtime.vision_attention or runtime.attention) == "cudnn"
         and jax.default_backend() == "gpu"
         and jnp.dtype(runtime.dtype) in (jnp.bfloat16, jnp.float16)
     )

@@ -84,6 +84,8 @@ class Engine:
             dtype=config.dtype,
             expert_backend=config.expert_backend,
             min_bucket=config.min_bucket,
+            mm_attention=config.mm_attention_backend,
+            scan_layers=config.scan_layers,
         )
         self.model_config = self.runner.config
         self.model_path = str(path)

@@ -54,6 +54,11 @@ class EngineConfig:
         are refused, replies carry no ``text`` and logprob entries no token text.
       stall_timeout_s: ``/health`` answers 503 when the engine thread has not finished an
         iteration for this long while work is pending (a stuck step or weight load).
+      mm_attention_backend: the vision tower's attention (SGLang's ``--mm-attention-backend``):
+        "cudnn" (cuDNN's packed flash attention within each image on a GPU in bfloat16, the
+        trainer's kernel; XLA on other platforms and in float32) or "xla".
+      scan_layers: run the layers under ``lax.scan`` (a deep model's prefill and decode
+        buckets compile in a fraction of the time); None: on an accelerator, not on a CPU.
     """
 
     model_path: str
@@ -72,6 +77,8 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     skip_tokenizer_init: bool = False
     stall_timeout_s: float = 300.0
+    mm_attention_backend: str = "cudnn"
+    scan_layers: bool | None = None
 
 
 @dataclass(kw_only=True, eq=False)

@@ -278,6 +278,11 @@ class ModelRunner:
       dtype: "float32" or "bfloat16" (parameters, activations and KV cache).
       expert_backend: the model's expert backend ("auto", "dense", "ragged", ...).
       min_bucket: smallest prefill / attention-length bucket.
+      mm_attention: the ViT's attention, "cudnn" (cuDNN's packed flash attention per image on a
+        GPU in 16-bit, the trainer's kernel; XLA elsewhere) or "xla".
+      scan_layers: run the decoder layers and ViT blocks under ``lax.scan`` (compiles a deep
+        model in a fraction of the time; the values are the unrolled loop's); None: on an
+        accelerator only (the CPU's tiny models compile fast either way).
     """
 
     def __init__(
@@ -289,10 +294,16 @@ class ModelRunner:
         dtype: str = "float32",
         expert_backend: str = "auto",
         min_bucket: int = 16,
+        mm_attention: str = "cudnn",
+        scan_layers: bool | None = None,
     ) -> None:
+        if scan_layers is None:
+            scan_layers = jax.default_backend() != "cpu"
         self.runtime = ModelRuntimeConfig(
             expert_backend=expert_backend,
             dtype=dtype,  # type: ignore[arg-type]  # validated
+            vision_attention=mm_attention,  # type: ignore[arg-type]  # validated
+            scan_layers=scan_layers,
         )
         policy = load_hf_checkpoint(model_path, runtime=self.runtime)
         self.config: Qwen3MoeConfig = policy.config

@@ -71,6 +71,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--expert-backend", default=None, help="auto | dense | ragged | pallas_gmm | tokamax"
     )
+    p.add_argument(
+        "--mm-attention-backend",
+        choices=("cudnn", "xla"),
+        default="cudnn",
+        help="the vision tower's attention: cudnn (packed flash attention per image on a GPU in "
+        "bfloat16; XLA elsewhere) or xla",
+    )
+    p.add_argument(
+        "--scan-layers",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="layers under lax.scan (faster compiles of deep models); auto: on accelerators",
+    )
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--min-bucket", type=int, default=DEFAULT_MIN_BUCKET)
     p.add_argument("--min-decode-batch", type=int, default=1)
@@ -169,6 +182,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         skip_tokenizer_init=args.skip_tokenizer_init,
         enable_prefix_cache=not args.disable_radix_cache,
         stall_timeout_s=args.stall_timeout_s,
+        mm_attention_backend=args.mm_attention_backend,
+        scan_layers={"auto": None, "on": True, "off": False}[args.scan_layers],
     )
 
 

@@ -171,3 +171,15 @@ def test_qwen3_30b_a3b_config_parameter_count_and_sharding():
     assert sh["moe"]["gate"].spec == P(None, "expert", "fsdp", "tensor")
     assert sh["attn"]["k_proj"].spec == P(None, "fsdp", "tensor", None)
     assert sh["top"]["lm_head"].spec == P("fsdp", "tensor")
+
+
+def test_runtime_attention_kernels_are_validated_and_the_vit_follows_attention_unless_set():
+    from osworld_jax.model.vision import fused_vision_attention
+
+    for key in ("attention", "vision_attention"):
+        with pytest.raises(ModelConfigError, match=rf"ModelRuntimeConfig.{key}: 'flash'; choose"):
+            ModelRuntimeConfig(**{key: "flash"})
+    # On this CPU the packed cuDNN kernel is never chosen, whatever is asked for.
+    assert not fused_vision_attention(ModelRuntimeConfig(dtype="bfloat16", attention="cudnn"))
+    assert ModelRuntimeConfig(vision_attention="cudnn").vision_attention == "cudnn"
+    assert ModelRuntimeConfig().vision_attention is None

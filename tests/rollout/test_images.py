@@ -459,3 +459,39 @@ def test_dropped_patches_are_restored_from_the_encoded_bytes(vl_ckpt):
     again = light.restore(processor)
     np.testing.assert_array_equal(again.pixel_values, full.pixel_values)
     np.testing.assert_array_equal(again.grid_thw, full.grid_thw)
+
+
+def test_the_gpu_defaults_scan_and_packed_vision_serve_the_same_values(vl_engine, vl_ckpt):
+    """An engine with the accelerators' defaults (layers and ViT blocks under ``lax.scan``;
+    ``--mm-attention-backend cudnn``, XLA on this CPU) serves an image prompt with the prompt
+    and output logprobs and routes of the unrolled default engine (greedy, float32)."""
+    from osworld_jax.server.engine import Engine, EngineConfig
+    from osworld_jax.server.serve import engine_config, parse_args
+
+    from .conftest import VL_ENGINE_KW
+
+    args = parse_args(["--model-path", str(vl_ckpt), "--scan-layers", "on"])
+    assert (args.mm_attention_backend, engine_config(args).scan_layers) == ("cudnn", True)
+    assert engine_config(parse_args(["--model-path", "x"])).scan_layers is None  # auto
+    scanned = Engine(
+        EngineConfig(model_path=str(vl_ckpt), scan_layers=True, **VL_ENGINE_KW)
+    ).start()
+    assert scanned.runner.runtime.scan_layers and not vl_engine.runner.runtime.scan_layers
+    assert scanned.runner.runtime.vision_attention == "cudnn"
+    request = body(chat(vl_engine, "Screen ", PAD, " now"), [b64(png(7, 96, 64))], temperature=0.0)
+
+    async def main(engine):
+        async with serving(engine) as url:
+            return await post(url, "/generate", request)
+
+    try:
+        (s1, want), (s2, got) = run(main(vl_engine)), run(main(scanned))
+    finally:
+        scanned.shutdown()
+    assert s1 == s2 == 200, (want, got)
+    assert got["output_ids"] == want["output_ids"]
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        a = np.array([x[0] for x in want["meta_info"][key][1:]], np.float64)
+        b = np.array([x[0] for x in got["meta_info"][key][1:]], np.float64)
+        np.testing.assert_allclose(b, a, atol=1e-6, rtol=0)
+    assert got["meta_info"]["routed_experts"] == want["meta_info"]["routed_experts"]
