@@ -14,8 +14,11 @@ template of Qwen3-VL's shape that renders image / video content parts.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
+import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -213,19 +216,48 @@ def tiny_config(vocab_size: int, eos_token_id: int, **overrides: Any) -> Qwen3Mo
     return Qwen3MoeConfig(**values)
 
 
+#: Above this many parameters `random_params` draws in parallel threads (other numbers than the
+#: serial draw of the same seed, equally deterministic): a bench-size model (~6 B) takes minutes
+#: in one thread. Every test model is far below it.
+PARALLEL_DRAW_PARAMS = 1 << 27
+
+
 def random_params(config: Qwen3MoeConfig, seed: int) -> dict[str, dict[str, np.ndarray]]:
     """Float32 numpy parameters in the `Policy.params()` layout (normal(0, init range))."""
+    specs = param_specs(config)
+    parallel = sum(math.prod(s.shape) for s in specs.values()) > PARALLEL_DRAW_PARAMS
     rng = np.random.default_rng(seed)
+    streams = np.random.SeedSequence(seed)
     out: dict[str, dict[str, np.ndarray]] = {}
-    for key, spec in param_specs(config).items():
+    for key, spec in specs.items():
         group, name = key.split(".")
         if spec.init in ("ones", "zeros"):
             value = (np.ones if spec.init == "ones" else np.zeros)(spec.shape, np.float32)
         else:
             std = config.initializer_range if spec.std is None else spec.std
-            value = rng.normal(0.0, std, spec.shape).astype(np.float32)
+            if parallel:
+                value = _parallel_normal(spec.shape, std, streams.spawn(1)[0])
+            else:
+                value = rng.normal(0.0, std, spec.shape).astype(np.float32)
         out.setdefault(group, {})[name] = value
     return out
+
+
+def _parallel_normal(shape: tuple[int, ...], std: float, seq: np.random.SeedSequence) -> np.ndarray:
+    """f32 normal(0, std) of ``shape`` drawn in chunks of 2^22 on every core (numpy's
+    generators release the GIL); chunk i has its own stream from ``seq``."""  # noqa: D205, D209
+    out = np.empty(math.prod(shape), np.float32)
+    chunk = 1 << 22
+    starts = range(0, out.size, chunk)
+
+    def fill(job: tuple[int, np.random.SeedSequence]) -> None:
+        part = out[job[0] : job[0] + chunk]
+        np.random.default_rng(job[1]).standard_normal(out=part, dtype=np.float32)
+        part *= np.float32(std)
+
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(fill, zip(starts, seq.spawn(len(starts)), strict=True)))
+    return out.reshape(shape)
 
 
 def tiny_vl_config(
@@ -336,9 +368,24 @@ def make_tiny_checkpoint(
     params = random_params(config, seed)
     tensors = hf_tensors(params, config)
     if weights_dtype == "bfloat16":
-        tensors = ((name, a.astype(ml_dtypes.bfloat16)) for name, a in tensors)
+        tensors = ((name, _bfloat16(a)) for name, a in tensors)
     write_hf_dir(out, config, tensors, torch_dtype=weights_dtype)
     return out
+
+
+def _bfloat16(a: np.ndarray) -> np.ndarray:
+    """``a`` in bfloat16 (round to nearest even), large arrays converted on every core."""
+    if a.size <= 1 << 24:
+        return a.astype(ml_dtypes.bfloat16)
+    flat, out = a.reshape(-1), np.empty(a.size, ml_dtypes.bfloat16)
+    chunk = 1 << 22
+
+    def convert(start: int) -> None:
+        out[start : start + chunk] = flat[start : start + chunk]
+
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(convert, range(0, a.size, chunk)))
+    return out.reshape(a.shape)
 
 
 def _special_id(tok, token: str) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -133,3 +134,32 @@ def test_tiny_checkpoint_numpy_path_loads_in_hf_and_is_deterministic(tmp_path):
     batch = np.asarray([ids[:12], ids[-12:]], np.int32)
     ref, _, _ = hf_forward(_from_pretrained(a), batch)
     assert rel_err(jforward(policy, jnp.asarray(batch)).logits, ref) < 1e-4
+
+
+def test_large_random_checkpoints_are_drawn_in_parallel_deterministically(monkeypatch):
+    # Above PARALLEL_DRAW_PARAMS (set to 0 here: the tiny model counts as large) every normal
+    # tensor is drawn in 2^22-value chunks on all cores: the same seed gives the same values,
+    # another seed others, each tensor at its init std; ones / zeros stay exact.
+    from osworld_jax.model import tiny
+    from osworld_jax.model.params import param_specs
+
+    config = tiny.tiny_config(512, 1, initializer_range=0.1)
+    serial = tiny.random_params(config, 3)
+    monkeypatch.setattr(tiny, "PARALLEL_DRAW_PARAMS", 0)
+    a, b, c = (tiny.random_params(config, s) for s in (3, 3, 4))
+    for key, spec in param_specs(config).items():
+        group, name = key.split(".")
+        x = a[group][name]
+        assert x.dtype == np.float32 and x.shape == spec.shape
+        np.testing.assert_array_equal(x, b[group][name])
+        if spec.init in ("ones", "zeros"):
+            np.testing.assert_array_equal(x, serial[group][name])
+            continue
+        assert not np.array_equal(x, c[group][name])
+        if x.size >= 4096:
+            std = config.initializer_range if spec.std is None else spec.std
+            assert abs(float(x.std()) / std - 1.0) < 0.1, key
+    big = tiny._parallel_normal((3, 1 << 22), 1.0, np.random.SeedSequence(0))  # 3 chunks
+    assert not np.array_equal(big[0], big[1]) and abs(float(big.std()) - 1.0) < 1e-3
+    wide = np.linspace(-3, 3, (1 << 24) + 5, dtype=np.float32)  # the parallel bf16 cast
+    np.testing.assert_array_equal(tiny._bfloat16(wide), wide.astype(ml_dtypes.bfloat16))
