@@ -101,6 +101,10 @@ def test_the_next_start_cleans_what_a_crash_left(tmp_path):
     leftover = subprocess.Popen(
         ["sleep", "600"], env={**os.environ, reaper.MARKER: marker}, start_new_session=True
     )
+    # Until the child has exec'd, /proc/<pid>/environ is the parent's (no marker): a process
+    # the crashed run left is long past its exec; so is this one before the lease starts.
+    environ = Path(f"/proc/{leftover.pid}/environ")
+    assert _wait(lambda: marker.encode() in environ.read_bytes(), 30.0)
     lease = {"marker": marker, "pid": dead.pid, "host": os.uname().nodename, "dirs": [str(extra)]}
     (run_dir / reaper.LEASE_FILE).write_text(json.dumps(lease))
     before = os.environ.get(reaper.MARKER)
