@@ -160,10 +160,14 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
         if tasks is None:
             absent = [a.name for a in apps.APPS if not apps.installed(a, self.system)]
             if absent:
+                where = "bash scripts/setup.sh --apps"
+                if self.system.path is not None:
+                    where = f"system root {self.system.path} has none of them"
                 _log.warning(
                     "local backend: not installed: %s; the tasks that start them are not "
-                    "runnable here (bash scripts/setup.sh --apps)",
+                    "runnable here (%s)",
                     ", ".join(absent),
+                    where,
                 )
             return
         names = {x for a in needed for x in a.split("|")}
