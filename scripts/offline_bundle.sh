@@ -17,7 +17,7 @@
 # librsvg and libxml2 with ICU (+17 MB: --wm=openbox, ~52 MB of debs alone). Without the --apps
 # applications and without mousepad (GTK 3 and GtkSourceView: +25 MB): the bundled text_editor
 # tasks need it and are skipped as not runnable, as are the two compare_table tasks (pandas,
-# openpyxl: 14 MB of wheels).
+# openpyxl: 13.3 MiB of wheels).
 # DIR/wheels: the CPython 3.12 manylinux wheels of the Python packages that scripts/train.py
 # (configs/gpu_1x_h200.gin: the embedded server, the local sandbox, the evaluators) imports and
 # that the GPU image (jax, flax, optax, orbax, chex, torch, transformers, numpy, safetensors,
