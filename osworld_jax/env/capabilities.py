@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import os
 import re
 import shlex
@@ -253,6 +254,7 @@ def capabilities(
     *,
     cache_dir: str | os.PathLike[str] | None = None,
     assume_cached: bool = False,
+    backend_config: object | None = None,
 ) -> Runnable | NotRunnable:
     """Whether ``backend_name`` can run ``task`` here, and if not every reason why.
 
@@ -263,7 +265,8 @@ def capabilities(
     programs that launch/execute steps run and the office suite that ``open`` needs (the backend
     class's ``has_app(name) -> bool`` if it defines one, e.g. to search the jail's PATH, else
     ``shutil.which``); and backend-specific limits (a backend class may define
-    ``capability_reasons(task) -> list[str]``).
+    ``capability_reasons(task) -> list[str]``); with ``backend_config``, both hooks get it as
+    ``config=`` (e.g. the local backend then looks in its ``system_root``).
 
     Args:
       task: the task.
@@ -271,6 +274,7 @@ def capabilities(
       cache_dir: the local file cache (default: ``cache.default_cache_dir()``).
       assume_cached: answer as if every remote file were in the cache (what a user who ran
         ``python -m osworld_jax.env.cache fetch`` could run).
+      backend_config: the backend's config (None: its defaults).
 
     Returns:
       ``Runnable()`` or ``NotRunnable(reasons)``.
@@ -316,12 +320,15 @@ def capabilities(
             reasons.append(Reason(REMOTE_FILE, url))
     if host:
         has_app = getattr(backend_cls, "has_app", None)
+        if has_app is not None and backend_config is not None:
+            has_app = functools.partial(has_app, config=backend_config)
         for app in apps_needed(task):
             if not app_available(app, has_app):
                 reasons.append(Reason(APP, app))
     hook = getattr(backend_cls, "capability_reasons", None)
     if hook is not None:
-        reasons.extend(Reason(BACKEND, r) for r in hook(task))
+        found = hook(task) if backend_config is None else hook(task, config=backend_config)
+        reasons.extend(Reason(BACKEND, r) for r in found)
     reasons = list(dict.fromkeys(reasons))
     return NotRunnable(tuple(reasons)) if reasons else Runnable()
 

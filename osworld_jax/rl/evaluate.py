@@ -53,7 +53,9 @@ def evaluate(
     exp = experiment.replace(rl=rl)
     refs = load_task_refs(resolve_task_set(exp.data.task_set))
     if exp.data.only_runnable:
-        refs = [r for r in refs if stages.RunnableFilter(exp.backend, exp.cache_dir)(r)]
+        refs = [
+            r for r in refs if stages.RunnableFilter(exp.backend, exp.cache_dir, exp.sandbox)(r)
+        ]
     stream = TaskStream(refs, batch_size=rl.num_prompts, shuffle=False, num_epochs=1)
     lines: list[dict[str, Any]] = []
     with RolloutResources(exp, Path(run_dir)) as res:

@@ -205,7 +205,7 @@ class RunResources(RolloutResources):
             exp.trainer, policy, bounds=bounds, temperature=exp.logprob_temperature, mesh=mesh
         )
         self.callback(self.trainer.close)  # waits for an in-flight save: the checkpoint stays whole
-        runnable = stages.RunnableFilter(exp.backend, exp.cache_dir)
+        runnable = stages.RunnableFilter(exp.backend, exp.cache_dir, exp.sandbox)
         keep = runnable if exp.data.only_runnable else None
         # Every process draws the same stream (process 0 uses the tasks), so the checkpointed
         # stream position is the same on every process.

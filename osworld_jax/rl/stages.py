@@ -205,17 +205,25 @@ def vision_packing(
 class RunnableFilter:
     """``keep(ref)`` for `make_task_stream`: the tasks ``backend`` can run here; records why not.
 
+    ``config``: the backend's config (``ExperimentConfig.sandbox``; a backend name counts as
+    none), which says where it looks (e.g. ``LocalBackendConfig.system_root``).
+
     Attributes:
       skipped: task id -> the reasons (``kind: detail``) it was dropped.
     """
 
-    def __init__(self, backend: str, cache_dir: str | None = None) -> None:
+    def __init__(
+        self, backend: str, cache_dir: str | None = None, config: object | None = None
+    ) -> None:
         self.backend, self.cache_dir = backend, cache_dir
+        self.config = None if isinstance(config, str) else config
         self.skipped: dict[str, list[str]] = {}
 
     def __call__(self, ref: TaskRef) -> bool:
         """Whether the backend can run ``ref``'s task (records the reasons when not)."""
-        verdict = capabilities(load_task(ref.path), self.backend, cache_dir=self.cache_dir)
+        verdict = capabilities(
+            load_task(ref.path), self.backend, cache_dir=self.cache_dir, backend_config=self.config
+        )
         if not verdict:
             reasons = getattr(verdict, "reasons", ())
             self.skipped[ref.task_id] = [f"{r.kind}: {r.detail}" for r in reasons]

@@ -129,8 +129,11 @@ class MemoryBackend(SandboxBackend[MemorySandbox]):
         self._ids = itertools.count()
 
     @classmethod
-    def capability_reasons(cls, task: Task) -> list[str]:
-        """What this tiny desktop cannot express for ``task`` (programs it does not have)."""
+    def capability_reasons(cls, task: Task, config: object | None = None) -> list[str]:
+        """What this tiny desktop cannot express for ``task`` (programs it does not have).
+
+        ``config`` (the ``capabilities`` hook's) changes nothing here.
+        """
         reasons = []
         probe = MemoryDesktop()
         commands: list[Any] = []

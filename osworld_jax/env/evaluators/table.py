@@ -27,6 +27,7 @@ float64 one holding the same numbers, e.g. 90 against 90.0).
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import unicodedata
 from collections.abc import Mapping
@@ -312,7 +313,13 @@ def compare_table(result: str | None, expected: str | None = None, **options: An
 
 
 def _unsupported(options: Mapping[str, Any]) -> list[str]:
-    out = []
+    # compare_table reads every book through pandas and openpyxl: without them it could only
+    # score 0 (an unreadable result), so a task needing it is not runnable here.
+    out = [
+        f"compare_table needs {m} (not installed)"
+        for m in ("pandas", "openpyxl")
+        if importlib.util.find_spec(m) is None
+    ]
     for r in options.get("rules") or []:
         kind = r.get("type")
         if kind not in _SUPPORTED_RULES:

@@ -38,7 +38,8 @@ import os
 import re
 import shutil
 import subprocess
-from pathlib import Path
+
+from osworld_jax.env.local.sysroot import HOST, SystemRoot
 
 __all__ = [
     "APPS",
@@ -81,7 +82,7 @@ CHROME_FLAGS = (
 DBUS_SERVICE_DIR = "/opt/osworld/dbus-1/services"
 #: The D-Bus services the session bus may start (the accessibility bus, the settings store).
 DBUS_SERVICES = ("org.a11y.Bus.service", "ca.desrt.dconf.service")
-_HOST_DBUS_SERVICES = Path("/usr/share/dbus-1/services")
+_SYSTEM_DBUS_SERVICES = "/usr/share/dbus-1/services"
 VLC_HTTP_PORT = 8080
 VLC_HTTP_PASSWORD = "password"
 
@@ -139,9 +140,13 @@ def _xcu(items: list[tuple[str, str, str]]) -> bytes:
 
 
 @functools.cache
-def libreoffice_version() -> str | None:
-    """The installed LibreOffice's ``major.minor`` (``soffice --version``), or None."""
-    if shutil.which("soffice") is None:
+def libreoffice_version(system: SystemRoot = HOST) -> str | None:
+    """The installed LibreOffice's ``major.minor`` (``soffice --version``), or None.
+
+    None too for a separate system root (``sysroot.py``): its ``soffice`` is a shell script that
+    runs only in the jail.
+    """
+    if system.path is not None or shutil.which("soffice") is None:
         return None
     try:
         out = subprocess.run(
@@ -153,14 +158,14 @@ def libreoffice_version() -> str | None:
     return f"{m.group(1)}.{m.group(2)}" if m else None
 
 
-def skel() -> dict[str, bytes]:
+def skel(system: SystemRoot = HOST) -> dict[str, bytes]:
     """Home-relative path -> content of the files every new desktop's home starts with."""
     lo = [
         ("/org.openoffice.Office.Common/Misc", "ShowTipOfTheDay", "false"),
         ("/org.openoffice.Office.Common/Save/Document", "WarnAlienFormat", "false"),
         ("/org.openoffice.Setup/Office", "ooSetupInstCompleted", "true"),
     ]
-    if (version := libreoffice_version()) is not None:  # no "running 7.4 for the first time"
+    if (version := libreoffice_version(system)) is not None:  # no "running 7.4 for the first time"
         lo.append(("/org.openoffice.Setup/Product", "ooSetupLastVersion", version))
     return {
         ".config/libreoffice/4/user/registrymodifications.xcu": _xcu(lo),
@@ -283,37 +288,39 @@ def app_for(command: str) -> App | None:
     return None
 
 
-def installed(app: App) -> bool:
-    """Whether ``app``'s binary is installed on this host (and so visible in the jail)."""
-    return Path(app.binary).exists()
+def installed(app: App, system: SystemRoot = HOST) -> bool:
+    """Whether ``app``'s binary is installed in the jail's system (and so visible in the jail)."""
+    return system.resolve(app.binary).exists()
 
 
-def has_app(command: str) -> bool:
+def has_app(command: str, system: SystemRoot = HOST) -> bool:
     """Whether ``command`` runs inside the jail: a wrapper whose program is installed, or a file
     on the jail's PATH (``/opt/osworld/bin``, then ``SYSTEM_PATH``), or an absolute path under a
-    directory the jail mounts.
+    directory the jail mounts; looked up in the jail's system (``system``).
     """  # noqa: D205
     in_bin = f"{BIN_DIR}/{command}" if "/" not in command else command
     if in_bin in _LINKS:
-        return Path(_LINKS[in_bin]).exists()
+        return system.resolve(_LINKS[in_bin]).exists()
     if command in _WRAPPERS or command.startswith(BIN_DIR + "/"):
         name = os.path.basename(command)
-        return name in _WRAPPERS and Path(_WRAPPERS[name][1]).exists()
+        return name in _WRAPPERS and system.resolve(_WRAPPERS[name][1]).exists()
     if os.path.isabs(command):
         top = command.split("/")[1] if command.count("/") > 1 else ""
-        return top in ("usr", "bin", "sbin", "lib", "lib64") and os.access(command, os.X_OK)
-    return shutil.which(command, path=SYSTEM_PATH) is not None
+        return top in ("usr", "bin", "sbin", "lib", "lib64") and os.access(
+            system.resolve(command), os.X_OK
+        )
+    return system.which(command, path=SYSTEM_PATH) is not None
 
 
-def jail_files() -> dict[str, tuple[bytes, int]]:
+def jail_files(system: SystemRoot = HOST) -> dict[str, tuple[bytes, int]]:
     """Jail path -> (content, mode) of the wrappers and the first-start home files."""
     out: dict[str, tuple[bytes, int]] = {}
     for name, (script, _) in _WRAPPERS.items():
         out[f"{BIN_DIR}/{name}"] = (script.encode(), 0o755)
-    for rel, data in skel().items():
+    for rel, data in skel(system).items():
         out[f"{SKEL_DIR}/{rel}"] = (data, 0o644)
     for name in DBUS_SERVICES:
-        host = _HOST_DBUS_SERVICES / name
+        host = system.resolve(f"{_SYSTEM_DBUS_SERVICES}/{name}")
         if host.is_file():
             out[f"{DBUS_SERVICE_DIR}/{name}"] = (host.read_bytes(), 0o644)
     return out

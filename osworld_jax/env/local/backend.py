@@ -28,7 +28,6 @@ import logging
 import os
 import random
 import resource
-import shutil
 import tempfile
 import uuid
 from collections.abc import Sequence
@@ -47,6 +46,7 @@ from osworld_jax.env.local.config import DEFAULT_OPENERS, LocalBackendConfig
 from osworld_jax.env.local.desktop import LocalDesktop
 from osworld_jax.env.local.jail import JailSpec
 from osworld_jax.env.local.sandbox import LocalSandbox
+from osworld_jax.env.local.sysroot import SystemRoot
 from osworld_jax.env.setup import SetupContext, run_setup
 from osworld_jax.env.vm_sandbox import setup_context
 
@@ -68,6 +68,7 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
 
     def __init__(self, config: LocalBackendConfig | None = None) -> None:
         self.config = config if config is not None else LocalBackendConfig()
+        self.system = SystemRoot(self.config.system_root)
         self._root: Path | None = Path(self.config.root) if self.config.root else None
         self._own_root = self.config.root is None
         self._cgroups: limits.CgroupSupport | None = None
@@ -79,22 +80,24 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
     # -- capabilities and preflight ---------------------------------------------------------
 
     @staticmethod
-    def has_app(name: str) -> bool:
+    def has_app(name: str, config: LocalBackendConfig | None = None) -> bool:
         """Whether program ``name`` runs inside the jail (``apps.has_app``: the wrappers in
-        ``/opt/osworld/bin``, then the jail's PATH, or an absolute path the jail mounts).
+        ``/opt/osworld/bin``, then the jail's PATH, or an absolute path the jail mounts), in
+        the jail's system (``config.system_root``; None: the host's).
         """  # noqa: D205
-        return apps.has_app(name)
+        return apps.has_app(name, SystemRoot(config.system_root if config else None))
 
     @classmethod
-    def capability_reasons(cls, task: Task) -> list[str]:
+    def capability_reasons(cls, task: Task, config: LocalBackendConfig | None = None) -> list[str]:
         """Local-only limits: files that ``open`` steps open but no configured app opens."""
+        system = SystemRoot(config.system_root if config else None)
         reasons = []
         for step in task.config:
             if step.type != "open":
                 continue
             path = str(step.parameters.get("path", ""))
             suffixes = [s for s, _ in DEFAULT_OPENERS if path.lower().endswith(s)]
-            if not suffixes and shutil.which("xdg-open") is None and shutil.which(path) is None:
+            if not suffixes and system.which("xdg-open") is None and system.which(path) is None:
                 reasons.append(f"no local application opens {path!r}")
         return reasons
 
@@ -133,12 +136,13 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
         configured limits (``App.probe``), so an install the jail cannot run fails here; without
         ``tasks``, a missing application is only logged (its tasks are not runnable here).
         """  # noqa: D205
-        problems = preflight.host_problems(self.config.window_manager, self._host_uid)
+        problems = preflight.host_problems(self.config.window_manager, self._host_uid, self.system)
         if problems:
+            fix = "run scripts/setup.sh as root"
+            if self.system.path is not None:
+                fix = "LocalBackendConfig.system_root: see scripts/offline_install.sh"
             raise PreflightError(
-                "local sandbox backend cannot run here: "
-                + "; ".join(problems)
-                + " (run scripts/setup.sh as root)"
+                "local sandbox backend cannot run here: " + "; ".join(problems) + f" ({fix})"
             )
         mechanisms = self.limit_mechanisms()
         self._check_apps(tasks)
@@ -152,18 +156,22 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
             )
 
     def _check_apps(self, tasks: Sequence[Task] | None) -> None:
-        needed = preflight.check_installed(tasks, self.has_app)
+        needed = preflight.check_installed(tasks, lambda a: self.has_app(a, self.config))
         if tasks is None:
-            absent = [a.name for a in apps.APPS if not apps.installed(a)]
+            absent = [a.name for a in apps.APPS if not apps.installed(a, self.system)]
             if absent:
+                where = "bash scripts/setup.sh --apps"
+                if self.system.path is not None:
+                    where = f"system root {self.system.path} has none of them"
                 _log.warning(
                     "local backend: not installed: %s; the tasks that start them are not "
-                    "runnable here (bash scripts/setup.sh --apps)",
+                    "runnable here (%s)",
                     ", ".join(absent),
+                    where,
                 )
             return
         names = {x for a in needed for x in a.split("|")}
-        probe = [a for a in apps.APPS if apps.installed(a) and names & set(a.commands)]
+        probe = [a for a in apps.APPS if apps.installed(a, self.system) and names & set(a.commands)]
         if probe:
             failed = preflight.run_in_thread(self._probe_apps(probe))
             if failed:
@@ -211,6 +219,7 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
             max_output_bytes=cfg.max_output_bytes,
             max_file_bytes=cfg.max_file_bytes,
             extra_ro_binds=cfg.extra_ro_binds,
+            system_root=cfg.system_root,
         )
 
     async def _start_desktop(

@@ -89,6 +89,12 @@ class LocalBackendConfig:
         it ``SandboxLimitError('file_bytes')``.
       extra_ro_binds: further host paths mounted read-only at the same place in each jail
         (e.g. an app installed under ``/opt``).
+      system_root: None = the jails run the host's system (its ``/usr``, ``/etc``, ``/bin``...
+        and its ``bwrap``, ``prlimit``, ``sh``, ``tar``, ``cp``, ``find``); an absolute path = a
+        directory holding a Debian userland (``usr/``, ``etc/``, usrmerge links; built by
+        ``scripts/offline_install.sh``) that the jails bind instead, whose own programs, run
+        through its own dynamic loader, start and enter them: no host library is loaded, and
+        the host needs no package of its own (``sysroot.py``).
       warm_pool: how many idle desktops (jail, Xvfb, window manager, server; empty home) to
         keep started ahead of need. ``create`` and ``fork`` take one when available (a fork's
         files are then copied into its home) and the pool refills in the background. Idle pool
@@ -121,6 +127,7 @@ class LocalBackendConfig:
     max_output_bytes: int = 4 << 20
     max_file_bytes: int = 64 << 20
     extra_ro_binds: tuple[str, ...] = ()
+    system_root: str | None = None
     warm_pool: int = 0
     fork_rerun_step_types: tuple[str, ...] = (
         "launch",
@@ -155,6 +162,10 @@ class LocalBackendConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"LocalBackendConfig.{name} must be > 0 or None, got {value}")
+        if self.system_root is not None and not self.system_root.startswith("/"):
+            raise ValueError(
+                f"LocalBackendConfig.system_root must be an absolute path, got {self.system_root!r}"
+            )
         lo, hi = self.host_uid_range
         if not 0 < lo < hi < 2**32 - 1:
             raise ValueError(f"LocalBackendConfig.host_uid_range {self.host_uid_range} is invalid")

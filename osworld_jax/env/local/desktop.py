@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import os
 import resource
+import shlex
 import signal
 import socket
 import time
@@ -28,9 +29,10 @@ from osworld_jax.env.backend import SandboxCreateError, SandboxStepError, Sandbo
 from osworld_jax.env.local import procfs
 from osworld_jax.env.local.jail import JailSpec, jail_file_mode
 from osworld_jax.env.local.limits import JailCgroup, remove_tree
+from osworld_jax.env.local.sysroot import HOST, SystemRoot
 from osworld_jax.env.vm_client import VMClient
 
-__all__ = ["LocalDesktop"]
+__all__ = ["LocalDesktop", "gate_argv"]
 
 _BWRAP = "/usr/bin/bwrap"
 _LOG_MAX_BYTES = 4 << 20
@@ -44,6 +46,27 @@ def _memfd(name: str, data: bytes) -> int:
     return fd
 
 
+def gate_argv(system: SystemRoot, args_fd: int, rlimits: dict[int, int] | None) -> list[str]:
+    """The command a jail starts as (its arguments follow: ``sh``, then the jail's command).
+
+    A gate: the process waits on stdin until the host has put it into its cgroup, then becomes
+    bwrap (same pid; through prlimit, which lowers its own rlimits: that needs no privilege)
+    with no environment and no host path on its command line. With a system root, ``sh``,
+    ``prlimit`` and ``bwrap`` are the root's, run by its loader in the root (``SystemRoot.argv``;
+    raises ``FileNotFoundError`` when the root lacks one).
+    """
+    limit_args = "".join(
+        f" --{_PRLIMIT_NAMES[res]}={value}:{value}" for res, value in (rlimits or {}).items()
+    )
+    prefix = f"{shlex.join(system.argv('/usr/bin/prlimit'))}{limit_args} -- " if limit_args else ""
+    bwrap = shlex.join(system.argv(_BWRAP))
+    return [
+        *system.argv("/bin/sh"),
+        "-c",
+        f'read _ && exec {prefix}{bwrap} --args {args_fd} -- "$@"',
+    ]
+
+
 class LocalDesktop:
     """A running jailed desktop and its in-VM server client.
 
@@ -54,6 +77,8 @@ class LocalDesktop:
       client: the ``VMClient`` of its in-VM server (``unix://<dir>/ctl/vm.sock``).
       pid_ns: the jail's pid namespace (``pid:[inode]``), for leak checks.
       cgroup: the jail's cgroup, when one limits it.
+      system: where the jail's system and the host-side programs that start it and copy its
+        files come from (``sysroot.py``; the ``JailSpec``'s, set by ``start``).
     """
 
     def __init__(
@@ -65,6 +90,7 @@ class LocalDesktop:
         max_body_bytes: int | None = None,
     ) -> None:
         self.id = sandbox_id
+        self.system: SystemRoot = HOST
         self._on_close = on_close
         self.dir = sandbox_dir
         self.client = VMClient(
@@ -138,23 +164,17 @@ class LocalDesktop:
                 "--ready-fd",
                 str(ready_w),
             ]
-            # A gate: the process waits on stdin until the host has put it into its cgroup, then
-            # becomes bwrap (same pid; through prlimit, which lowers its own rlimits: that needs
-            # no privilege) with no environment and no host path on its command line.
-            limit_args = "".join(
-                f" --{_PRLIMIT_NAMES[res]}={value}:{value}"
-                for res, value in (rlimits or {}).items()
-            )
-            prefix = f"/usr/bin/prlimit{limit_args} -- " if limit_args else ""
-            gate = f'read _ && exec {prefix}{_BWRAP} --args {args_fd} -- "$@"'
+            self.system = spec.system
+            try:
+                gate = gate_argv(spec.system, args_fd, rlimits)
+            except FileNotFoundError as e:
+                raise SandboxCreateError(f"sandbox {self.id}: {e}") from e
             kwargs: dict = {}
             if host_uid is not None:
                 kwargs.update(user=host_uid, group=host_uid, extra_groups=[])
             try:
                 self._proc = await asyncio.create_subprocess_exec(
-                    "/bin/sh",
-                    "-c",
-                    gate,
+                    *gate,
                     "sh",
                     *command,
                     stdin=asyncio.subprocess.PIPE,
@@ -162,7 +182,7 @@ class LocalDesktop:
                     stderr=asyncio.subprocess.STDOUT,
                     pass_fds=(*fds, listener.fileno(), ready_w),
                     env={},
-                    cwd="/",
+                    cwd=spec.system.cwd or "/",
                     start_new_session=True,
                     **kwargs,
                 )

@@ -18,7 +18,8 @@ The jail (``bwrap --unshare-all --die-with-parent --new-session``; threat model 
   shim) from descriptors (``--ro-bind-data``); so ``/proc/1/environ``, ``/proc/1/cmdline`` and
   ``/proc/self/mountinfo`` hold no host path and no host variable. Programs in the jail get only
   the allow-listed variables of ``JAIL_ENV``.
-- filesystem: ``/usr`` and ``/etc`` read-only from the host (``/etc/passwd``, ``/etc/group``,
+- filesystem: ``/usr`` and ``/etc`` read-only from the host, or from the Debian root of
+  ``LocalBackendConfig.system_root`` (``sysroot.py``) (``/etc/passwd``, ``/etc/group``,
   ``/etc/hosts``, ``/etc/hostname`` replaced); a fresh ``/proc`` of the pid namespace, a minimal
   ``/dev``. Writable, and only these, each a size-capped tmpfs (``LocalBackendConfig``):
   ``/home/user``, ``/tmp``, ``/dev/shm``, ``/var/tmp`` and ``XDG_RUNTIME_DIR``; the jail's root
@@ -36,6 +37,7 @@ import os
 from pathlib import Path
 
 from osworld_jax.env.local import apps
+from osworld_jax.env.local.sysroot import HOST, TOP_LEVEL, SystemRoot
 
 __all__ = ["HOME_DIRS", "JAIL_ENV", "JailSpec", "jail_file_mode", "jail_files"]
 
@@ -93,10 +95,11 @@ _DBUS_CONFIG = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Conf
 """
 
 
-def jail_files() -> dict[str, bytes]:
+def jail_files(system: SystemRoot = HOST) -> dict[str, bytes]:
     """Jail path -> content of every file the host puts into a jail (read-only).
 
-    Those under ``apps.BIN_DIR`` are executable (``jail_file_mode``).
+    Those under ``apps.BIN_DIR`` are executable (``jail_file_mode``); ``system``: where the
+    jail's system comes from (the D-Bus service files are copied from it).
     """
     files = {
         "/etc/passwd": (
@@ -117,7 +120,7 @@ def jail_files() -> dict[str, bytes]:
     for mod in sorted((_HERE / "shim").glob("*.py")):
         if mod.name != "__init__.py":
             files[f"/opt/osworld/lib/{mod.name}"] = mod.read_bytes()
-    files.update({path: data for path, (data, _) in apps.jail_files().items()})
+    files.update({path: data for path, (data, _) in apps.jail_files(system).items()})
     return files
 
 
@@ -133,6 +136,7 @@ class JailSpec:
       args: bubblewrap options (passed through ``--args FD``), ending before ``--``.
       command: the command after ``--`` (no host path in it).
       files: jail path -> content, handed over as ``--ro-bind-data`` descriptors.
+      system: where the jail's ``/usr``, ``/etc`` and top-level links come from.
     """
 
     def __init__(
@@ -151,18 +155,23 @@ class JailSpec:
         max_output_bytes: int,
         max_file_bytes: int,
         extra_ro_binds: tuple[str, ...] = (),
+        system_root: str | None = None,
     ) -> None:
+        self.system = SystemRoot(system_root)
+        root = self.system.dir
         a = ["--unshare-all", "--die-with-parent", "--new-session"]
         a += ["--uid", str(JAIL_UID), "--gid", str(JAIL_UID), "--hostname", "sandbox"]
-        a += ["--ro-bind", "/usr", "/usr"]
-        for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
-            host = Path("/") / top
+        a += ["--ro-bind", str(root / "usr"), "/usr"]
+        for top in TOP_LEVEL:
+            host = root / top
             if host.is_symlink():
                 a += ["--symlink", os.readlink(host), f"/{top}"]
             elif host.is_dir():
                 a += ["--ro-bind", str(host), f"/{top}"]
-        a += ["--ro-bind", "/etc", "/etc"]
-        for path in ("/var/cache/fontconfig", "/var/lib/dbus", *extra_ro_binds):
+        a += ["--ro-bind", str(root / "etc"), "/etc"]
+        for path in ("/var/cache/fontconfig", "/var/lib/dbus"):
+            a += ["--ro-bind-try", str(root) + path if self.system.path else path, path]
+        for path in extra_ro_binds:  # host paths, whatever the system
             a += ["--ro-bind-try", path, path]
         a += ["--proc", "/proc", "--dev", "/dev"]
         a += ["--perms", "0755", "--size", str(home_bytes), "--tmpfs", JAIL_HOME]
@@ -180,7 +189,7 @@ class JailSpec:
             a += ["--setenv", k, v]
         a += ["--chdir", JAIL_HOME]
         self.args = a
-        self.files = jail_files()
+        self.files = jail_files(self.system)
         # The home starts with the first-start files of the apps (apps.skel()), as from /etc/skel.
         self.command = [
             "/bin/sh",

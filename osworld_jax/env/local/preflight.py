@@ -1,7 +1,8 @@
 """What the ``local`` backend checks before it runs: binaries, namespaces, limits, applications.
 
 ``LocalBackend.preflight`` calls these; each problem is a ``PreflightError`` naming what is
-missing and how to get it (``scripts/setup.sh``), never a silent run without a configured limit.
+missing and how to get it (``scripts/setup.sh``; for a system root, ``scripts/offline_bundle.sh``
+and ``scripts/offline_install.sh``), never a silent run without a configured limit.
 """
 
 from __future__ import annotations
@@ -21,11 +22,18 @@ from osworld_jax.env.backend import PreflightError
 from osworld_jax.env.capabilities import app_available, apps_needed
 from osworld_jax.env.local import apps, limits
 from osworld_jax.env.local.config import LocalBackendConfig
+from osworld_jax.env.local.sysroot import HOST, LOADER, SystemRoot
 
 if TYPE_CHECKING:
     from osworld_jax.env.tasks import Task
 
-__all__ = ["REQUIRED_BINARIES", "check_installed", "host_problems", "limit_mechanisms"]
+__all__ = [
+    "HOST_PROGRAMS",
+    "REQUIRED_BINARIES",
+    "check_installed",
+    "host_problems",
+    "limit_mechanisms",
+]
 
 T = TypeVar("T")
 
@@ -40,12 +48,25 @@ REQUIRED_BINARIES = {
     "tar": "tar",
     "prlimit": "util-linux",
 }
+#: The programs the host runs from a system root (``sysroot.py``): they must load only its
+#: libraries.
+HOST_PROGRAMS = ("/bin/sh", "/usr/bin/prlimit", "/usr/bin/bwrap", "tar", "cp", "find")
+#: Files a system root's /etc must have: the jail mounts its own copies over them.
+_MOUNT_POINTS = ("/etc/passwd", "/etc/group", "/etc/hostname", "/etc/hosts")
 
 
-def host_problems(window_manager: str, host_uid: int | None) -> list[str]:
+def host_problems(
+    window_manager: str, host_uid: int | None, system: SystemRoot = HOST
+) -> list[str]:
     """What keeps a jailed desktop from running here: missing binaries, the system python3's
     modules, bubblewrap's namespaces (probed as ``host_uid`` when not None); one line each.
+
+    With a system root (``system.path``) each line names the root, and what is looked for is in
+    it: the programs, python3 and its modules (run by the root's loader), and that the programs
+    the host runs from it load no library from outside it.
     """  # noqa: D205
+    if system.path is not None:
+        return root_problems(window_manager, host_uid, system)
     problems = []
     missing = [f"{b} (apt {p})" for b, p in REQUIRED_BINARIES.items() if not shutil.which(b)]
     wm = shlex.split(window_manager)[0]
@@ -71,14 +92,60 @@ def host_problems(window_manager: str, host_uid: int | None) -> list[str]:
     return problems
 
 
-def probe_bwrap(host_uid: int | None) -> str | None:
+def root_problems(window_manager: str, host_uid: int | None, system: SystemRoot) -> list[str]:
+    """``host_problems`` for a system root: one line, naming the root, per problem."""
+    root = system.path
+    assert root is not None
+    where = f"system root {root}"
+    if not root.is_dir():
+        return [f"{where} is not a directory (build it: scripts/offline_install.sh)"]
+    if not system.resolve(LOADER).is_file():
+        return [f"{where} has no dynamic loader {LOADER} (build it: scripts/offline_install.sh)"]
+    wanted = {b: f"deb {p}" for b, p in REQUIRED_BINARIES.items()}
+    wanted.update({shlex.split(window_manager)[0]: "the window manager", "/bin/sh": "deb dash"})
+    wanted["/usr/bin/python3"] = "deb python3-minimal"
+    missing = [f"{b} ({p})" for b, p in wanted.items() if system.which(b) is None]
+    missing += [
+        f"{f} (offline_install.sh makes it)"
+        for f in _MOUNT_POINTS
+        if not system.resolve(f).is_file()
+    ]
+    if missing:
+        return [f"{where} lacks " + ", ".join(missing)]
+    problems = []
+    for program in HOST_PROGRAMS:
+        outside = system.outside_libraries(program)
+        if outside:
+            problems.append(
+                f"{where}: {program} loads libraries from outside it: {', '.join(outside)}"
+            )
+    probe = subprocess.run(
+        [*system.argv("/usr/bin/python3"), "-I", "-c", "import Xlib.display, pyatspi"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=system.cwd,
+        env={"GI_TYPELIB_PATH": str(system.resolve("/usr/lib/x86_64-linux-gnu/girepository-1.0"))},
+    )
+    if probe.returncode != 0:
+        last = probe.stderr.strip().splitlines()[-1:] or ["?"]
+        problems.append(f"{where}: its python3 lacks python3-xlib/python3-pyatspi ({last[0]})")
+    err = probe_bwrap(host_uid, system)
+    if err:
+        problems.append(f"{where}: {err}")
+    return problems
+
+
+def probe_bwrap(host_uid: int | None, system: SystemRoot = HOST) -> str | None:
     """None when a nested jail (user + pid namespaces, sized tmpfs) can be created here."""
+    root = system.dir
     inner = "/usr/bin/bwrap --unshare-user --unshare-pid --dev-bind / / --proc /proc true"
-    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--uid", "1000", "--gid", "1000"]
-    argv += ["--ro-bind", "/usr", "/usr", "--proc", "/proc", "--dev", "/dev"]
+    argv = [*system.argv("bwrap"), "--unshare-all", "--die-with-parent"]
+    argv += ["--uid", "1000", "--gid", "1000"]
+    argv += ["--ro-bind", str(root / "usr"), "/usr", "--proc", "/proc", "--dev", "/dev"]
     argv += ["--size", str(1 << 20), "--tmpfs", "/tmp"]
     for top in ("bin", "lib", "lib64"):
-        host = Path("/") / top
+        host = root / top
         if host.is_symlink():
             argv += ["--symlink", os.readlink(host), f"/{top}"]
         elif host.is_dir():
@@ -89,14 +156,24 @@ def probe_bwrap(host_uid: int | None) -> str | None:
         kwargs.update(user=host_uid, group=host_uid, extra_groups=[])
     try:
         res = subprocess.run(
-            argv, capture_output=True, text=True, check=False, timeout=20, env={}, **kwargs
+            argv,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=20,
+            env={},
+            cwd=system.cwd,
+            **kwargs,
         )
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"bwrap probe failed: {e}"
     if res.returncode != 0:
+        readable = ""
+        if system.path is not None and host_uid is not None:
+            readable = f"; the root and its parents must be readable by uid {host_uid}"
         return (
             f"bwrap cannot create its namespaces here ({res.stderr.strip()[:200]}); "
-            "unprivileged user namespaces (nested), and bwrap >= 0.8 (--size) are needed"
+            f"unprivileged user namespaces (nested), and bwrap >= 0.8 (--size) are needed{readable}"
         )
     return None
 

@@ -33,6 +33,7 @@ from typing import Any
 from osworld_jax.env.backend import SandboxCreateError
 from osworld_jax.env.local import apps, limits
 from osworld_jax.env.local.desktop import LocalDesktop
+from osworld_jax.env.local.sysroot import HOST, SystemRoot
 
 __all__ = ["copy_tree", "populate", "snapshot"]
 
@@ -42,11 +43,12 @@ async def snapshot(desktop: LocalDesktop, root: Path) -> Path:
     snap = root / f"_snap-{desktop.id}-{uuid.uuid4().hex[:6]}"
     snap.mkdir(mode=0o700)
     try:
-        await copy_tree(desktop.host_path("/home/user"), dst=snap / "home")
-        await copy_tree(desktop.host_path("/tmp"), dst=snap / "tmp")
-        await copy_tree(desktop.dir / "work", dst=snap / "work")
-        await asyncio.to_thread(drop_session_files, snap / "tmp")
-        await asyncio.to_thread(drop_app_locks, snap / "home")
+        system = desktop.system
+        await copy_tree(desktop.host_path("/home/user"), dst=snap / "home", system=system)
+        await copy_tree(desktop.host_path("/tmp"), dst=snap / "tmp", system=system)
+        await copy_tree(desktop.dir / "work", dst=snap / "work", system=system)
+        await asyncio.to_thread(drop_session_files, snap / "tmp", system)
+        await asyncio.to_thread(drop_app_locks, snap / "home", system)
     except BaseException:
         await asyncio.to_thread(limits.remove_tree, snap)
         raise
@@ -64,7 +66,9 @@ async def populate(desktop: LocalDesktop, snap: Path) -> None:
         if (snap / sub).exists():
             await copy_into_jail(snap / sub, desktop, jail_dir)
     if (snap / "work").exists():
-        await copy_tree(snap / "work", dst=desktop.dir / "work", contents=True)
+        await copy_tree(
+            snap / "work", dst=desktop.dir / "work", contents=True, system=desktop.system
+        )
 
 
 async def copy_into_jail(src: Path, desktop: LocalDesktop, jail_dir: str) -> None:
@@ -74,9 +78,10 @@ async def copy_into_jail(src: Path, desktop: LocalDesktop, jail_dir: str) -> Non
     kwargs: dict[str, Any] = {}
     if desktop.host_uid is not None:
         kwargs.update(user=desktop.host_uid, group=desktop.host_uid, extra_groups=[])
+    tar, cwd = desktop.system.argv("tar"), desktop.system.cwd
     try:
         reader = await asyncio.create_subprocess_exec(
-            "tar",
+            *tar,
             "-C",
             str(src),
             "--sparse",
@@ -85,9 +90,10 @@ async def copy_into_jail(src: Path, desktop: LocalDesktop, jail_dir: str) -> Non
             ".",
             stdout=write_end,
             stderr=asyncio.subprocess.PIPE,
+            cwd=cwd,
         )
         writer = await asyncio.create_subprocess_exec(
-            "tar",
+            *tar,
             "-C",
             target,
             "--no-same-owner",
@@ -96,6 +102,7 @@ async def copy_into_jail(src: Path, desktop: LocalDesktop, jail_dir: str) -> Non
             stdin=read_end,
             stderr=asyncio.subprocess.PIPE,
             pass_fds=(fd,),
+            cwd=cwd,
             **kwargs,
         )
     finally:
@@ -107,12 +114,14 @@ async def copy_into_jail(src: Path, desktop: LocalDesktop, jail_dir: str) -> Non
         raise SandboxCreateError(f"sandbox {desktop.id}: copying files into {jail_dir}: {err}")
 
 
-async def copy_tree(*srcs: Path, dst: Path, contents: bool = False) -> None:
+async def copy_tree(
+    *srcs: Path, dst: Path, contents: bool = False, system: SystemRoot = HOST
+) -> None:
     """One ``cp -a`` (ownership, modes, timestamps, symlinks kept; reflinks where possible).
 
     One source and no existing ``dst``: ``dst`` becomes a copy of it. Several sources: copied into
     the existing directory ``dst``. ``contents``: what the single source holds is merged into the
-    existing directory ``dst``.
+    existing directory ``dst``. ``system``: whose ``cp`` (``sysroot.py``).
     """
     if contents:
         args = [f"{srcs[0]}/.", str(dst)]
@@ -121,30 +130,32 @@ async def copy_tree(*srcs: Path, dst: Path, contents: bool = False) -> None:
     else:
         args = [*map(str, srcs), f"{dst}/"]
     proc = await asyncio.create_subprocess_exec(
-        "cp",
+        *system.argv("cp"),
         "-a",
         "--reflink=auto",
         *args,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
+        cwd=system.cwd,
     )
     _, err = await proc.communicate()
     if proc.returncode != 0:
         raise SandboxCreateError(f"copy {srcs} -> {dst} failed: {err.decode(errors='replace')}")
 
 
-def drop_app_locks(home: Path) -> None:
+def drop_app_locks(home: Path, system: SystemRoot = HOST) -> None:
     """Removes the running apps' lock files from a copied home (``apps.lock_file_expression``)."""
     if home.exists():
         subprocess.run(
-            ["find", str(home), "-xdev", *apps.lock_file_expression(), "-delete"],
+            [*system.argv("find"), str(home), "-xdev", *apps.lock_file_expression(), "-delete"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             check=False,
+            cwd=system.cwd,
         )
 
 
-def drop_session_files(tmp: Path) -> None:
+def drop_session_files(tmp: Path, system: SystemRoot = HOST) -> None:
     """Removes the running session's sockets and locks from a copied /tmp (any depth)."""
     if not tmp.exists():
         return
@@ -152,7 +163,7 @@ def drop_session_files(tmp: Path) -> None:
         limits.remove_tree(tmp / name)
     subprocess.run(
         [
-            "find",
+            *system.argv("find"),
             str(tmp),
             "-xdev",
             "(",
@@ -170,4 +181,5 @@ def drop_session_files(tmp: Path) -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         check=False,
+        cwd=system.cwd,
     )

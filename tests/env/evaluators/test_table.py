@@ -356,6 +356,23 @@ def test_unsupported_rules_are_reported(src):
     assert compare_table(a, a, rules=spark) == 1.0
 
 
+def test_without_pandas_or_openpyxl_its_tasks_are_not_runnable(monkeypatch):
+    # compare_table opens every book (CSV ones too) with pandas and openpyxl: without them it
+    # would score every result 0 (an unreadable book), so it says so before a task runs.
+    import importlib.util
+
+    from osworld_jax.env.evaluators import table
+
+    real = importlib.util.find_spec
+    check = option_checker(compare_table)
+    rules = {"rules": [{"type": "sheet_data"}]}
+    assert check(rules) == []
+    monkeypatch.setattr(
+        table.importlib.util, "find_spec", lambda m: None if m == "pandas" else real(m)
+    )
+    assert check(rules) == ["compare_table needs pandas (not installed)"]
+
+
 def test_compare_csv_with_a_list_of_gold_files(src):
     f = METRICS.get("compare_csv")
     r = src.text("out.csv", "a,b\n1,2 \n")

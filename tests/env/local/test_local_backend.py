@@ -205,9 +205,9 @@ def test_an_action_that_hangs_is_stopped_as_data(runner):
 
 
 def test_capability_reasons_name_files_no_local_app_opens(monkeypatch):
-    from osworld_jax.env.local import backend as local_backend
+    from osworld_jax.env.local import sysroot
 
-    monkeypatch.setattr(local_backend.shutil, "which", lambda name: None)
+    monkeypatch.setattr(sysroot.shutil, "which", lambda name, path=None: None)
     task = load_task(
         {
             **TASK,
