@@ -2,6 +2,7 @@
 
 Usage:
   .venv/bin/python benchmarks/rl_loop.py [--steps 6] [--staleness 0,1] [--gin_param=...]
+      [--gin_file=configs/gpu_1x_h200.gin] [--keep DIR] [--tabulate]
   .venv/bin/python benchmarks/rl_loop.py --learning   # the learnable suite's reward curves
 
 The default mode runs ``scripts/train.py`` (configs/default.gin: tiny Qwen3-VL-MoE, embedded
@@ -31,14 +32,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def _run(run_dir: Path, steps: int, params: list[str], gin_file: str | None = None) -> float:
+def _run(run_dir: Path, steps: int, params: list[str], gin_files: list[str]) -> float:
     cmd = [sys.executable, str(REPO / "scripts" / "train.py"), f"--run_dir={run_dir}"]
-    cmd += [f"--steps={steps}", *([f"--gin_file={gin_file}"] if gin_file else [])]
+    cmd += [f"--steps={steps}", *[f"--gin_file={f}" for f in gin_files]]
     cmd += [f"--gin_param={p}" for p in ["RLConfig.progress_bar = False", *params]]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    log = run_dir.parent / f"{run_dir.name}.log"
+    log.write_text(proc.stdout + "\n--- stderr\n" + proc.stderr)
     if proc.returncode:
-        raise SystemExit(f"run failed ({run_dir}):\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"run failed ({run_dir}; log {log}):\n{proc.stderr[-3000:]}")
     return time.perf_counter() - t0
 
 
@@ -55,13 +58,47 @@ def _union(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def loop_table(steps: int, staleness: list[int], extra: list[str]) -> None:
-    rows = []
+#: Per-step metrics averaged over steps 2.. in the second table (a GPU run reports these).
+DETAIL = (
+    "logprob/train_rollout_abs_diff",
+    "r3/route_agreement",
+    "gate/rejected_fraction",
+)
+
+
+def loop_table(
+    steps: int,
+    staleness: list[int],
+    extra: list[str],
+    gin_files: list[str],
+    keep: str | None,
+    tabulate_only: bool = False,
+) -> None:
+    rows, details = [], []
     with tempfile.TemporaryDirectory(prefix="rl_loop-") as tmp:
+        root = Path(keep or tmp)
+        root.mkdir(parents=True, exist_ok=True)
         for k in staleness:
-            run_dir = Path(tmp) / f"k{k}"
-            wall = _run(run_dir, steps, [f"RLConfig.max_staleness = {k}", *extra])
+            run_dir = root / f"k{k}"
+            if tabulate_only:  # runs made before (train.py --run_dir=KEEP/k<k>)
+                wall = float("nan")
+            else:
+                params = [f"RLConfig.max_staleness = {k}", *extra]
+                wall = _run(run_dir, steps, params, gin_files)
             recs = _records(run_dir)
+            later_recs = recs[1:] or recs
+            keys = sorted({key for r in recs for key in r if key.startswith("time/")}) + [
+                key for key in DETAIL if key in recs[0]
+            ]
+            details.append(
+                (
+                    k,
+                    {
+                        key: sum(r.get(key, 0.0) for r in later_recs) / len(later_recs)
+                        for key in keys
+                    },
+                )
+            )
             t_end = max(r["timeline/train_end"] for r in recs)
             t_start = min(r["timeline/rollout_start"] for r in recs)
             span = t_end - t_start
@@ -105,6 +142,9 @@ def loop_table(steps: int, staleness: list[int], extra: list[str]) -> None:
         base = rows[0]["per_hour"]
         for r in rows[1:]:
             print(f"k={r['k']}: {r['per_hour'] / base:.2f}x the steps per hour of k={rows[0]['k']}")
+    print("\nmean over steps 2.. (time/* in seconds)")
+    for k, d in details:
+        print(f"k={k}: " + ", ".join(f"{key} {v:.4g}" for key, v in d.items()))
 
 
 def learning_table(extra: list[str]) -> None:
@@ -152,11 +192,19 @@ def main() -> None:
     parser.add_argument("--staleness", default="0,1")
     parser.add_argument("--learning", action="store_true")
     parser.add_argument("--gin_param", action="append", default=[])
+    parser.add_argument(
+        "--gin_file", action="append", default=[], help="recipes for train.py (default.gin)"
+    )
+    parser.add_argument("--keep", default=None, help="keep the run dirs and logs under DIR")
+    parser.add_argument(
+        "--tabulate", action="store_true", help="only the tables of the runs under --keep"
+    )
     args = parser.parse_args()
     if args.learning:
         learning_table(args.gin_param)
     else:
-        loop_table(args.steps, [int(k) for k in args.staleness.split(",")], args.gin_param)
+        staleness = [int(k) for k in args.staleness.split(",")]
+        loop_table(args.steps, staleness, args.gin_param, args.gin_file, args.keep, args.tabulate)
 
 
 if __name__ == "__main__":
