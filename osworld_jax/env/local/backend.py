@@ -68,7 +68,7 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
 
     def __init__(self, config: LocalBackendConfig | None = None) -> None:
         self.config = config if config is not None else LocalBackendConfig()
-        self.system = SystemRoot(self.config.system_root)
+        self.system = _system(self.config)
         self._root: Path | None = Path(self.config.root) if self.config.root else None
         self._own_root = self.config.root is None
         self._cgroups: limits.CgroupSupport | None = None
@@ -85,12 +85,12 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
         ``/opt/osworld/bin``, then the jail's PATH, or an absolute path the jail mounts), in
         the jail's system (``config.system_root``; None: the host's).
         """  # noqa: D205
-        return apps.has_app(name, SystemRoot(config.system_root if config else None))
+        return apps.has_app(name, _system(config))
 
     @classmethod
     def capability_reasons(cls, task: Task, config: LocalBackendConfig | None = None) -> list[str]:
         """Local-only limits: files that ``open`` steps open but no configured app opens."""
-        system = SystemRoot(config.system_root if config else None)
+        system = _system(config)
         reasons = []
         for step in task.config:
             if step.type != "open":
@@ -409,3 +409,8 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
         if self._own_root and self._root is not None:
             await asyncio.to_thread(limits.remove_tree, self._root)
             self._root = None
+
+
+def _system(config: LocalBackendConfig | None) -> SystemRoot:
+    """Where ``config``'s jails take their system from (None: the defaults, the host's)."""
+    return SystemRoot(config.system_root if config is not None else None)

@@ -33,11 +33,10 @@ The jail's limits and its lifetime: ``desktop.py``.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from osworld_jax.env.local import apps
-from osworld_jax.env.local.sysroot import HOST, TOP_LEVEL, SystemRoot
+from osworld_jax.env.local.sysroot import HOST, SystemRoot
 
 __all__ = ["HOME_DIRS", "JAIL_ENV", "JailSpec", "jail_file_mode", "jail_files"]
 
@@ -161,13 +160,7 @@ class JailSpec:
         root = self.system.dir
         a = ["--unshare-all", "--die-with-parent", "--new-session"]
         a += ["--uid", str(JAIL_UID), "--gid", str(JAIL_UID), "--hostname", "sandbox"]
-        a += ["--ro-bind", str(root / "usr"), "/usr"]
-        for top in TOP_LEVEL:
-            host = root / top
-            if host.is_symlink():
-                a += ["--symlink", os.readlink(host), f"/{top}"]
-            elif host.is_dir():
-                a += ["--ro-bind", str(host), f"/{top}"]
+        a += self.system.system_binds()
         a += ["--ro-bind", str(root / "etc"), "/etc"]
         for path in ("/var/cache/fontconfig", "/var/lib/dbus"):
             a += ["--ro-bind-try", str(root) + path if self.system.path else path, path]

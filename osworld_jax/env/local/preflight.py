@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import os
 import shlex
 import shutil
 import subprocess
@@ -138,18 +137,10 @@ def root_problems(window_manager: str, host_uid: int | None, system: SystemRoot)
 
 def probe_bwrap(host_uid: int | None, system: SystemRoot = HOST) -> str | None:
     """None when a nested jail (user + pid namespaces, sized tmpfs) can be created here."""
-    root = system.dir
     inner = "/usr/bin/bwrap --unshare-user --unshare-pid --dev-bind / / --proc /proc true"
     argv = [*system.argv("bwrap"), "--unshare-all", "--die-with-parent"]
-    argv += ["--uid", "1000", "--gid", "1000"]
-    argv += ["--ro-bind", str(root / "usr"), "/usr", "--proc", "/proc", "--dev", "/dev"]
-    argv += ["--size", str(1 << 20), "--tmpfs", "/tmp"]
-    for top in ("bin", "lib", "lib64"):
-        host = root / top
-        if host.is_symlink():
-            argv += ["--symlink", os.readlink(host), f"/{top}"]
-        elif host.is_dir():
-            argv += ["--ro-bind", str(host), f"/{top}"]
+    argv += ["--uid", "1000", "--gid", "1000", *system.system_binds(("bin", "lib", "lib64"))]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(1 << 20), "--tmpfs", "/tmp"]
     argv += ["--", "/bin/sh", "-c", inner]
     kwargs: dict[str, Any] = {}
     if host_uid is not None:

@@ -67,6 +67,18 @@ class SystemRoot:
         """The working directory ``argv`` commands need (the root; None: any)."""
         return None if self.path is None else str(self.path)
 
+    def system_binds(self, tops: tuple[str, ...] = TOP_LEVEL) -> list[str]:
+        """Bwrap options mounting this system's ``/usr`` and top-level dirs ``tops`` read-only
+        (a usrmerge link becomes the same link; a missing one is left out)."""  # noqa: D205, D209
+        args = ["--ro-bind", str(self.dir / "usr"), "/usr"]
+        for top in tops:
+            host = self.dir / top
+            if host.is_symlink():
+                args += ["--symlink", os.readlink(host), f"/{top}"]
+            elif host.is_dir():
+                args += ["--ro-bind", str(host), f"/{top}"]
+        return args
+
     def resolve(self, jail_path: str) -> Path:
         """The host path of ``jail_path``, its symlinks followed inside the root.
 
