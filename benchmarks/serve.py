@@ -282,6 +282,13 @@ def image_prompt(tokenizer) -> list[int]:
     return tokenizer.encode(text).ids
 
 
+def hf_sampling(n: int) -> dict:
+    """HF ``generate`` sampling as the server's requests: exactly ``n`` tokens, temperature 1."""
+    return dict(
+        max_new_tokens=n, min_new_tokens=n, do_sample=True, temperature=1.0, top_k=0, top_p=1.0
+    )
+
+
 def hf_image_rows(args: argparse.Namespace, path: Path, levels: list[int]) -> list[dict]:
     """HF transformers ``generate`` on the image rows' prompts and pixels (module docstring)."""
     import base64
@@ -334,13 +341,8 @@ def hf_image_rows(args: argparse.Namespace, path: Path, levels: list[int]) -> li
                 attention_mask=torch.ones_like(input_ids),
                 pixel_values=torch.as_tensor(pixels, device=device, dtype=dtype),
                 image_grid_thw=torch.as_tensor(grids, device=device),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                top_p=1.0,
                 streamer=streamer,
+                **hf_sampling(n),
             )
         if device == "cuda":
             torch.cuda.synchronize()
@@ -437,9 +439,7 @@ def hf_rate(model, prompts: list[list[int]], n: int, device: str) -> float:
     import torch
 
     ids = torch.as_tensor(prompts, device=device)
-    kw = dict(
-        max_new_tokens=n, min_new_tokens=n, do_sample=True, temperature=1.0, top_k=0, top_p=1.0
-    )
+    kw = hf_sampling(n)
     with torch.no_grad():
         model.generate(ids, attention_mask=torch.ones_like(ids), **kw)  # warm-up
         if device == "cuda":
