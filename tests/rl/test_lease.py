@@ -62,7 +62,9 @@ def test_the_reaper_ends_what_a_killed_trainer_started(tmp_path):
     holder, child = _holder(run_dir, extra)
     lease = json.loads((run_dir / reaper.LEASE_FILE).read_text())
     assert lease["pid"] == holder.pid and lease["dirs"] == [str(extra.resolve())]
-    assert reaper.marked_processes(run_dir) == [child]  # the marker is inherited
+    # The marker is inherited. Popen returns once exec has closed its pipe, a moment before the
+    # kernel sets the new image's environment up (/proc/<pid>/environ reads empty until then).
+    assert _wait(lambda: reaper.marked_processes(run_dir) == [child], within_s=30)
     assert os.getpgid(child) == child  # its own group, as the servers
     holder.send_signal(signal.SIGKILL)
     holder.wait()
