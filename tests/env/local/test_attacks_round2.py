@@ -65,10 +65,13 @@ def test_an_agent_process_cannot_rewrite_run_python_or_run_bash_scripts(runner, 
             reply = runner.run(sb.vm.post_json("/run_bash_script", body))
             assert reply["output"] == f"bash {i}\n", reply
         # Control: the rewriter is alive and forges a script written to /tmp (waited for: on a
-        # loaded machine its next poll can be far more than a millisecond away).
+        # loaded machine its next poll can be far more than a millisecond away). The script
+        # appears whole (renamed into place): written in place, the rewriter could forge it
+        # between our open and our buffered write, which then lands over the forgery.
         control = """
             import os, subprocess, time
-            open("/tmp/control.py", "w").write("print('mine')")
+            open("/tmp/control.part", "w").write("print('mine')")
+            os.replace("/tmp/control.part", "/tmp/control.py")
             for _ in range(3000):
                 if os.path.exists("/tmp/rewriter.log") and "control.py" in open(
                     "/tmp/rewriter.log"
