@@ -34,6 +34,12 @@ timed as part of HF's TTFT, as the server times its own), the C requests as one 
 (``do_sample``, ``min_new_tokens`` = max); TTFT = until ``generate``'s streamer receives the
 first new tokens. It runs in a subprocess before JAX touches the GPU.
 
+Measured 2026-12-06 on one H100 80GB (the only device time left: C = 1 only, 2 rounds, 8 new
+tokens; HF in the first call, ours in the next on the same warm machine after a missing orjson
+stopped the first): ``python3 benchmarks/serve.py --config bench-vl --concurrency 1 --rounds 2
+--max-new-tokens 8 --ckpt-dir /tmp/bvl`` -> HF generate TTFT 0.185 s (p99 0.187), 28.3 tok/s;
+ours TTFT 0.236 s (p99 0.237), 27.9 tok/s. C = 16 / 64 not measured.
+
 Measured 2026-12-01, ``python benchmarks/serve.py --images`` (64 new tokens; tiny, float32, 2 CPU
 cores shared with other jobs, load ~8): C=1 390 tok/s, TTFT 0.12 s | C=16 1017 tok/s, TTFT
 0.67 s (max 0.86) | C=64 1987 tok/s, TTFT 1.17 s (max 1.58). H200 not measured (no device time).
@@ -390,6 +396,10 @@ def compiled() -> tuple[int, int]:
 
 
 def image_rows(args: argparse.Namespace, path: Path, levels: list[int]) -> None:
+    # The server's imports (aiohttp, orjson) before the peer's minutes: on the device a missing
+    # orjson once surfaced only after HF had run. Importing JAX claims no GPU memory yet.
+    import osworld_jax.server.app  # noqa: F401
+
     hf = None if args.skip_hf else run_hf_child(args, path)  # before JAX takes the GPU
     import jax
 
