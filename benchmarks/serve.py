@@ -465,13 +465,11 @@ def hf_rate(model, prompts: list[list[int]], n: int, device: str) -> float:
 
 def main() -> None:
     args = parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
     if args.hf_child:
-        rows = hf_image_rows(
-            args, Path(args.ckpt_dir), [int(c) for c in args.concurrency.split(",")]
-        )
+        rows = hf_image_rows(args, Path(args.ckpt_dir), levels)
         print("HF_RESULT " + json.dumps(rows), flush=True)
         return
-    levels = [int(c) for c in args.concurrency.split(",")]
     if args.images:
         image_rows(args, make_checkpoint(args), levels)
         return

@@ -395,13 +395,11 @@ class ModelRuntimeConfig:
                 REMAT_POLICIES.validate(self.vision_remat, "ModelRuntimeConfig.vision_remat")
         except Exception as e:
             raise ModelConfigError(str(e)) from None
-        for key in ("attention", "vision_attention"):
-            value = getattr(self, key)
-            if value is None and key == "vision_attention":
-                continue
-            if value not in typing.get_args(Attention):
+        kernels = typing.get_args(Attention)
+        for key, allowed in (("attention", kernels), ("vision_attention", (None, *kernels))):
+            if getattr(self, key) not in allowed:
                 raise ModelConfigError(
-                    f"ModelRuntimeConfig.{key}: {value!r}; choose 'xla' or 'cudnn'"
+                    f"ModelRuntimeConfig.{key}: {getattr(self, key)!r}; choose 'xla' or 'cudnn'"
                 )
         for key in ("attention_chunk", "vision_attention_chunk"):
             if getattr(self, key) < 0:

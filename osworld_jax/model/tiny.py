@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -244,20 +245,28 @@ def random_params(config: Qwen3MoeConfig, seed: int) -> dict[str, dict[str, np.n
 
 
 def _parallel_normal(shape: tuple[int, ...], std: float, seq: np.random.SeedSequence) -> np.ndarray:
-    """f32 normal(0, std) of ``shape`` drawn in chunks of 2^22 on every core (numpy's
-    generators release the GIL); chunk i has its own stream from ``seq``."""  # noqa: D205, D209
+    """f32 normal(0, std) of ``shape``; chunk i from stream i of ``seq`` (`_on_every_core`)."""
     out = np.empty(math.prod(shape), np.float32)
-    chunk = 1 << 22
-    starts = range(0, out.size, chunk)
+    streams = seq.spawn(len(range(0, out.size, _CHUNK)))
 
-    def fill(job: tuple[int, np.random.SeedSequence]) -> None:
-        part = out[job[0] : job[0] + chunk]
-        np.random.default_rng(job[1]).standard_normal(out=part, dtype=np.float32)
+    def fill(start: int) -> None:
+        part = out[start : start + _CHUNK]
+        np.random.default_rng(streams[start // _CHUNK]).standard_normal(out=part, dtype=np.float32)
         part *= np.float32(std)
 
-    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        list(pool.map(fill, zip(starts, seq.spawn(len(starts)), strict=True)))
+    _on_every_core(fill, out.size)
     return out.reshape(shape)
+
+
+#: Elements per task of `_on_every_core`.
+_CHUNK = 1 << 22
+
+
+def _on_every_core(fill: Callable[[int], None], size: int) -> None:
+    """``fill(start)`` for each chunk ``[start, start + _CHUNK)`` of ``size`` elements, in a pool
+    of one thread a core (numpy's generators and casts release the GIL)."""  # noqa: D205, D209
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(fill, range(0, size, _CHUNK)))
 
 
 def tiny_vl_config(
@@ -378,13 +387,11 @@ def _bfloat16(a: np.ndarray) -> np.ndarray:
     if a.size <= 1 << 24:
         return a.astype(ml_dtypes.bfloat16)
     flat, out = a.reshape(-1), np.empty(a.size, ml_dtypes.bfloat16)
-    chunk = 1 << 22
 
     def convert(start: int) -> None:
-        out[start : start + chunk] = flat[start : start + chunk]
+        out[start : start + _CHUNK] = flat[start : start + _CHUNK]
 
-    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        list(pool.map(convert, range(0, a.size, chunk)))
+    _on_every_core(convert, a.size)
     return out.reshape(a.shape)
 
 
