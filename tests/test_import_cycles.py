@@ -45,21 +45,30 @@ def test_no_import_circle_in_the_package_and_benchmarks(capsys):
 
 def test_the_client_room_never_imports_the_server_room():
     edges = _graph()
-    assert len([m for m in edges if m.startswith("osworld_jax.rollout.")]) >= 5
+    assert len([m for m in edges if m.startswith("osworld_jax.rollout.")]) >= 4
     assert _ic().forbidden(edges, "osworld_jax.rollout", "osworld_jax.server") == []
     # nor do the rooms that use the client (the agent, the RL loop, the trainer)
-    for room in ("agent", "rl", "trainer", "env", "algorithms", "data", "model"):
+    for room in ("agent", "trainer", "env", "algorithms", "data", "model", "contract"):
         assert _ic().forbidden(edges, f"osworld_jax.{room}", "osworld_jax.server") == [], room
+    # the RL loop starts the in-process server through its one face, nothing else of the room
+    used = {b for _, b in _ic().forbidden(edges, "osworld_jax.rl", "osworld_jax.server")}
+    assert used <= {"osworld_jax.server.colocated"}, used
+
+
+def test_the_contract_room_is_the_bottom_both_sides_share():
+    edges = _graph()
+    assert len([m for m in edges if m.startswith("osworld_jax.contract.")]) >= 4
+    for room in ("rollout", "server", "rl", "trainer", "model", "agent", "env"):
+        assert _ic().forbidden(edges, "osworld_jax.contract", f"osworld_jax.{room}") == [], room
 
 
 def test_the_server_room_never_imports_the_agent_room():
     edges = _graph()
     assert len([m for m in edges if m.startswith("osworld_jax.server.")]) >= 15
     assert _ic().forbidden(edges, "osworld_jax.server", "osworld_jax.agent") == []
-    # of the client room it uses only what both sides share: the wire format, config, errors
-    shared = {f"osworld_jax.rollout.{m}" for m in ("wire", "config", "errors")}
-    used = {b for _, b in _ic().forbidden(edges, "osworld_jax.server", "osworld_jax.rollout")}
-    assert used and used <= shared, used - shared
+    # nor the client room: what both sides share is the contract room
+    assert _ic().forbidden(edges, "osworld_jax.server", "osworld_jax.rollout") == []
+    assert any(b.startswith("osworld_jax.contract") for b in edges["osworld_jax.server.engine"])
     # the chat template both use lives in the model room
     assert "osworld_jax.model.chat_template" in edges["osworld_jax.server.openai_api"]
     assert _ic().forbidden(edges, "osworld_jax.model", "osworld_jax.agent") == []

@@ -1,13 +1,24 @@
 """osworld_jax.rollout: the trainer's side of any SGLang server (client, wire format, launchers).
 
-`SGLangClient` (``client.py``: generate, abort/resubmit, refit), the wire format shared with the
-servers (``wire.py``), their configs (``config.py``) and errors (``errors.py``), and the
-launchers of real SGLang or the embedded server as subprocesses (``launch.py``). The embedded
-SGLang-compatible JAX server itself is the `osworld_jax.server` room; nothing here imports it
+`SGLangClient` (``client.py``: generate, abort/resubmit, refit), the reply parsing
+(``wire.py``), the configs (``config.py``) and the launchers of real SGLang or the embedded
+server as subprocesses (``launch.py``). What both sides share (errors, the routed-experts
+encoding, sampling constants, the refit protocol) is the bottom room `osworld_jax.contract`. The
+embedded SGLang-compatible JAX server is the `osworld_jax.server` room; nothing here imports it
 (``launch.py`` starts it by module name). See docs/INTERFACES.md and ../shared/SGLANG_API.md
 (the wire contract).
 """
 
+from osworld_jax.contract.errors import (
+    AbortBudgetExceeded,
+    EngineError,
+    RefitError,
+    ReplyValidationError,
+    RequestRejected,
+    RolloutError,
+    ServerUnavailable,
+)
+from osworld_jax.contract.routes import decode_routed_experts, encode_routed_experts
 from osworld_jax.rollout.client import ServerState, SGLangClient
 from osworld_jax.rollout.config import (
     LoadBalancer,
@@ -17,15 +28,6 @@ from osworld_jax.rollout.config import (
     SGLangLaunchConfig,
     logprob_temperature,
 )
-from osworld_jax.rollout.errors import (
-    AbortBudgetExceeded,
-    EngineError,
-    RefitError,
-    ReplyValidationError,
-    RequestRejected,
-    RolloutError,
-    ServerUnavailable,
-)
 from osworld_jax.rollout.launch import (
     EmbeddedServer,
     ServerGroup,
@@ -33,14 +35,7 @@ from osworld_jax.rollout.launch import (
     launch_embedded,
     launch_sglang,
 )
-from osworld_jax.rollout.wire import (
-    Generation,
-    Reply,
-    decode_routed_experts,
-    encode_routed_experts,
-    parse_reply,
-    stitch,
-)
+from osworld_jax.rollout.wire import Generation, Reply, parse_reply, stitch
 
 __all__ = [
     "LoadBalancer",

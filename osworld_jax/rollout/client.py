@@ -22,8 +22,7 @@ from typing import Any
 
 import aiohttp
 
-from osworld_jax.rollout.config import RolloutConfig, SamplingParams
-from osworld_jax.rollout.errors import (
+from osworld_jax.contract.errors import (
     AbortBudgetExceeded,
     RefitError,
     ReplyValidationError,
@@ -31,6 +30,7 @@ from osworld_jax.rollout.errors import (
     RolloutError,
     ServerUnavailable,
 )
+from osworld_jax.rollout.config import RolloutConfig, SamplingParams
 from osworld_jax.rollout.wire import Generation, Reply, parse_reply, stitch
 
 log = logging.getLogger(__name__)

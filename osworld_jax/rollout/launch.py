@@ -29,8 +29,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
 
+from osworld_jax.contract.errors import EngineError
 from osworld_jax.rollout.config import SGLangLaunchConfig
-from osworld_jax.rollout.errors import EngineError
 
 
 def free_port(host: str = "127.0.0.1") -> int:

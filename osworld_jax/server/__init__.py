@@ -1,10 +1,11 @@
 """osworld_jax.server: the embedded SGLang-compatible JAX server (``python -m ...server.serve``).
 
 The trainer talks to it, as to real SGLang, through `osworld_jax.rollout` (the client side); this
-room is what runs behind the HTTP port. Imports run one way: the server uses the shared wire
-types, config and errors of `osworld_jax.rollout` (`wire`, `config`, `errors`), the model room and
-the chat template (`osworld_jax.model.chat_template`); nothing in `osworld_jax.rollout` (or the
-agent room) imports it, and it imports nothing of `osworld_jax.agent`.
+room is what runs behind the HTTP port. Imports run one way: the server uses the contract both
+sides share (`osworld_jax.contract`: errors, the routed-experts encoding, sampling constants, the
+refit protocol), the model room and the chat template (`osworld_jax.model.chat_template`); it
+imports nothing of `osworld_jax.rollout` or `osworld_jax.agent`, and nothing in either imports it
+(the RL loop imports only `colocated`, the in-process server's face).
 
 - ``serve.py``: the command line; ``app.py``: the aiohttp app (`build_app`) and SGLang's native
   routes; ``info.py``: the read-only routes; ``openai_api.py`` / ``openai_protocol.py``: the

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from osworld_jax.rollout.errors import EngineError
+from osworld_jax.contract.errors import EngineError
 from osworld_jax.server.memory import check_fits, engine_layout
 from osworld_jax.server.model_files import eos_ids, load_processor, load_tokenizer
 from osworld_jax.server.prefix_cache import PrefixCache, prefix_key

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from osworld_jax.contract.errors import EngineError
 from osworld_jax.model.config import Qwen3MoeConfig
 from osworld_jax.model.serving import CacheLayout, cache_layout, fit_problem, server_memory
-from osworld_jax.rollout.errors import EngineError
 from osworld_jax.server.requests import EngineConfig
 
 

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from osworld_jax.rollout.errors import EngineError
+from osworld_jax.contract.errors import EngineError
 
 
 def load_tokenizer(path: Path) -> Any:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from osworld_jax.rollout.wire import encode_routed_experts
+from osworld_jax.contract.routes import encode_routed_experts
 from osworld_jax.server.requests import GenRequest
 
 if TYPE_CHECKING:

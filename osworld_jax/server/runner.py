@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from osworld_jax.contract.errors import EngineError
 from osworld_jax.model import (
     KVCache,
     ModelRuntimeConfig,
@@ -32,7 +33,6 @@ from osworld_jax.model import (
 )
 from osworld_jax.model.mrope import mrope_positions
 from osworld_jax.model.serving import next_pow2
-from osworld_jax.rollout.errors import EngineError
 from osworld_jax.server.images import RequestImages
 from osworld_jax.server.sampling import sample, step_keys, token_logprobs, top_logprobs
 

@@ -6,7 +6,7 @@ docs/INTERFACES.md, rollout):
 - the returned logprob of a sampled token is ``log_softmax(logits / T_lp)`` over the full
   vocabulary, taken *before* top-k / top-p / min-p filtering (never renormalised), where
   ``T_lp`` is the request's temperature, or 1 when the server returns original logprobs
-  (SGLang's ``SGLANG_RETURN_ORIGINAL_LOGPROB``); `osworld_jax.rollout.logprob_temperature`
+  (SGLang's ``SGLANG_RETURN_ORIGINAL_LOGPROB``); `osworld_jax.contract.sampling.logprob_temperature`
   is the rule;
 - ``temperature < 1e-6`` is greedy and is normalised on the host to ``T = 1, top_k = 1``, so
   greedy requests report temperature-1 logprobs;

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from osworld_jax.rollout.wire import encode_routed_experts
+from osworld_jax.contract.routes import encode_routed_experts
 
 #: Route shape of the fake model: layers, experts per token.
 L, K = 3, 2

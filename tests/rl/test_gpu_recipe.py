@@ -13,6 +13,7 @@ import jax
 import pytest
 
 from osworld_jax import config
+from osworld_jax.contract.errors import EngineError
 from osworld_jax.errors import ConfigError
 from osworld_jax.model import Qwen3MoeConfig
 from osworld_jax.model.serving import CacheLayout, GiB, cache_layout, server_memory
@@ -24,7 +25,6 @@ from osworld_jax.rl.servers import (
     memory_shares,
     server_group,
 )
-from osworld_jax.rollout.errors import EngineError
 from osworld_jax.trainer import TrainerError
 from tests.rl.runs import REPO
 

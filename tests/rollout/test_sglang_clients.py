@@ -17,8 +17,8 @@ import aiohttp
 import numpy as np
 import pytest
 
+from osworld_jax.contract.errors import EngineError
 from osworld_jax.rollout import RolloutConfig, SamplingParams, SGLangClient, decode_routed_experts
-from osworld_jax.rollout.errors import EngineError
 
 from .conftest import ENGINE_KW, serving
 from .test_server import post

@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from osworld_jax.contract.errors import RefitError
 from osworld_jax.rollout import ReplyValidationError, RolloutConfig, SamplingParams, SGLangClient
-from osworld_jax.rollout.errors import RefitError
 from osworld_jax.testing.sglang_server import FakeServer, K, L
 
 BROADCAST = (

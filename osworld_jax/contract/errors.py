@@ -1,4 +1,4 @@
-"""Typed errors of the rollout room (client, embedded server, refit)."""
+"""Typed errors both sides of the trainer–server contract raise (client, servers, refit)."""
 
 from __future__ import annotations
 

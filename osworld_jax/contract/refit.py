@@ -1,0 +1,148 @@
+"""The weight-refit protocol: how new weights reach a server, as both sides speak it.
+
+A refit moves every server to the trainer's new weights under a version string. Per server the
+client runs SGLang's canonical order (../shared/SGLANG_API.md): ``/pause_generation`` (abort:
+in-flight requests come back aborted and are resubmitted on the new weights) ->
+``/flush_cache`` (polled: 400 while busy) -> the update below -> ``/continue_generation`` ->
+``/model_info`` must report the new ``weight_version``. What differs between paths is the update:
+
+- `DiskWeights`: ``POST /update_weights_from_disk {model_path, weight_version, ...}``, an HF
+  checkpoint directory (any server; the fallback, chosen explicitly).
+- `TensorWeights`: ``POST /update_weights_from_tensor`` per bucket, SGLang's body
+  ``{serialized_named_tensors: [one payload per tensor-parallel rank], load_format,
+  flush_cache, abort_all_requests, weight_version}``; ``load_format`` says what a payload is:
+  `STAGED_FORMAT` (the embedded server in the trainer's process: a handle to arrays the trainer
+  staged on the device, no copy and no file) or SGLang's own formats for real SGLang servers
+  (`TENSOR_FORMATS`: serialized tensors shared by handle between processes on one host).
+
+Exactness: a server that can report a digest of what it now serves (the embedded server
+returns `DIGEST_KEY` in the update's reply: `osworld_jax.model.digest.params_digest` of its
+parameters) is checked against the digest of the trainer's cast (``expected_digest``): a refit
+that does not serve the trainer's bf16 values bit for bit takes the server out of rotation.
+No jax here: the digests are computed by the model room on either side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Literal
+
+#: ``load_format`` of an in-process hand-over (the embedded server in the trainer's process).
+STAGED_FORMAT = "osworld_jax_staged"
+#: Real SGLang's ``load_format`` values for ``/update_weights_from_tensor`` payloads: None (a
+#: list of ``(name, tensor)`` serialized by ``MultiprocessingSerializer``) and
+#: ``"flattened_bucket"`` (one flat tensor per dtype plus metadata).
+TENSOR_FORMATS: tuple[str | None, ...] = (None, "flattened_bucket")
+#: The key of the update's reply that carries the served weights' digest (embedded server).
+DIGEST_KEY = "weights_digest"
+
+#: How the RL loop moves weights (``ServerConfig.refit``): ``auto`` picks ``memory`` where the
+#: server can take it (the colocated embedded server), else ``disk``.
+RefitPath = Literal["auto", "memory", "disk"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DiskWeights:
+    """An HF checkpoint directory written by the trainer (``/update_weights_from_disk``).
+
+    Attributes:
+      path: the directory (absolute).
+      expected_digest: the digest of the trainer's cast (None: not checked).
+    """
+
+    path: str
+    expected_digest: str | None = None
+
+    def requests(self, weight_version: str) -> list[tuple[str, dict[str, Any]]]:
+        """The update's ``(endpoint, body)`` list (one request)."""
+        body = {
+            "model_path": self.path,
+            "load_format": "auto",
+            "abort_all_requests": False,
+            "weight_version": weight_version,
+            "flush_cache": True,
+        }
+        return [("/update_weights_from_disk", body)]
+
+    def describe(self) -> str:
+        """One line for logs and errors."""
+        return self.path
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TensorWeights:
+    """Weights handed over in memory (``/update_weights_from_tensor``, one request a bucket).
+
+    Attributes:
+      buckets: per request, its ``serialized_named_tensors`` (one payload per tensor-parallel
+        rank; one handle for `STAGED_FORMAT`).
+      load_format: `STAGED_FORMAT` or one of `TENSOR_FORMATS`.
+      expected_digest: the digest of the trainer's cast (None: not checked).
+      label: what the payload is, for logs (e.g. ``"staged 1.9e9 parameters"``).
+    """
+
+    buckets: tuple[tuple[str, ...], ...]
+    load_format: str | None
+    expected_digest: str | None = None
+    label: str = "tensors"
+
+    def __post_init__(self) -> None:
+        if not self.buckets or any(not b for b in self.buckets):
+            raise ValueError("TensorWeights needs at least one bucket, each with a payload")
+        if self.load_format != STAGED_FORMAT and self.load_format not in TENSOR_FORMATS:
+            raise ValueError(f"TensorWeights.load_format {self.load_format!r} is not known")
+
+    def requests(self, weight_version: str) -> list[tuple[str, dict[str, Any]]]:
+        """The update's ``(endpoint, body)`` list: one request a bucket; only the last one
+        flushes the cache and sets ``weight_version`` (SGLang applies each bucket as it
+        arrives; the version names the whole set)."""  # noqa: D205, D209
+        out = []
+        last = len(self.buckets) - 1
+        for i, payloads in enumerate(self.buckets):
+            body: dict[str, Any] = {
+                "serialized_named_tensors": list(payloads),
+                "load_format": self.load_format,
+                "flush_cache": i == last,
+                "abort_all_requests": False,
+            }
+            if i == last:
+                body["weight_version"] = weight_version
+            out.append(("/update_weights_from_tensor", body))
+        return out
+
+    def describe(self) -> str:
+        """One line for logs and errors."""
+        return f"{self.label} in {len(self.buckets)} bucket(s), load_format={self.load_format}"
+
+
+#: What a refit moves a server to.
+Weights = DiskWeights | TensorWeights
+
+
+def check_digest(reply: dict[str, Any], expected: str | None) -> str | None:
+    """None when the update's reply agrees with ``expected`` (or either has no digest), else
+    the mismatch in one line."""  # noqa: D205, D209
+    got = reply.get(DIGEST_KEY)
+    if expected is None or got is None:
+        return None
+    if got == expected:
+        return None
+    theirs = dict(p.split("=", 1) for p in str(got).partition(":")[2].split(",") if "=" in p)
+    ours = dict(p.split("=", 1) for p in expected.partition(":")[2].split(",") if "=" in p)
+    differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+    where = f" (first: {differ[0]})" if differ else ""
+    return (
+        f"the served weights differ from the trainer's bf16 cast in {len(differ)} tensor(s)"
+        f"{where}: not bit-exact"
+    )
+
+
+def join_digests(parts: Sequence[tuple[str, int]]) -> str:
+    """One digest string from ``(leaf path, uint32 digest)`` pairs, in the given order.
+
+    >>> join_digests([("a", 1), ("b", 255)])
+    '2:a=00000001,b=000000ff'
+    """
+    body = ",".join(f"{name}={value & 0xFFFFFFFF:08x}" for name, value in parts)
+    return f"{len(parts)}:{body}"
