@@ -45,7 +45,7 @@ class EngineConfig:
         (padded to this many rows; a lone request runs alone; long buckets run one by one).
       return_original_logprob: report output logprobs at temperature 1 (the model's own
         distribution) instead of at the request's temperature, as SGLang does under
-        ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (see `osworld_jax.contract.sampling.logprob_temperature`).
+        ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (`osworld_jax.contract.sampling.logprob_temperature`).
       enable_prefix_cache: a free slot keeps the KV of the sequence it held and a request
         extending it reuses it (`osworld_jax.server.prefix_cache`; False is SGLang's
         ``--disable-radix-cache``).
