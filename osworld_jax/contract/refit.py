@@ -56,13 +56,7 @@ class DiskWeights:
 
     def requests(self, weight_version: str) -> list[tuple[str, dict[str, Any]]]:
         """The update's ``(endpoint, body)`` list (one request)."""
-        body = {
-            "model_path": self.path,
-            "load_format": "auto",
-            "abort_all_requests": False,
-            "weight_version": weight_version,
-            "flush_cache": True,
-        }
+        body = {"model_path": self.path, "weight_version": weight_version, "flush_cache": True}
         return [("/update_weights_from_disk", body)]
 
     def describe(self) -> str:

@@ -30,6 +30,7 @@ from osworld_jax.contract.errors import (
     RolloutError,
     ServerUnavailable,
 )
+from osworld_jax.contract.refit import DiskWeights, Weights, check_digest
 from osworld_jax.rollout.config import RolloutConfig, SamplingParams
 from osworld_jax.rollout.wire import Generation, Reply, parse_reply, stitch
 
@@ -482,7 +483,7 @@ class SGLangClient:
         ) as r:
             return r.status, await r.text()
 
-    async def _refit_one(self, s: ServerState, model_path: str, weight_version: str) -> None:
+    async def _refit_one(self, s: ServerState, weights: Weights, weight_version: str) -> None:
         cfg = self.config
         status, text = await self._control(
             s, "/pause_generation", {"mode": "abort"}, cfg.control_timeout_s
@@ -504,18 +505,18 @@ class SGLangClient:
                     s, "/pause_generation", {"mode": "abort"}, cfg.control_timeout_s
                 )
             await asyncio.sleep(cfg.flush_poll_interval_s)
-        status, text = await self._control(
-            s,
-            "/update_weights_from_disk",
-            {"model_path": model_path, "weight_version": weight_version, "flush_cache": True},
-            cfg.refit_timeout_s,
-        )
-        try:
-            ok = status == 200 and bool(json.loads(text).get("success"))
-        except ValueError:
-            ok = False
-        if not ok:
-            raise RolloutError(f"/update_weights_from_disk answered {status}: {text[:300]}")
+        for endpoint, body in weights.requests(weight_version):
+            status, text = await self._control(s, endpoint, body, cfg.refit_timeout_s)
+            try:
+                reply = json.loads(text)
+                ok = status == 200 and isinstance(reply, dict) and bool(reply.get("success"))
+            except ValueError:
+                ok = False
+            if not ok:
+                raise RolloutError(f"{endpoint} answered {status}: {text[:300]}")
+            problem = check_digest(reply, weights.expected_digest)
+            if problem is not None:
+                raise RolloutError(f"{endpoint}: {problem}")
         status, text = await self._control(s, "/continue_generation", {}, cfg.control_timeout_s)
         if status != 200:
             raise RolloutError(f"/continue_generation answered {status}: {text[:200]}")
@@ -529,15 +530,18 @@ class SGLangClient:
             )
         s.weight_version = weight_version
 
-    async def refit(self, model_path: str, weight_version: str) -> dict[str, str | None]:
-        """Moves every server to the weights in ``model_path`` (a ``save_hf_checkpoint`` dir).
+    async def refit(self, weights: Weights | str, weight_version: str) -> dict[str, str | None]:
+        """Moves every server to ``weights`` (a string: a ``save_hf_checkpoint`` directory).
+
+        ``weights`` is a `DiskWeights` or `TensorWeights` (`osworld_jax.contract.refit`).
 
         Per server: ``/pause_generation`` (abort: in-flight requests come back aborted and are
         resubmitted by `generate` after the refit) -> ``/flush_cache`` polled with a sleep (400
-        = busy) -> ``/update_weights_from_disk {model_path, weight_version}`` ->
-        ``/continue_generation`` -> ``/model_info`` must report ``weight_version``. New
-        requests wait while a refit runs. A server that fails any step is taken out of rotation
-        (left paused where possible, never serving old weights).
+        = busy) -> the update (``/update_weights_from_disk {model_path, weight_version}``, or
+        ``/update_weights_from_tensor`` per bucket; a reply's weights digest must match the
+        trainer's where both are known) -> ``/continue_generation`` -> ``/model_info`` must
+        report ``weight_version``. New requests wait while a refit runs. A server that fails any
+        step is taken out of rotation (left paused where possible, never serving old weights).
 
         Returns:
           url -> None on success, or the error message of the failed step.
@@ -545,13 +549,15 @@ class SGLangClient:
         Raises:
           RefitError: no server completed the refit.
         """
+        if isinstance(weights, str):
+            weights = DiskWeights(path=weights)
         await self._ensure_started()
         assert self._refit_lock is not None and self._not_refitting is not None
         async with self._refit_lock:
             self._not_refitting.clear()
             try:
                 results = await asyncio.gather(
-                    *(self._refit_one(s, str(model_path), weight_version) for s in self.servers),
+                    *(self._refit_one(s, weights, weight_version) for s in self.servers),
                     return_exceptions=True,
                 )
                 report: dict[str, str | None] = {}
@@ -568,8 +574,8 @@ class SGLangClient:
                         report[s.url] = None
                 if all(v is not None for v in report.values()):
                     raise RefitError(
-                        f"refit to {model_path} ({weight_version!r}) failed on every server: "
-                        + "; ".join(f"{u}: {e}" for u, e in report.items())
+                        f"refit to {weights.describe()} ({weight_version!r}) failed on every "
+                        "server: " + "; ".join(f"{u}: {e}" for u, e in report.items())
                     )
                 self._expected_version = weight_version
                 return report

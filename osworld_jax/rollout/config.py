@@ -20,6 +20,7 @@ LoadBalancer = Literal["least_outstanding", "round_robin"]
 #: ``python -m sglang.launch_server`` (CUDA GPUs; the sglang extra).
 ServerLauncher = Literal["none", "embedded", "sglang"]
 
+
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """SGLang ``sampling_params``, every key sent explicitly.
