@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from osworld_jax.agent.config import AgentConfig, GroupPolicyConfig
 from osworld_jax.algorithms import ESTIMATORS
+from osworld_jax.contract.refit import RefitPath
+from osworld_jax.contract.sampling import GREEDY_EPS, logprob_temperature
 from osworld_jax.data import DataConfig
 from osworld_jax.env import BACKENDS, AgentEnvConfig
 from osworld_jax.env.local import LocalBackendConfig
@@ -22,12 +24,10 @@ from osworld_jax.errors import ConfigError
 from osworld_jax.model.config import ModelRuntimeConfig, Qwen3MoeConfig
 from osworld_jax.registry import check_choice
 from osworld_jax.rollout.config import (
-    GREEDY_EPS,
     RolloutConfig,
     SamplingParams,
     ServerLauncher,
     SGLangLaunchConfig,
-    logprob_temperature,
 )
 from osworld_jax.trainer.config import TrainerConfig
 from osworld_jax.trainer.distributed import DistributedConfig
@@ -266,10 +266,16 @@ class ServerConfig:
 
     Attributes:
       launch: ``none`` (use ``RolloutConfig.urls``), ``embedded`` (start ``python -m
-        osworld_jax.server.serve`` on the run's model) or ``sglang`` (start real SGLang
+        osworld_jax.server.serve`` on the run's model), ``colocated`` (the same server on a
+        thread of the trainer's process, sharing its devices: weights move as device arrays,
+        `osworld_jax.server.colocated`; one process only) or ``sglang`` (start real SGLang
         servers, ``python -m sglang.launch_server``, configured by ``sglang``); started
         servers replace ``RolloutConfig.urls`` and stop when the run ends (see
         `ServerLauncher`).
+      refit: how new weights reach the servers after each step: ``memory`` (the colocated
+        server takes the trainer's cast arrays: no file, no host copy), ``disk`` (an HF
+        checkpoint under ``<run_dir>/weights`` and ``/update_weights_from_disk``: any server),
+        ``auto`` (``memory`` for ``launch = 'colocated'``, else ``disk``).
       host: the started servers' bind address.
       port: the first started server's port (server ``i`` gets ``port + i``; 0: free ports).
       max_running_requests: each started server's concurrent-request cap (its decode batch).
@@ -283,7 +289,8 @@ class ServerConfig:
         for ``launch = 'none'`` say how the external servers run). See
         `osworld_jax.rollout.logprob_temperature`.
       device_memory_fraction: the embedded server and the trainer share the accelerators: the
-        server's share of each device's memory (its ``XLA_PYTHON_CLIENT_MEM_FRACTION``); the
+        server's share of each device's memory (its ``XLA_PYTHON_CLIENT_MEM_FRACTION``; for
+        ``colocated``, the budget its weights and KV cache must fit in the one process); the
         trainer takes ``1 - fraction - SHARE_MARGIN`` (`osworld_jax.rl.servers.memory_shares`).
         Both are checked before anything compiles: the server's weights and KV cache against
         its share, the train step against the trainer's. None: they do not share (jax's
@@ -292,6 +299,7 @@ class ServerConfig:
     """
 
     launch: ServerLauncher = "none"
+    refit: RefitPath = "auto"
     host: str = "127.0.0.1"
     port: int = 0
     max_running_requests: int = 64
@@ -302,15 +310,27 @@ class ServerConfig:
     device_memory_fraction: float | None = None
     sglang: SGLangLaunchConfig = field(default_factory=SGLangLaunchConfig)
 
+    @property
+    def refits_in_memory(self) -> bool:
+        """Whether new weights reach the server as device arrays (`refit`, resolved)."""
+        return self.launch == "colocated" and self.refit in ("auto", "memory")
+
     def __post_init__(self) -> None:
         check_choice(self.launch, ServerLauncher, "ServerConfig.launch", "server launcher")
+        check_choice(self.refit, RefitPath, "ServerConfig.refit", "refit path")
+        if self.refit == "memory" and self.launch != "colocated":
+            raise ConfigError(
+                "ServerConfig.refit = 'memory' hands the trainer's arrays to a server in its own "
+                f"process; launch is {self.launch!r} (use launch = 'colocated', or refit = "
+                "'disk' / 'auto')"
+            )
         f = self.device_memory_fraction
         if f is not None:
-            if self.launch != "embedded":
+            if self.launch not in ("embedded", "colocated"):
                 raise ConfigError(
                     "ServerConfig.device_memory_fraction splits each device between the embedded "
-                    f"server and the trainer; launch is {self.launch!r} (use launch = 'embedded', "
-                    "or SGLangLaunchConfig.mem_fraction_static for SGLang)"
+                    f"server and the trainer; launch is {self.launch!r} (use launch = 'embedded' "
+                    "or 'colocated', or SGLangLaunchConfig.mem_fraction_static for SGLang)"
                 )
             if not 0.02 <= f <= 0.9:
                 raise ConfigError(

@@ -153,11 +153,15 @@ class RolloutResources(contextlib.ExitStack):
 
     def _servers(self) -> tuple[str, ...]:
         exp = self.experiment
+        self.colocated: Any = None  # the in-process server, refitted by hand-over
         if exp.server.launch == "none":
             return exp.rollout.urls
         from osworld_jax.rl.servers import server_group
 
-        return self.enter_context(server_group(exp, self.model_path, self.run_dir)).urls
+        group = self.enter_context(server_group(exp, self.model_path, self.run_dir))
+        if exp.server.refits_in_memory:
+            self.colocated = group.servers[0]
+        return group.urls
 
 
 class RunResources(RolloutResources):
@@ -323,8 +327,13 @@ class RunResources(RolloutResources):
             load_task=load_task,
         )
 
-    def refit(self, step: int) -> Path:
-        """Exports the current weights and refits every server to them."""
+    def refit(self, step: int) -> Path | None:
+        """Moves every server to the current weights: handed over in memory to a colocated
+        server (`stages.refit_in_memory`), else exported to disk (returns the export)."""  # noqa: D205, D209
+        if getattr(self, "colocated", None) is not None:
+            server, client = self.colocated, self.client
+            stages.refit_in_memory(self.trainer, self.state, client, server, step, self.runner)
+            return None
         return stages.export_and_refit(
             self.trainer,
             self.state,

@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from osworld_jax.errors import ConfigError
 from osworld_jax.model.config import Qwen3MoeConfig
@@ -30,7 +31,13 @@ from osworld_jax.model.serving import (
     server_memory,
 )
 from osworld_jax.rl.config import ExperimentConfig, ServerConfig
-from osworld_jax.rollout.launch import EmbeddedServer, ServerGroup, SGLangServer
+from osworld_jax.rollout.launch import (
+    EmbeddedServer,
+    ServerGroup,
+    SGLangServer,
+    embedded_flags,
+    free_port,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,16 +60,27 @@ def memory_shares(server: ServerConfig) -> tuple[float, float] | None:
     return f, round(1.0 - f - SHARE_MARGIN, 6)
 
 
+def process_share(server: ServerConfig) -> float | None:
+    """This (the trainer's) process's share of each device: the trainer's share beside an
+    embedded server of its own process, everything but the margin when the server is
+    colocated (one pool holds both: the server's budget is checked, not reserved), else None
+    (jax's default)."""  # noqa: D205, D209
+    shares = memory_shares(server)
+    if server.launch == "colocated":
+        return round(1.0 - SHARE_MARGIN, 6)
+    return None if shares is None else shares[1]
+
+
 def share_devices(exp: ExperimentConfig) -> None:
     """Sets this (the trainer's) process's share of each device before jax starts its backend.
 
     No-op without a split. A share already in the environment wins (logged). Raises
     `ConfigError` when a GPU backend already started with another share (too late to change).
     """
-    shares = memory_shares(exp.server)
-    if shares is None:
+    share = process_share(exp.server)
+    if share is None:
         return
-    want = str(shares[1])
+    want = str(share)
     have = os.environ.get(MEM_FRACTION_ENV)
     if have is not None and have != want:
         log.warning(
@@ -90,6 +108,8 @@ def server_group(exp: ExperimentConfig, model_path: str | Path, run_dir: Path) -
     """
     s = exp.server
     routes = exp.trainer.router_replay  # R3: the servers return the routes the trainer replays
+    if s.launch == "colocated":
+        return ServerGroup([colocated_server(exp, model_path, run_dir)])
     if s.launch == "embedded":
         extra = ["--expert-backend", exp.runtime.expert_backend, *s.extra_args]
         if s.return_original_logprob:
@@ -128,6 +148,53 @@ def server_group(exp: ExperimentConfig, model_path: str | Path, run_dir: Path) -
             for i in range(s.sglang.num_servers)
         ]
     )
+
+
+def colocated_server(exp: ExperimentConfig, model_path: str | Path, run_dir: Path) -> Any:
+    """The unstarted `ColocatedServer` of ``exp.server`` (the embedded server's flags, on a
+    thread of this process; its log in ``run_dir/server.log``)."""  # noqa: D205, D209
+    from osworld_jax.server.colocated import ColocatedServer
+
+    s = exp.server
+    if jax_process_count() > 1:
+        raise ConfigError(
+            "ServerConfig.launch = 'colocated' runs the server inside the trainer's process: "
+            "one process only (use 'embedded' or 'sglang' across hosts)"
+        )
+    flags = embedded_flags(
+        model_path,
+        host=s.host,
+        port=s.port or free_port(s.host),  # the URL is known before the server starts
+        enable_return_routed_experts=exp.trainer.router_replay,
+        max_running_requests=s.max_running_requests,
+        dtype=s.dtype,
+    )
+    flags += ["--expert-backend", exp.runtime.expert_backend, *s.extra_args]
+    if s.return_original_logprob:
+        flags.append("--return-original-logprob")
+    shares, capacity = memory_shares(s), _device_bytes()
+    budget = None if shares is None or capacity is None else shares[0] * capacity
+    return ColocatedServer(
+        flags,
+        memory_budget_bytes=budget,
+        startup_timeout_s=s.startup_timeout_s,
+        log_path=run_dir / "server.log",
+    )
+
+
+def _device_bytes() -> float | None:
+    import jax
+
+    stats = jax.local_devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return None if limit is None else float(limit) / (1.0 - SHARE_MARGIN)
+
+
+def jax_process_count() -> int:
+    """How many jax processes the run has (1 before ``jax.distributed`` starts)."""
+    import jax
+
+    return jax.process_count()
 
 
 def embedded_server_memory(exp: ExperimentConfig, model: Qwen3MoeConfig) -> ServerMemory:

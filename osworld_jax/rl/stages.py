@@ -36,6 +36,7 @@ from osworld_jax.model import (
     Qwen3VLMoeConfig,
     make_tiny_checkpoint,
 )
+from osworld_jax.model.digest import params_digest
 from osworld_jax.model.processor import PREPROCESSOR_FILE
 from osworld_jax.rl.config import ModelSourceConfig, RLConfig
 from osworld_jax.rl.metrics_step import (
@@ -70,6 +71,7 @@ __all__ = [  # the stage helpers, with those of rl/rollouts.py and rl/metrics_st
     "collect_owners",
     "episode_files",
     "export_and_refit",
+    "refit_in_memory",
     "mean_update_metrics",
     "model_dir",
     "owner_advantages",
@@ -377,6 +379,23 @@ def owner_advantages(
         token_counts=pad(selection.token_counts, 0.0),
     )
     return np.where(selection.failed, 0.0, np.asarray(adv)[:n]).astype(np.float32)
+
+
+def refit_in_memory(
+    trainer: Any, state: Any, client: SGLangClient | None, server: Any, step: int, runner: Any
+) -> None:
+    """Moves a colocated server to ``state``'s weights without a file.
+
+    The trainer casts its parameters to the served dtype on the device (new buffers: the next
+    step donates the state's own), digests them, stages them in the server's process
+    (`osworld_jax.server.colocated.ColocatedServer.stage`) and refits: the server pauses only
+    for the swap, and its reply's digest must equal the trainer's (bit-exact, or the refit
+    fails). With ``max_staleness >= 1`` the cast runs while rollouts continue.
+    """
+    params = trainer.serving_params(state, server.dtype)
+    weights = server.stage(params, expected_digest=params_digest(params))
+    if client is not None and runner is not None:
+        runner.run(client.refit(weights, str(step)))
 
 
 def export_and_refit(

@@ -16,9 +16,10 @@ from osworld_jax.registry import check_choice
 LoadBalancer = Literal["least_outstanding", "round_robin"]
 
 #: How the RL loop gets its rollout servers (``ServerConfig.launch``): the running ones at
-#: ``RolloutConfig.urls``, ``python -m osworld_jax.server.serve`` (CPU or GPU), or
-#: ``python -m sglang.launch_server`` (CUDA GPUs; the sglang extra).
-ServerLauncher = Literal["none", "embedded", "sglang"]
+#: ``RolloutConfig.urls``, ``python -m osworld_jax.server.serve`` (CPU or GPU), the same
+#: server on a thread of the trainer's process (``colocated``: weights handed over in
+#: memory), or ``python -m sglang.launch_server`` (CUDA GPUs; the sglang extra).
+ServerLauncher = Literal["none", "embedded", "colocated", "sglang"]
 
 
 @dataclass(frozen=True, kw_only=True)

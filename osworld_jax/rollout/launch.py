@@ -27,7 +27,7 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Self
+from typing import IO, Protocol, Self
 
 from osworld_jax.contract.errors import EngineError
 from osworld_jax.rollout.config import SGLangLaunchConfig
@@ -195,6 +195,43 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
+def embedded_flags(
+    model_path: str | Path,
+    *,
+    host: str,
+    port: int,
+    enable_return_routed_experts: bool,
+    max_running_requests: int,
+    weight_version: str = "default",
+    dtype: str | None = None,
+) -> list[str]:
+    """The ``osworld_jax.server.serve`` flags of an embedded server (subprocess or colocated)."""
+    flags = [
+        "--model-path", str(model_path), "--host", host, "--port", str(port),
+        "--max-running-requests", str(max_running_requests),
+        "--weight-version", weight_version,
+    ]  # fmt: skip
+    if enable_return_routed_experts:
+        flags.append("--enable-return-routed-experts")
+    if dtype is not None:
+        flags += ["--dtype", dtype]
+    return flags
+
+
+class ManagedServer(Protocol):
+    """What a `ServerGroup` starts and stops: a `ServerProcess`, or a server on a thread of
+    this process (`osworld_jax.server.colocated.ColocatedServer`, started by the RL loop)."""  # noqa: D205, D209
+
+    url: str
+    name: str
+
+    def spawn(self) -> None: ...  # noqa: D102
+
+    def wait_ready(self) -> None: ...  # noqa: D102
+
+    def stop(self) -> None: ...  # noqa: D102
+
+
 class EmbeddedServer(ServerProcess):
     """A ``python -m osworld_jax.server.serve`` subprocess (a context manager).
 
@@ -230,16 +267,16 @@ class EmbeddedServer(ServerProcess):
         log_path: str | Path | None = None,
     ) -> None:
         port = port if port is not None else free_port(host)
-        cmd = [
-            sys.executable, "-m", "osworld_jax.server.serve",
-            "--model-path", str(model_path), "--host", host, "--port", str(port),
-            "--max-running-requests", str(max_running_requests),
-            "--weight-version", weight_version,
-        ]  # fmt: skip
-        if enable_return_routed_experts:
-            cmd.append("--enable-return-routed-experts")
-        if dtype is not None:
-            cmd += ["--dtype", dtype]
+        flags = embedded_flags(
+            model_path,
+            host=host,
+            port=port,
+            enable_return_routed_experts=enable_return_routed_experts,
+            max_running_requests=max_running_requests,
+            weight_version=weight_version,
+            dtype=dtype,
+        )
+        cmd = [sys.executable, "-m", "osworld_jax.server.serve", *flags]
         super().__init__(
             [*cmd, *extra_args],
             host=host,
@@ -396,7 +433,7 @@ class ServerGroup:
       urls: their base URLs, in order.
     """
 
-    def __init__(self, servers: Sequence[ServerProcess]) -> None:
+    def __init__(self, servers: Sequence[ManagedServer]) -> None:
         if not servers:
             raise ValueError("ServerGroup needs at least one server")
         self.servers = list(servers)

@@ -20,8 +20,9 @@ from typing import Any
 
 from aiohttp import web
 
+from osworld_jax.contract.refit import DIGEST_KEY, STAGED_FORMAT
 from osworld_jax.server import info, openai_api
-from osworld_jax.server.engine import Engine, GenRequest
+from osworld_jax.server.engine import Engine, GenRequest, Refit
 from osworld_jax.server.http_base import (
     ARGS_KEY,
     BUDGET_KEY,
@@ -39,6 +40,10 @@ from osworld_jax.server.http_base import (
 from osworld_jax.server.images import ImageBudget
 from osworld_jax.server.protocol import BadRequest, ServerLimits
 from osworld_jax.server.refit_check import CheckpointMismatch, checkpoint_signature
+from osworld_jax.server.staging import Staging
+
+#: The in-process staging area of a colocated server (None: a server of its own process).
+STAGING_KEY: web.AppKey[Staging | None] = web.AppKey("staging")
 
 
 async def _parse(request: web.Request, engine: Engine) -> tuple[list[GenRequest], bool, bool]:
@@ -173,12 +178,71 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         return fail(f"refused {path}: reading it took more than {limit} s")
     except CheckpointMismatch as e:
         return fail(f"refused {path}: {e}")
-    ok, message, n = await asyncio.wrap_future(
+    refit = await asyncio.wrap_future(
         engine.update_weights(path, version, bool(body.get("abort_all_requests", False)), signature)
     )
-    return web.json_response(
-        {"success": ok, "message": message, "num_paused_requests": n}, status=200 if ok else 400
+    return _refit_response(refit)
+
+
+def _refit_response(refit: Refit) -> web.Response:
+    body: dict[str, Any] = {
+        "success": refit.success,
+        "message": refit.message,
+        "num_paused_requests": refit.num_paused_requests,
+    }
+    if refit.digest is not None:
+        body[DIGEST_KEY] = refit.digest
+    return web.json_response(body, status=200 if refit.success else 400)
+
+
+async def update_weights_from_tensor(request: web.Request) -> web.Response:
+    """``POST /update_weights_from_tensor {serialized_named_tensors, load_format, ...}``.
+
+    The embedded server takes one format: `STAGED_FORMAT`, a handle to arrays the trainer in
+    this process staged (`osworld_jax.server.staging`; a server of its own process has no
+    staging area and refuses it, as it refuses SGLang's serialized torch tensors).
+    """
+    engine = ready_engine(request)
+
+    def fail(message: str) -> web.Response:
+        return web.json_response({"success": False, "message": message}, status=400)
+
+    try:
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        fmt = body.get("load_format")
+        if fmt != STAGED_FORMAT:
+            raise BadRequest(
+                f"load_format {fmt!r} is not supported: the embedded server takes "
+                f"{STAGED_FORMAT!r} (weights staged in its own process, ServerConfig.launch = "
+                "'colocated'); use /update_weights_from_disk otherwise"
+            )
+        payloads = body.get("serialized_named_tensors")
+        if not isinstance(payloads, list) or len(payloads) != 1 or not isinstance(payloads[0], str):
+            raise BadRequest("serialized_named_tensors must be a list of one handle (a string)")
+        version = body.get("weight_version")
+        if version is not None and not isinstance(version, str):
+            raise BadRequest("weight_version must be a string")
+    except TooLarge as e:
+        return too_large(request, e.args[0])
+    except BadRequest as e:
+        return fail(str(e))
+    staging = request.app[STAGING_KEY]
+    if staging is None:
+        return fail(
+            f"load_format {STAGED_FORMAT!r}: this server runs in its own process and has no "
+            "staged weights (ServerConfig.launch = 'colocated' runs it in the trainer's)"
+        )
+    params = staging.take(payloads[0])
+    if params is None:
+        return fail(f"no staged weights under {payloads[0]!r} (already taken, or never staged)")
+    refit = await asyncio.wrap_future(
+        engine.update_weights_from_params(
+            params, version, bool(body.get("abort_all_requests", False))
+        )
     )
+    return _refit_response(refit)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -224,6 +288,7 @@ def build_app(
     engine: Engine | None = None,
     server_args: dict[str, Any] | None = None,
     limits: ServerLimits | None = None,
+    staging: Staging | None = None,
 ) -> web.Application:
     """The aiohttp application; ``engine`` may be set later on ``app[ENGINE_KEY].engine``.
 
@@ -232,6 +297,8 @@ def build_app(
       server_args: the launch flags, reported by ``/server_info`` (``served_model_name`` names
         the model in ``/v1/models``; default the engine's model path).
       limits: request limits (default `ServerLimits()`).
+      staging: the in-process staging area (`osworld_jax.server.colocated`); None for a server
+        of its own process (``/update_weights_from_tensor`` then refuses staged handles).
     """
     limits = limits or ServerLimits()
     app = web.Application(client_max_size=limits.max_request_bytes)
@@ -239,6 +306,7 @@ def build_app(
     app[ARGS_KEY] = dict(server_args or {})
     app[LIMITS_KEY] = limits
     app[BUDGET_KEY] = ImageBudget(limits.max_server_image_pixels)
+    app[STAGING_KEY] = staging
     r = app.router
     r.add_post("/generate", generate)
     r.add_post("/abort_request", abort_request)
@@ -246,6 +314,7 @@ def build_app(
     r.add_post("/continue_generation", continue_generation)
     r.add_route("*", "/flush_cache", flush_cache)
     r.add_post("/update_weights_from_disk", update_weights_from_disk)
+    r.add_post("/update_weights_from_tensor", update_weights_from_tensor)
     r.add_get("/health", health)
     r.add_get("/health_generate", health_generate)
     info.add_routes(app)

@@ -19,11 +19,12 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from osworld_jax.contract.errors import EngineError
+from osworld_jax.model.digest import params_digest
 from osworld_jax.server.memory import check_fits, engine_layout
 from osworld_jax.server.model_files import eos_ids, load_processor, load_tokenizer
 from osworld_jax.server.prefix_cache import PrefixCache, prefix_key
@@ -46,6 +47,18 @@ from osworld_jax.server.runner import (
 __all__ = ["Engine", "EngineConfig", "GenRequest"]
 
 log = logging.getLogger(__name__)
+
+
+class Refit(NamedTuple):
+    """What a refit did: ``success``, ``message``, requests running when it began, and the
+    digest of the weights now served (`osworld_jax.model.digest.params_digest`; None when the
+    refit failed)."""  # noqa: D205, D209
+
+    success: bool
+    message: str
+    num_paused_requests: int = 0
+    digest: str | None = None
+
 
 #: Batched prefills hold at most this many (padded) tokens.
 PREFILL_BATCH_TOKENS = 8192
@@ -76,7 +89,7 @@ class Engine:
         model_cfg = Qwen3MoeConfig.from_json(path / "config.json")
         layout = engine_layout(model_cfg, config)
         self.context_length = layout.context_length
-        check_fits(model_cfg, layout, config.dtype)  # before any weight is loaded
+        check_fits(model_cfg, layout, config.dtype, config.memory_budget_bytes)  # before loading
         self.runner = ModelRunner(
             path,
             num_slots=layout.slots,
@@ -326,8 +339,8 @@ class Engine:
         weight_version: str | None,
         abort_all: bool,
         signature: CheckpointSignature | None = None,
-    ) -> concurrent.futures.Future[tuple[bool, str, int]]:
-        """Loads ``model_path`` between steps; returns (success, message, running requests).
+    ) -> concurrent.futures.Future[Refit]:
+        """Loads ``model_path`` between steps (``/update_weights_from_disk``).
 
         A checkpoint whose config or tensor names / shapes differ from the served one is
         refused before anything is aborted or loaded (the message names the first
@@ -336,29 +349,58 @@ class Engine:
         deadline); else it is read here.
         """
 
-        def run() -> tuple[bool, str, int]:
+        def run() -> Refit:
             running = sum(r is not None for r in self.slots)
             try:
                 new = signature or checkpoint_signature(model_path)
                 check_checkpoint_files(model_path)  # still regular files, just before loading
             except CheckpointMismatch as e:
-                return False, f"refused {model_path}: {e}", running
+                return Refit(False, f"refused {model_path}: {e}", running)
             diff = first_difference(self.signature, new)
             if diff is not None:
-                return False, f"refused {model_path}: {diff} (still serving the old weights)", 0
+                return Refit(False, f"refused {model_path}: {diff} (still serving the old weights)")
             if abort_all:
                 self._abort_matching(lambda r: True, "aborted by /update_weights_from_disk")
             try:
                 self.runner.load_weights(model_path)
             except Exception as e:
-                return False, f"failed to load {model_path}: {type(e).__name__}: {e}", running
-            self.prefix.clear()  # kept KV belongs to the old weights
+                why = f"failed to load {model_path}: {type(e).__name__}: {e}"
+                return Refit(False, why, running)
             self.model_path, self.signature = str(model_path), new
-            if weight_version is not None:
-                self.weight_version = weight_version
-            return True, "Succeeded to update model weights.", running
+            return self._refitted(weight_version, running)
 
         return self._call(run)
+
+    def update_weights_from_params(
+        self, params: Any, weight_version: str | None, abort_all: bool
+    ) -> concurrent.futures.Future[Refit]:
+        """Serves ``params`` between steps: arrays handed over in this process, no file.
+
+        ``params`` must have the served tree's structure, shapes and dtypes (else refused, the
+        first difference named, the served weights kept); they are placed on the served
+        parameters' devices (`ModelRunner.swap_params`: no copy where they already are).
+        """
+
+        def run() -> Refit:
+            running = sum(r is not None for r in self.slots)
+            try:
+                self.runner.check_params(params)
+            except EngineError as e:
+                return Refit(False, f"refused: {e} (still serving the old weights)")
+            if abort_all:
+                self._abort_matching(lambda r: True, "aborted by /update_weights_from_tensor")
+            self.runner.swap_params(params)
+            return self._refitted(weight_version, running)
+
+        return self._call(run)
+
+    def _refitted(self, weight_version: str | None, running: int) -> Refit:
+        """After new weights are in place (engine thread): forget old KV, name the version."""
+        self.prefix.clear()  # kept KV belongs to the old weights
+        if weight_version is not None:
+            self.weight_version = weight_version
+        digest = params_digest(self.runner.params)
+        return Refit(True, "Succeeded to update model weights.", running, digest)
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
         """Runs ``fn`` on the engine thread between steps (e.g. to read a consistent state)."""

@@ -19,14 +19,20 @@ def engine_layout(model: Qwen3MoeConfig, config: EngineConfig) -> CacheLayout:
     )
 
 
-def check_fits(model: Qwen3MoeConfig, layout: CacheLayout, dtype: str) -> None:
+def check_fits(
+    model: Qwen3MoeConfig, layout: CacheLayout, dtype: str, budget: float | None = None
+) -> None:
     """Raises `EngineError` when the weights (twice: a refit) and the KV cache exceed what this
     process's device may hold (its allocator's limit: ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of a
-    GPU); no check where the platform reports no limit (the CPU)."""  # noqa: D205, D209
+    GPU), or ``budget`` bytes where given (a colocated server's share); no check where the
+    platform reports no limit (the CPU)."""  # noqa: D205, D209
     import jax
 
     stats = jax.local_devices()[0].memory_stats() or {}
-    problem = fit_problem(server_memory(model, layout, dtype), stats.get("bytes_limit"))
+    limit = stats.get("bytes_limit")
+    if budget is not None and limit is not None:
+        limit = min(limit, budget)
+    problem = fit_problem(server_memory(model, layout, dtype), limit)
     if problem is not None:
         raise EngineError(
             f"the server {problem} ({layout.slots} slots x {layout.slot_len} tokens, {dtype}): "

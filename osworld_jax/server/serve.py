@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from osworld_jax.server.app import build_app
 from osworld_jax.server.engine import Engine, EngineConfig
 from osworld_jax.server.http_base import ENGINE_KEY
 from osworld_jax.server.protocol import ServerLimits
+from osworld_jax.server.staging import Staging
 
 log = logging.getLogger("osworld_jax.server.serve")
 
@@ -204,23 +205,39 @@ def server_limits(args: argparse.Namespace) -> ServerLimits:
     )
 
 
-async def serve(args: argparse.Namespace) -> None:
-    """Serves until SIGTERM / SIGINT.
+async def serve(
+    args: argparse.Namespace,
+    *,
+    stop: asyncio.Event | None = None,
+    staging: Staging | None = None,
+    config: EngineConfig | None = None,
+    on_listening: Callable[[web.Application, str], None] | None = None,
+) -> None:
+    """Serves until SIGTERM / SIGINT (or ``stop``).
 
     The port opens at once (``/health`` 503); the engine loads and warms up in a worker thread;
-    at a signal the server closes and the engine stops.
+    at a signal the server closes and the engine stops. The keyword arguments are for a server
+    inside another process (`osworld_jax.server.colocated`): ``stop`` replaces the signals,
+    ``staging`` is its in-process staging area, ``config`` the engine's config (default: the
+    flags'), and ``on_listening(app, url)`` is called once the port is open.
     """
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    app = build_app(None, dict(vars(args)), server_limits(args))
+    if stop is None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    app = build_app(None, dict(vars(args)), server_limits(args), staging=staging)
     holder = app[ENGINE_KEY]
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
-    log.info("listening on http://%s:%d (loading %s)", args.host, args.port, args.model_path)
-    load_task = loop.run_in_executor(None, lambda: Engine(engine_config(args)).start())
+    port = runner.addresses[0][1]  # the port bound (``--port 0``: a free one)
+    url = f"http://{args.host}:{port}"
+    log.info("listening on %s (loading %s)", url, args.model_path)
+    if on_listening is not None:
+        on_listening(app, url)
+    cfg = config or engine_config(args)
+    load_task = loop.run_in_executor(None, lambda: Engine(cfg).start())
     stop_task: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait([load_task, stop_task], return_when=asyncio.FIRST_COMPLETED)

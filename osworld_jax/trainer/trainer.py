@@ -249,6 +249,23 @@ class Trainer:
         nnx.update(view, compute_params(params, self.runtime))
         return view
 
+    def serving_params(self, state: TrainState, dtype: Any) -> Params:
+        """``state.params`` cast to a server's ``dtype`` on the device: the in-memory refit's
+        payload (`osworld_jax.server.colocated`).
+
+        Every leaf is a new buffer (also where the dtype already matches), never one of the
+        state's own arrays, which the next train step donates; the layout is the parameters'
+        (their shardings), so a server on the same devices takes them without a copy.
+        """  # noqa: D205
+        dt = jnp.dtype(dtype)
+
+        def cast(p: jax.Array) -> jax.Array:
+            if jnp.issubdtype(p.dtype, jnp.floating) and p.dtype != dt:
+                return p.astype(dt)
+            return jnp.array(p, copy=True)
+
+        return jax.tree.map(cast, state.params)
+
     # ------------------------------------------------------------------ the jitted functions
 
     def batch_shardings(self, batch: Batch) -> Batch:
