@@ -1,6 +1,7 @@
 """The asynchronous loop (``RLConfig.max_staleness``) end to end, and k = 0 against the
 synchronous loop as it was written before the producer: same metrics, bit for bit."""
 
+import dataclasses
 import json
 import signal
 import subprocess
@@ -62,7 +63,11 @@ def test_k0_one_minibatch_is_the_synchronous_loop_bit_for_bit(tmp_path):
     """Two runs agree bit for bit only if their rollouts do: the embedded server batches the
     requests that arrive together and shares cached prefixes between owners, so with several
     requests in flight a logprob can differ in its last bit with the arrival order. One
-    request at a time and no prefix cache make each request's numbers its own."""
+    request at a time and no prefix cache make each request's numbers its own.
+
+    The reference refits a server of its own process through the disk; ours runs the server
+    in its process (``launch = 'colocated'``) and hands the weights over in memory: the same
+    numbers, so the in-memory refit serves exactly what the exported checkpoint held."""
     tasks = quick_tasks(tmp_path)
     exp = _experiment(
         tasks,
@@ -73,7 +78,9 @@ def test_k0_one_minibatch_is_the_synchronous_loop_bit_for_bit(tmp_path):
         "ServerConfig.extra_args = ('--disable-radix-cache',)",
     )
     reference = _synchronous_loop(exp, tmp_path / "reference", 2)
-    ours = train(exp, tmp_path / "ours", 2).history
+    colocated = exp.replace(server=dataclasses.replace(exp.server, launch="colocated"))
+    assert colocated.server.refits_in_memory and not exp.server.refits_in_memory
+    ours = train(colocated, tmp_path / "ours", 2).history
     assert [r["step"] for r in ours] == [1, 2]
     for ref, got in zip(reference, ours, strict=True):
         keys = [k for k in ref if not k.startswith("time/")]

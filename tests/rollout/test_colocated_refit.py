@@ -46,7 +46,7 @@ def _client(url, cfg):
             return_routed_experts=True,
             num_layers=cfg.num_hidden_layers,
             num_experts_per_tok=cfg.num_experts_per_tok,
-        )
+        ),
     )
 
 
@@ -127,7 +127,7 @@ def test_a_server_of_its_own_process_refuses_staged_handles(engine):
     assert status == 400 and body["success"] is False
     assert "colocated" in body["message"]
     weights = TensorWeights(buckets=(("h",),), load_format=STAGED_FORMAT)
-    (endpoint, req), = weights.requests("7")
+    ((endpoint, req),) = weights.requests("7")
     assert endpoint == "/update_weights_from_tensor" and req["weight_version"] == "7"
     assert req["flush_cache"] is True and req["serialized_named_tensors"] == ["h"]
 
@@ -149,3 +149,23 @@ def test_the_digest_sees_one_flipped_bit_and_a_transpose():
     assert params_digest(flipped) != params_digest(tree)
     sq = jnp.arange(16, dtype=jnp.float32).reshape(4, 4)
     assert params_digest({"a": sq}) != params_digest({"a": sq.T})
+
+
+def test_a_disk_refit_is_checked_bit_for_bit_too(colocated, tiny_ckpt_b, tmp_path):
+    from osworld_jax.contract.refit import DiskWeights
+    from osworld_jax.model import save_hf_checkpoint
+
+    policy = load_hf_checkpoint(tiny_ckpt_b, runtime=ModelRuntimeConfig(dtype="float32"))
+    export = save_hf_checkpoint(policy, tmp_path / "export", copy_files_from=tiny_ckpt_b)
+    digest = params_digest(policy.params())
+
+    async def run():
+        client = _client(colocated.url, policy.config)
+        try:
+            await client.refit(DiskWeights(path=str(export), expected_digest=digest), "disk")
+        finally:
+            await client.aclose()
+
+    asyncio.run(run())
+    chex.assert_trees_all_equal(colocated.served_params, policy.params())
+    assert params_digest(colocated.served_params) == digest
