@@ -19,6 +19,7 @@ from osworld_jax.data import DataError, load_task_refs, resolve_task_set
 from osworld_jax.errors import OsworldJaxError, PreflightError
 from osworld_jax.rl.config import ExperimentConfig
 from osworld_jax.rl.servers import server_problems
+from osworld_jax.trainer.checkpoint import symlink_problem
 
 
 def check_model_path(path: str | Path, *, weights: bool = True) -> str | None:
@@ -93,6 +94,10 @@ def run_preflight(
         backend_preflight()
     except OsworldJaxError as e:
         problems.append(f"sandbox backend {experiment.backend!r}: {e}")
+    ckpt = experiment.trainer.checkpoint.directory
+    ckpt_problem = None if ckpt is None else symlink_problem(ckpt)
+    if ckpt_problem:
+        problems.append(ckpt_problem)
     task_problem = check_task_set(experiment.data.task_set)
     if task_problem:
         problems.append(task_problem)
