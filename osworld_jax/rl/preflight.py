@@ -18,7 +18,7 @@ import aiohttp
 from osworld_jax.data import DataError, load_task_refs, resolve_task_set
 from osworld_jax.errors import OsworldJaxError, PreflightError
 from osworld_jax.rl.config import ExperimentConfig
-from osworld_jax.rl.servers import server_problems
+from osworld_jax.rl.servers import compilation_cache_problem, server_problems
 from osworld_jax.trainer.checkpoint import symlink_problem
 
 
@@ -90,6 +90,9 @@ def run_preflight(
     if experiment.server.launch == "none":
         problems += check_servers(experiment.rollout.urls, experiment.rollout.connect_timeout_s)
     problems += server_problems(experiment)
+    cache_problem = compilation_cache_problem(experiment)
+    if cache_problem:
+        problems.append(cache_problem)
     try:
         backend_preflight()
     except OsworldJaxError as e:
