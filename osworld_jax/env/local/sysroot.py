@@ -63,6 +63,16 @@ class SystemRoot:
         return self.path if self.path is not None else Path("/")
 
     @property
+    def env(self) -> dict[str, str]:
+        """The whole environment of a program the host runs for a jail (``tar``, ``cp``,
+        ``find``, ``rm``...): explicit, nothing inherited from the trainer, so no
+        ``LD_PRELOAD``, ``LD_LIBRARY_PATH``, ``LD_AUDIT``, ``GCONV_PATH``, ``TAR_OPTIONS``...
+        reaches a program that runs over the sandboxes' files (as root, often). ``PATH`` finds
+        the host's programs (the host's own ``PATH``); a root's run by their path."""  # noqa: D205, D209
+        search = os.environ.get("PATH", os.defpath) if self.path is None else "/usr/bin:/bin"
+        return {"PATH": search, "LC_ALL": "C"}
+
+    @property
     def cwd(self) -> str | None:
         """The working directory ``argv`` commands need (the root; None: any)."""
         return None if self.path is None else str(self.path)
