@@ -64,7 +64,8 @@ def _zstd_stream() -> Any | None:
 
 def entry_problem(path: Path) -> str | None:
     """Why the cache entry ``path`` cannot be read back, or None (readable, or not checkable:
-    zstd without a zstd module here, or a format this code does not know)."""  # noqa: D205
+    zstd without a zstd module here, or a format this code does not know).
+    """  # noqa: D205
     with open(path, "rb") as f:
         head = f.read(_CHUNK)
         if not head:

@@ -293,7 +293,8 @@ def test_work_dir_names_are_one_file_name_in_the_work_dir(tmp_path):
             with pytest.raises(SandboxCreateError) as refused:
                 run(run_setup([step], vm, ctx=ctx))
             line = str(refused.value)
-            assert "\n" not in line and line.startswith(f"task t-43: setup step 'execute': {key} = ")
+            assert "\n" not in line
+            assert line.startswith(f"task t-43: setup step 'execute': {key} = ")
     assert Counting.runs == 0 and sorted(p.name for p in tmp_path.rglob("*")) == ["a", "work"]
     (tmp_path / "a" / "secret").write_text("S")
     ectx = EvalContext(work_dir=work, task_id="t-43")

@@ -86,4 +86,5 @@ def test_a_relative_sandbox_root_is_one_config_line_before_anything_starts():
     ):
         with pytest.raises(ConfigError) as refused:
             gin_config.load_experiment(["default.gin"], [param])
-        assert "\n" not in str(refused.value) and f"LocalBackendConfig.{field}" in str(refused.value)
+        line = str(refused.value)
+        assert "\n" not in line and f"LocalBackendConfig.{field}" in line

@@ -121,7 +121,7 @@ async def cache_file(vm: VMProtocol, params: Mapping[str, Any], ctx: EvalContext
         if problem is not None:
             raise SandboxEvalError(f"task {ctx.task_id}: getter cache_file: path = {problem}")
     for n in names:
-        p = ctx.work_dir / n
+        p = ctx.work_dir / str(n)  # one file name: checked above
         if p.is_symlink() or not p.is_file():
             raise SandboxEvalError(f"getter cache_file: {n!r} was not produced by postconfig")
         out.append(str(p))

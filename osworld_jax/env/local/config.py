@@ -167,7 +167,9 @@ class LocalBackendConfig:
         for name in ("root", "system_root"):
             value = getattr(self, name)
             if value is not None and not value.startswith("/"):
-                raise ValueError(f"LocalBackendConfig.{name} must be an absolute path, got {value!r}")
+                raise ValueError(
+                    f"LocalBackendConfig.{name} must be an absolute path, got {value!r}"
+                )
         for path in self.extra_ro_binds:
             if not path.startswith("/"):
                 raise ValueError(
