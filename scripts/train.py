@@ -87,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.validate_only:
         return _validate(experiment)
     last_step = args.steps if args.steps is not None else experiment.rl.steps
-    resume = _check_resume(run_dir, experiment, last_step, args.allow_config_change)
+    try:
+        resume = _check_resume(run_dir, experiment, last_step, args.allow_config_change)
+    except ConfigError as e:  # the run's own experiment.json is unreadable
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if resume is not None:
         return resume
     created = _first_missing(run_dir)  # removed again by a start that fails

@@ -117,20 +117,40 @@ def _until_met(result: Mapping[str, Any], until: Mapping[str, Any]) -> bool:
     )
 
 
+def work_file_problem(name: Any) -> str | None:
+    """Why ``name`` is not one file name inside a work dir (upstream joins it onto its cache
+    dir: ``os.path.join(cache_dir, stdout)``), or None: a ``/``, ``.``, ``..``, an empty
+    name or a NUL would reach outside it (or nowhere)."""  # noqa: D205, D209
+    text = str(name)
+    if not isinstance(name, str) or text in ("", ".", "..") or "/" in text or "\0" in text:
+        return f"{text!r} must be one file name in the task's work dir (no '/', not '.' or '..')"
+    return None
+
+
 def _save_outputs(params: Mapping[str, Any], result: Mapping[str, Any], ctx: SetupContext) -> None:
     for key, field in (("stdout", "output"), ("stderr", "error")):
         name = params.get(key)
         if not name:
             continue
+        problem = work_file_problem(name)
+        if problem is not None:
+            raise SetupStepError(f"task {ctx.task_id}: setup step 'execute': {key} = {problem}")
         if ctx.work_dir is None:
             raise SetupStepError(f"setup step 'execute': {key}={name!r} needs a work dir")
-        (Path(ctx.work_dir) / str(name)).write_text(str(result.get(field) or ""))
+        # O_NOFOLLOW: a link in the work dir is never written through
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+        with open(os.open(Path(ctx.work_dir) / name, flags, 0o644), "w") as f:
+            f.write(str(result.get(field) or ""))
 
 
 @SETUP_STEPS.register("execute")
 @SETUP_STEPS.register("command")
 async def _execute(vm: VMProtocol, params: Mapping[str, Any], ctx: SetupContext) -> None:
     command = _require(params, "command", "execute")
+    for key in ("stdout", "stderr"):  # before the command runs: a bad name runs nothing
+        problem = work_file_problem(params[key]) if params.get(key) else None
+        if problem is not None:
+            raise SetupStepError(f"task {ctx.task_id}: setup step 'execute': {key} = {problem}")
     shell = bool(params.get("shell", False)) or params.get("shell") == "true"
     until = params.get("until") or {}
     for attempt in range(_UNTIL_ATTEMPTS if until else 1):

@@ -2,6 +2,12 @@
 
 Entering `RunLease` (the first thing a run does, the last it undoes):
 
+0. takes an exclusive ``flock`` on ``<run_dir>/.lease.lock``, held (never waited for) for the
+   trainer's life: a second trainer is refused in one line naming the holder, however their
+   starts interleave, and on a shared filesystem that honours ``flock`` (NFS, Lustre, CephFS
+   emulate it as a whole-file POSIX lock) on any host. The kernel drops the lock when the
+   trainer dies. Where the filesystem refuses locks (``ENOLCK``, ``EOPNOTSUPP``) a warning says
+   so and the lease below is the only guard (it does not exclude two starts that interleave);
 1. reads ``<run_dir>/.lease.json``: a live trainer holding it (same host, same pid and start
    time) refuses the start (`RunDirBusyError`); a dead one's leftovers (its marked processes,
    its recorded directories) are removed first and reported in one log line;
@@ -17,6 +23,8 @@ the reaper to exit, restores the environment and removes the lease.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -34,8 +42,51 @@ from osworld_jax.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
+LOCK_FILE = ".lease.lock"  # never removed: removing a lock file lets two holders in
+
+
 class RunDirBusyError(ConfigError):
     """Another live trainer holds the run directory."""
+
+
+def _holder(run_dir: Path) -> str:
+    lease = reaper.read_lease(run_dir)
+    if lease is None:
+        return "another trainer (starting: no lease written yet)"
+    who = f"the trainer with pid {lease.get('pid')} on host {lease.get('host')}"
+    if lease.get("host") == socket.gethostname() and not reaper.instance_alive(
+        str(lease.get("marker", ""))
+    ):
+        return f"processes {who} left (it died; its reaper ends them within seconds: retry)"
+    return who
+
+
+def lock_run_dir(run_dir: Path) -> int | None:
+    """Takes ``run_dir``'s exclusive lock; returns its descriptor (None: locks unsupported).
+
+    Raises:
+      RunDirBusyError: another process holds it (the message names the lease's holder).
+    """
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise RunDirBusyError(
+                f"{run_dir}: in use by {_holder(run_dir)} (its lock {LOCK_FILE} is held; stop "
+                "it, or use another --run_dir)"
+            ) from None
+        if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            log.warning(
+                "%s: the filesystem does not support locks (%s): two trainers starting at once "
+                "in this run dir are not excluded (only the lease file guards it)",
+                run_dir,
+                os.strerror(e.errno),
+            )
+            return None
+        raise
+    return fd
 
 
 class RunLease:
@@ -55,6 +106,7 @@ class RunLease:
         self._reaper: subprocess.Popen[bytes] | None = None
         self._pipe: int | None = None
         self._old_env: str | None = None
+        self._lock: int | None = None
 
     @property
     def path(self) -> Path:
@@ -97,8 +149,13 @@ class RunLease:
             )
 
     def __enter__(self) -> Self:
-        self._take_over()
-        self._write()
+        self._lock = lock_run_dir(self.run_dir)
+        try:
+            self._take_over()
+            self._write()
+        except BaseException:
+            self._unlock()
+            raise
         self._old_env = os.environ.get(reaper.MARKER)
         os.environ[reaper.MARKER] = self.marker
         env = {k: v for k, v in os.environ.items() if k != reaper.MARKER}
@@ -145,6 +202,12 @@ class RunLease:
         current = reaper.read_lease(self.run_dir)
         if current is not None and current.get("marker") == self.marker:
             self.path.unlink(missing_ok=True)
+        self._unlock()
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)  # releases the flock
+            self._lock = None
 
     def __exit__(
         self,

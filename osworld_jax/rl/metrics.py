@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import time
 from collections.abc import Iterator, Mapping
@@ -23,7 +24,9 @@ from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event
 from tensorboardX.summary import scalar
 
-from osworld_jax.rl.rundir import trim_partial_line, writing
+from osworld_jax.rl.rundir import _UNREADABLE, json_line, trim_partial_line, writing
+
+log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 #: The stages of a step, in order (``time/<stage>`` metrics).
@@ -187,13 +190,24 @@ def _json_default(o: Any) -> Any:
 
 
 def read_metrics(run_dir_or_file: str | Path) -> list[dict[str, Any]]:
-    """Reads ``metrics.jsonl`` (a later record of the same step replaces an earlier one)."""
+    """Reads ``metrics.jsonl`` (a later record of the same step replaces an earlier one).
+
+    A line that does not parse, or has no integer ``step``, is skipped with a warning naming
+    the file and line.
+    """
     p = Path(run_dir_or_file)
     if p.is_dir():
         p = p / METRICS_FILE
     by_step: dict[int, dict[str, Any]] = {}
-    for line in p.read_text().splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            by_step[int(rec["step"])] = rec
+    with open(p, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            rec = json_line(line, p, n)
+            step = rec.get("step") if isinstance(rec, dict) else None
+            if type(step) is not int:
+                if rec is not _UNREADABLE:
+                    log.warning("%s:%d: a record without an integer step skipped", p, n)
+                continue
+            by_step[step] = rec
     return [by_step[s] for s in sorted(by_step)]

@@ -18,7 +18,8 @@ import aiohttp
 from osworld_jax.data import DataError, load_task_refs, resolve_task_set
 from osworld_jax.errors import OsworldJaxError, PreflightError
 from osworld_jax.rl.config import ExperimentConfig
-from osworld_jax.rl.servers import server_problems
+from osworld_jax.rl.servers import compilation_cache_problem, server_problems
+from osworld_jax.trainer.checkpoint import symlink_problem
 
 
 def check_model_path(path: str | Path, *, weights: bool = True) -> str | None:
@@ -89,10 +90,17 @@ def run_preflight(
     if experiment.server.launch == "none":
         problems += check_servers(experiment.rollout.urls, experiment.rollout.connect_timeout_s)
     problems += server_problems(experiment)
+    cache_problem = compilation_cache_problem(experiment)
+    if cache_problem:
+        problems.append(cache_problem)
     try:
         backend_preflight()
     except OsworldJaxError as e:
         problems.append(f"sandbox backend {experiment.backend!r}: {e}")
+    ckpt = experiment.trainer.checkpoint.directory
+    ckpt_problem = None if ckpt is None else symlink_problem(ckpt)
+    if ckpt_problem:
+        problems.append(ckpt_problem)
     task_problem = check_task_set(experiment.data.task_set)
     if task_problem:
         problems.append(task_problem)

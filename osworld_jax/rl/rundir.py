@@ -39,6 +39,8 @@ _TENSORSTORE_ERRNO = re.compile(r"os_error_code='(\d+)'")
 # The file tensorstore failed on, else the database it wrote into.
 _TENSORSTORE_PATHS = (re.compile(r'Failed [a-z ]+: "([^"]+)"'), re.compile(r'file "([^"]+)"'))
 
+log = logging.getLogger(__name__)
+
 
 class StorageError(Exception):
     """The run directory's storage refused a write.
@@ -304,11 +306,29 @@ def trim_partial_line(path: Path) -> int:
     return size - keep
 
 
-def _record_step(line: bytes) -> int | None:
+_UNREADABLE = object()
+
+
+def json_line(line: bytes | str, path: Path, lineno: int) -> Any:
+    """The JSON value of line ``lineno`` of ``path``; `_UNREADABLE` (and a warning naming the
+    file and line) when it does not parse: bad JSON, bad UTF-8, nested too deeply for the
+    parser (a ``RecursionError``), an integer too long to convert."""  # noqa: D205, D209
     try:
-        step = json.loads(line).get("step")
-    except (ValueError, AttributeError):
+        return json.loads(line)
+    except (ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e).splitlines()[0]
+        log.warning("%s:%d: unreadable JSON line skipped (%s)", path, lineno, why[:200])
+        return _UNREADABLE
+
+
+def _record_step(line: bytes, path: Path, lineno: int) -> int | None | object:
+    """The record's integer ``step``, None (no such step), or `_UNREADABLE`."""
+    if not line.strip():
         return None
+    rec = json_line(line, path, lineno)
+    if rec is _UNREADABLE:
+        return rec
+    step = rec.get("step") if isinstance(rec, dict) else None
     return step if type(step) is int else None
 
 
@@ -317,7 +337,8 @@ def trim_to_step(path: Path, step: int) -> int:
 
     On resume from checkpoint ``step`` (0: none), the steps after it run again: their records
     (logged before their checkpoint was durable, or whose checkpoint failed) would be logged
-    twice. A line without an integer ``step`` is kept; a cut last line is dropped (see
+    twice. A line without an integer ``step`` is kept; a line that does not parse is dropped
+    too (a warning names the file and line); a cut last line is dropped (see
     `trim_partial_line`). The file is replaced atomically only when something is dropped; the
     dropped records are appended to ``<name>.set-aside`` (nothing is deleted).
     """
@@ -327,16 +348,20 @@ def trim_to_step(path: Path, step: int) -> int:
     except FileNotFoundError:
         return 0
     with f:
-        if not any((s := _record_step(line)) is not None and s > step for line in f):
+
+        def drop(s: int | None | object) -> bool:
+            return s is _UNREADABLE or (type(s) is int and s > step)
+
+        steps = [_record_step(line, path, n) for n, line in enumerate(f, 1)]
+        if not any(drop(s) for s in steps):
             return 0
         f.seek(0)
         tmp, dropped = path.with_name(f".{path.name}.trim-{os.getpid()}"), 0
         try:
             aside = path.with_name(path.name + SET_ASIDE)
             with writing(tmp), open(tmp, "wb") as out, open(aside, "ab") as later:
-                for line in f:
-                    s = _record_step(line)
-                    if s is not None and s > step:
+                for line, s in zip(f, steps, strict=True):
+                    if drop(s):
                         later.write(line)
                         dropped += 1
                     else:
@@ -458,7 +483,14 @@ def config_changes(run_dir: Path, experiment: Any) -> list[str]:
     if not path.is_file():
         return []
     out: list[str] = []
-    _walk(experiment, json.loads(path.read_text()), out)
+    try:
+        own = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e).splitlines()[0]
+        raise ConfigError(
+            f"{path}: unreadable ({why[:200]}); restore it, or use another --run_dir"
+        ) from None
+    _walk(experiment, own, out)
     return out
 
 

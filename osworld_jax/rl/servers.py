@@ -30,6 +30,7 @@ from osworld_jax.model.serving import (
     fit_problem,
     server_memory,
 )
+from osworld_jax.rl import compile_cache
 from osworld_jax.rl.config import ExperimentConfig, ServerConfig
 from osworld_jax.rollout.launch import (
     EmbeddedServer,
@@ -264,15 +265,32 @@ def compilation_cache(exp: ExperimentConfig) -> str | None:
     return None if d is None else str(Path(d).expanduser())
 
 
+def compilation_cache_problem(exp: ExperimentConfig) -> str | None:
+    """One line when the compilation cache directory cannot be used (for preflight), or None."""
+    d = compilation_cache(exp)
+    if d is None:
+        return None
+    field = CACHE_ENV if os.environ.get(CACHE_ENV) else "RLConfig.compilation_cache_dir"
+    return compile_cache.dir_problem(d, field)
+
+
 def use_compilation_cache(exp: ExperimentConfig) -> None:
     """Points this process's jax at the run's compilation cache (before its first compile);
-    the embedded server gets it through its environment (`server_group`)."""  # noqa: D205, D209
+    the embedded server gets it through its environment (`server_group`).
+
+    An unusable directory is one `ConfigError` line; entries a killed writer left unreadable
+    are removed first (`compile_cache.repair`), so this run's compiles write them again.
+    """  # noqa: D205
     d = compilation_cache(exp)
     if d is None:
         return
+    problem = compilation_cache_problem(exp)
+    if problem is not None:
+        raise ConfigError(problem)
     import jax
 
     Path(d).mkdir(parents=True, exist_ok=True)
+    compile_cache.repair(d)
     jax.config.update("jax_compilation_cache_dir", d)
 
 

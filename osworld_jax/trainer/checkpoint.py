@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
 
 import orbax.checkpoint as ocp
 
+from osworld_jax.errors import ConfigError
 from osworld_jax.trainer.config import CheckpointConfig
 from osworld_jax.trainer.state import TrainerError, TrainState
 
@@ -49,6 +51,32 @@ class CorruptCheckpointError(TrainerError):
     def __init__(self, step: int, path: str | Path, reason: str) -> None:
         self.step, self.path, self.reason = step, str(path), reason
         super().__init__(f"checkpoint {step} is corrupt: {self.path}: {reason}")
+
+
+class CheckpointPathError(TrainerError, ConfigError):
+    """The checkpoint directory holds an entry that orbax would follow or delete through."""
+
+
+def symlink_problem(directory: str | Path) -> str | None:
+    """One line naming the first symlink among ``directory``'s entries, or None.
+
+    Orbax deletes old and temporary step directories with ``rmtree``, which refuses a symlink
+    (a later save fails) and must never delete through one: a step directory that is a link,
+    wherever it points, is refused before the run starts. The directory itself may be a link
+    (checkpoints on another disk).
+    """
+    root = Path(directory)
+    try:
+        entries = sorted(root.iterdir()) if root.is_dir() else []
+    except OSError:
+        return None  # unreadable: orbax reports it, naming the directory
+    for entry in entries:
+        if entry.is_symlink():
+            return (
+                f"checkpoint directory entry {entry} is a symlink (to {os.readlink(entry)}): "
+                "checkpoints are never followed through links; move it out of the way"
+            )
+    return None
 
 
 def set_aside(path: Path) -> Path:
@@ -141,6 +169,9 @@ class Checkpointer:
             raise TrainerError("CheckpointConfig.directory: None, checkpointing is disabled")
         self.config = config
         self.directory = Path(config.directory).absolute()
+        problem = symlink_problem(self.directory)
+        if problem is not None:
+            raise CheckpointPathError(problem)
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=1,  # the cadence is decided in `save` (orbax saves any first step)
             max_to_keep=config.keep,

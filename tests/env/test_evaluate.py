@@ -268,6 +268,44 @@ def test_postconfig_stdout_and_cache_file():
     assert run(evaluate_task(t, vm, DONE)) == 1.0
 
 
+def test_work_dir_names_are_one_file_name_in_the_work_dir(tmp_path):
+    """An execute step's stdout/stderr and the cache_file getter's path are joined onto the
+    task's work dir (upstream's cache dir): ``../`` or an absolute path reached outside it (in
+    postconfig the agent controls what is written, by root). Each is refused in one line naming
+    the task and the field; the command does not run and nothing is written."""
+    work = tmp_path / "a" / "work"
+    work.mkdir(parents=True)
+    ctx = SetupContext(work_dir=work, task_id="t-43")
+
+    class Counting(MemoryDesktop):
+        runs = 0
+
+        async def execute(self, *a, **kw):
+            Counting.runs += 1
+            return await super().execute(*a, **kw)
+
+    vm = Counting()
+    for key in ("stdout", "stderr"):
+        for name in ("../../x", str(tmp_path / "abs"), "..", "", "d/x"):
+            if not name:
+                continue  # empty: upstream's "do not save" (the default)
+            step = SetupStep(type="execute", parameters={"command": ["ls"], key: name})
+            with pytest.raises(SandboxCreateError) as refused:
+                run(run_setup([step], vm, ctx=ctx))
+            line = str(refused.value)
+            assert "\n" not in line
+            assert line.startswith(f"task t-43: setup step 'execute': {key} = ")
+    assert Counting.runs == 0 and sorted(p.name for p in tmp_path.rglob("*")) == ["a", "work"]
+    (tmp_path / "a" / "secret").write_text("S")
+    ectx = EvalContext(work_dir=work, task_id="t-43")
+    for name in ("../secret", str(tmp_path / "a" / "secret"), ["ok", "../secret"]):
+        with pytest.raises(SandboxEvalError, match=r"^task t-43: getter cache_file: path = "):
+            run(GETTERS.get("cache_file")(vm, {"path": name}, ectx))
+    step = SetupStep(type="execute", parameters={"command": ["ls"], "stdout": "ok"})
+    run(run_setup([step], vm, ctx=ctx))  # one name: written, read back
+    assert run(GETTERS.get("cache_file")(vm, {"path": "ok"}, ectx)) == str(work / "ok")
+
+
 class Flaky:
     """A VM whose first ``n`` calls fail with a transient 503 (or a permanent error)."""
 

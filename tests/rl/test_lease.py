@@ -120,3 +120,38 @@ def test_the_next_start_cleans_what_a_crash_left(tmp_path):
     assert (
         not (run_dir / "reaper.log").exists() or "died" not in (run_dir / "reaper.log").read_text()
     )
+
+
+def test_two_starts_that_interleave_are_refused_by_the_lock(tmp_path, monkeypatch):
+    """The second start read the lease before the first wrote it (it saw no live holder): the
+    lock on .lease.lock still refuses it, in one line naming the holder; once the holder
+    leaves, the next start gets in."""
+    from osworld_jax.rl import lease as lease_mod
+
+    with RunLease(tmp_path) as first:
+        with monkeypatch.context() as m:
+            m.setattr(lease_mod.RunLease, "_take_over", lambda self: None)  # the racy read
+            with pytest.raises(RunDirBusyError) as refused:
+                with RunLease(tmp_path):
+                    pass
+        message = str(refused.value)
+        assert "\n" not in message and f"in use by the trainer with pid {os.getpid()}" in message
+        assert json.loads((tmp_path / reaper.LEASE_FILE).read_text())["marker"] == first.marker
+    with RunLease(tmp_path):
+        pass
+    assert (tmp_path / lease_mod.LOCK_FILE).exists()  # kept: a removed lock file lets two in
+
+
+def test_a_filesystem_without_locks_is_said_plainly(tmp_path, monkeypatch, caplog):
+    import errno
+
+    from osworld_jax.rl import lease as lease_mod
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(lease_mod.fcntl, "flock", no_locks)
+    with caplog.at_level("WARNING", logger="osworld_jax.rl.lease"), RunLease(tmp_path):
+        pass
+    warned = [r.getMessage() for r in caplog.records if "does not support locks" in r.getMessage()]
+    assert len(warned) == 1 and str(tmp_path) in warned[0] and "\n" not in warned[0]

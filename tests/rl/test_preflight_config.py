@@ -74,3 +74,17 @@ def test_rl_config_validation():
         MeshConfig(tensor=0)
     with pytest.raises(ConfigError, match="length_buckets"):
         RLConfig(length_buckets=(512, 256))
+
+
+def test_a_relative_sandbox_root_is_one_config_line_before_anything_starts():
+    """It passed preflight and --validate_only, then failed at the first sandbox."""
+    from osworld_jax import config as gin_config
+
+    for param, field in (
+        ("LocalBackendConfig.root = 'sandboxes'", "root must be an absolute path"),
+        ("LocalBackendConfig.extra_ro_binds = ('opt/app',)", "extra_ro_binds must hold absolute"),
+    ):
+        with pytest.raises(ConfigError) as refused:
+            gin_config.load_experiment(["default.gin"], [param])
+        line = str(refused.value)
+        assert "\n" not in line and f"LocalBackendConfig.{field}" in line

@@ -125,6 +125,32 @@ def test_logs_are_trimmed_to_the_checkpoint_the_run_resumes_from(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == ""
 
 
+def test_a_line_nested_too_deeply_is_set_aside_with_its_file_and_line_named(tmp_path, caplog):
+    """One line of ``[`` x 100000 made json.loads raise RecursionError and the resume crash.
+    Resume now sets such a line aside (warning ``<file>:<line>``), keeps every readable
+    record, and the metrics reader skips it the same way."""
+    from osworld_jax.rl.metrics import read_metrics
+
+    deep = "[" * 100_000 + "]" * 100_000
+    for name in ("metrics.jsonl", "rollouts.jsonl"):
+        _jsonl(tmp_path / name, [1], 1)
+        with (tmp_path / name).open("a") as f:
+            f.write(deep + "\n" + '{"step": 1, "x": 2}\n')
+    metrics = tmp_path / "metrics.jsonl"
+    with caplog.at_level("WARNING", logger="osworld_jax.rl"):
+        assert read_metrics(tmp_path)[0]["x"] == 2  # the later record of step 1, the bad skipped
+        assert f"{metrics}:2: unreadable JSON line skipped (nested too deeply)" in caplog.text
+        caplog.clear()
+        dropped = trim_logs_to_checkpoint(
+            tmp_path, 1, ("metrics.jsonl", "rollouts.jsonl"), "episodes"
+        )
+    assert dropped == {"metrics.jsonl": 1, "rollouts.jsonl": 1}
+    for name in ("metrics.jsonl", "rollouts.jsonl"):
+        assert f"{tmp_path / name}:2: unreadable" in caplog.text
+        assert [json.loads(x)["step"] for x in (tmp_path / name).read_text().splitlines()] == [1, 1]
+        assert (tmp_path / f"{name}.set-aside").read_text() == deep + "\n"
+
+
 def test_check_writable_names_the_read_only_directory(tmp_path, tmpfs):
     ro = tmpfs.mount(tmp_path / "ro", "1m", read_only=True)
     with pytest.raises(StorageError, match=r"/ro/run: Read-only file system$"):

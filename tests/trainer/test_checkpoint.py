@@ -49,6 +49,24 @@ def test_cadence_and_keep_last_n(tmp_path):
     ck.close()
 
 
+def test_a_symlinked_step_directory_is_refused_at_start_and_nothing_is_deleted(tmp_path):
+    """A step dir that is a link (here to a directory outside) would make orbax's rmtree of old
+    steps fail mid-run, or delete through it: the start refuses it in one line naming it."""
+    from osworld_jax.trainer.checkpoint import CheckpointPathError
+
+    root, outside = tmp_path / "checkpoints", tmp_path / "precious"
+    ck = Checkpointer(CheckpointConfig(directory=str(root), save_every=1, keep=1))
+    ck.save(_small_state(1), 1, force=True)
+    ck.close()
+    outside.mkdir()
+    (outside / "keep.txt").write_text("x")
+    (root / "2").symlink_to(outside)
+    with pytest.raises(CheckpointPathError) as refused:
+        Checkpointer(CheckpointConfig(directory=str(root), save_every=1, keep=1))
+    assert "\n" not in str(refused.value) and str(root / "2") in str(refused.value)
+    assert (outside / "keep.txt").read_text() == "x" and (root / "1").is_dir()
+
+
 def test_grain_iterator_state_round_trips(tmp_path):
     def iterator():
         return iter(grain.MapDataset.range(50).shuffle(seed=3).to_iter_dataset())

@@ -23,6 +23,7 @@ from osworld_jax.env.backend import SandboxEvalError, SandboxStepError
 from osworld_jax.env.desktop_python import run_python
 from osworld_jax.env.evaluators.registry import GETTERS, EvalContext
 from osworld_jax.env.protocol import VMProtocol, is_transient
+from osworld_jax.env.setup import work_file_problem
 
 
 def _multi(params: Mapping[str, Any]) -> tuple[list[Any], list[str], bool]:
@@ -116,8 +117,12 @@ async def cache_file(vm: VMProtocol, params: Mapping[str, Any], ctx: EvalContext
     names = paths if isinstance(paths, list) else [paths]
     out: list[str] = []
     for n in names:
-        p = ctx.work_dir / str(n)
-        if not p.is_file():
+        problem = work_file_problem(n)
+        if problem is not None:
+            raise SandboxEvalError(f"task {ctx.task_id}: getter cache_file: path = {problem}")
+    for n in names:
+        p = ctx.work_dir / str(n)  # one file name: checked above
+        if p.is_symlink() or not p.is_file():
             raise SandboxEvalError(f"getter cache_file: {n!r} was not produced by postconfig")
         out.append(str(p))
     return out if isinstance(paths, list) else out[0]

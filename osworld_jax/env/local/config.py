@@ -162,10 +162,19 @@ class LocalBackendConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"LocalBackendConfig.{name} must be > 0 or None, got {value}")
-        if self.system_root is not None and not self.system_root.startswith("/"):
-            raise ValueError(
-                f"LocalBackendConfig.system_root must be an absolute path, got {self.system_root!r}"
-            )
+        # Paths the jails and the host programs use from other working directories: a relative
+        # one would pass preflight and fail at the first sandbox.
+        for name in ("root", "system_root"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith("/"):
+                raise ValueError(
+                    f"LocalBackendConfig.{name} must be an absolute path, got {value!r}"
+                )
+        for path in self.extra_ro_binds:
+            if not path.startswith("/"):
+                raise ValueError(
+                    f"LocalBackendConfig.extra_ro_binds must hold absolute paths, got {path!r}"
+                )
         lo, hi = self.host_uid_range
         if not 0 < lo < hi < 2**32 - 1:
             raise ValueError(f"LocalBackendConfig.host_uid_range {self.host_uid_range} is invalid")

@@ -26,6 +26,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from osworld_jax.env.local.sysroot import HOST
+
 __all__ = ["CgroupSupport", "JailCgroup", "detect", "remove_tree"]
 
 _V1_ROOT = Path("/sys/fs/cgroup")
@@ -292,6 +294,7 @@ def remove_tree(path: Path) -> None:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             check=False,
+            env=HOST.env,  # nothing of the trainer's environment (LD_PRELOAD...)
         )
     res = subprocess.run(
         ["rm", "-rf", "--one-file-system", "--", str(path)],
@@ -299,6 +302,7 @@ def remove_tree(path: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
         check=False,
+        env=HOST.env,
     )
     if os.path.lexists(path):
         raise OSError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import os
 import shlex
 import shutil
 import subprocess
@@ -100,6 +101,14 @@ def root_problems(window_manager: str, host_uid: int | None, system: SystemRoot)
         return [f"{where} is not a directory (build it: scripts/offline_install.sh)"]
     if not system.resolve(LOADER).is_file():
         return [f"{where} has no dynamic loader {LOADER} (build it: scripts/offline_install.sh)"]
+    untrusted = system.untrusted_paths(HOST_PROGRAMS)
+    if untrusted:  # checked before anything of the root runs
+        more = f" (and {len(untrusted) - 1} more)" if len(untrusted) > 1 else ""
+        return [
+            f"{where}: the host runs its programs as uid {os.geteuid()}, but another user "
+            f"could change {untrusted[0]}{more}: it must be owned by root or this user and "
+            "writable by no one else"
+        ]
     wanted = {b: f"deb {p}" for b, p in REQUIRED_BINARIES.items()}
     wanted.update({shlex.split(window_manager)[0]: "the window manager", "/bin/sh": "deb dash"})
     wanted["/usr/bin/python3"] = "deb python3-minimal"

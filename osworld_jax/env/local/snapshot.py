@@ -91,6 +91,7 @@ async def copy_into_jail(src: Path, desktop: LocalDesktop, jail_dir: str) -> Non
             stdout=write_end,
             stderr=asyncio.subprocess.PIPE,
             cwd=cwd,
+            env=desktop.system.env,
         )
         writer = await asyncio.create_subprocess_exec(
             *tar,
@@ -103,6 +104,7 @@ async def copy_into_jail(src: Path, desktop: LocalDesktop, jail_dir: str) -> Non
             stderr=asyncio.subprocess.PIPE,
             pass_fds=(fd,),
             cwd=cwd,
+            env=desktop.system.env,
             **kwargs,
         )
     finally:
@@ -137,6 +139,7 @@ async def copy_tree(
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
         cwd=system.cwd,
+        env=system.env,
     )
     _, err = await proc.communicate()
     if proc.returncode != 0:
@@ -152,6 +155,7 @@ def drop_app_locks(home: Path, system: SystemRoot = HOST) -> None:
             stderr=subprocess.DEVNULL,
             check=False,
             cwd=system.cwd,
+            env=system.env,
         )
 
 
@@ -182,4 +186,5 @@ def drop_session_files(tmp: Path, system: SystemRoot = HOST) -> None:
         stderr=subprocess.DEVNULL,
         check=False,
         cwd=system.cwd,
+        env=system.env,
     )

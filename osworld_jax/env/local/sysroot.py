@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 import subprocess
 from pathlib import Path
 
@@ -61,6 +62,16 @@ class SystemRoot:
     def dir(self) -> Path:
         """The directory the jail's ``/usr``, ``/etc`` and top-level links come from."""
         return self.path if self.path is not None else Path("/")
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The whole environment of a program the host runs for a jail (``tar``, ``cp``,
+        ``find``, ``rm``...): explicit, nothing inherited from the trainer, so no
+        ``LD_PRELOAD``, ``LD_LIBRARY_PATH``, ``LD_AUDIT``, ``GCONV_PATH``, ``TAR_OPTIONS``...
+        reaches a program that runs over the sandboxes' files (as root, often). ``PATH`` finds
+        the host's programs (the host's own ``PATH``); a root's run by their path."""  # noqa: D205, D209
+        search = os.environ.get("PATH", os.defpath) if self.path is None else "/usr/bin:/bin"
+        return {"PATH": search, "LC_ALL": "C"}
 
     @property
     def cwd(self) -> str | None:
@@ -149,6 +160,51 @@ class SystemRoot:
         if found is None:
             raise FileNotFoundError(f"system root {self.path} has no program {program}")
         return [*self.loader_args(), self._relative(found)]
+
+    def untrusted_paths(self, programs: tuple[str, ...]) -> list[str]:
+        """The paths another user could change under the programs the host runs from the root.
+
+        The host runs ``programs`` (and the root's loader, with every library of its library
+        directories) as the trainer's user, often root: each must be owned by root or by this
+        user and writable by no one else (no group or other write bit), and so must every
+        directory on its path, from ``/`` through the root (a sticky directory above the root,
+        such as ``/tmp``, is fine: others cannot rename what they do not own). Returns
+        ``"<path> (owner uid N, mode 0o...)"`` per offending path, nearest ``/`` first.
+        """
+        if self.path is None:
+            return []
+        me = os.geteuid()
+        seen: set[Path] = set()
+        bad: list[str] = []
+
+        def check(path: Path, *, sticky_ok: bool = False) -> None:
+            if path in seen:
+                return
+            seen.add(path)
+            try:
+                st = path.lstat()
+            except OSError:
+                return  # missing: preflight names what the root lacks
+            writable = st.st_mode & 0o022 and not (sticky_ok and st.st_mode & stat.S_ISVTX)
+            if st.st_uid not in (0, me) or writable:
+                bad.append(f"{path} (owner uid {st.st_uid}, mode {oct(st.st_mode & 0o7777)})")
+
+        def check_path(host: Path) -> None:
+            for parent in reversed(host.parents):
+                check(parent, sticky_ok=not parent.is_relative_to(self.path))  # type: ignore[arg-type]
+            check(host)
+
+        check_path(self.path)
+        files = [self.resolve(LOADER)]
+        files += [self.resolve(found) for p in programs if (found := self.which(p)) is not None]
+        for lib_dir in LIBRARY_DIRS:
+            d = self.resolve(lib_dir)
+            check_path(d)
+            if d.is_dir():
+                files += [f for f in d.iterdir() if f.is_file()]
+        for f in files:
+            check_path(f)
+        return bad
 
     def outside_libraries(self, program: str) -> list[str]:
         """The libraries ``program`` would load from outside the root (``ld.so --list``).
