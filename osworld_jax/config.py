@@ -46,7 +46,12 @@ from osworld_jax.rl.config import (
     ServerConfig,
 )
 from osworld_jax.rl.rundir import OPERATIVE_CONFIG, RESOLVED_CONFIG, write_run_config
-from osworld_jax.rollout.config import RolloutConfig, SamplingParams, SGLangLaunchConfig
+from osworld_jax.rollout.config import (
+    RolloutConfig,
+    SamplingParams,
+    SGLangLaunchConfig,
+    SGLangRefitConfig,
+)
 from osworld_jax.trainer.config import CheckpointConfig, OptimizerConfig, TrainerConfig
 from osworld_jax.trainer.distributed import DistributedConfig
 
@@ -64,6 +69,7 @@ CONFIGURABLES: tuple[type, ...] = (
     SamplingParams,
     ServerConfig,
     SGLangLaunchConfig,
+    SGLangRefitConfig,
     AgentEnvConfig,
     *BACKENDS.config_classes(),
     AgentConfig,

@@ -25,7 +25,7 @@ No jax here: the digests are computed by the model room on either side.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 #: ``load_format`` of an in-process hand-over (the embedded server in the trainer's process).
@@ -140,3 +140,62 @@ def join_digests(parts: Sequence[tuple[str, int]]) -> str:
     """
     body = ",".join(f"{name}={value & 0xFFFFFFFF:08x}" for name, value in parts)
     return f"{len(parts)}:{body}"
+
+
+# --- Real SGLang's in-memory endpoints: weights made bucket by bucket while the refit runs ---
+
+#: How weights reach a real SGLang server (`osworld_jax.rollout.config.SGLangRefitConfig`):
+#: ``disk`` (`DiskWeights`, the fallback), ``tensor`` (``/update_weights_from_tensor``: CUDA
+#: tensors shared by IPC handle, servers on the trainer's host) or ``distributed``
+#: (``/init_weights_update_group`` once, then ``/update_weights_from_distributed`` per bucket
+#: while the trainer, rank 0 of a process group with the server's ranks, broadcasts).
+SGLangRefitPath = Literal["disk", "tensor", "distributed"]
+
+#: SGLang's weight-update session (builds from mid-2026 on, ../shared/SGLANG_API.md): an
+#: in-memory update is wrapped in these two requests (bodies ``{}``).
+SESSION_BEGIN = "/begin_weight_update"
+SESSION_END = "/end_weight_update"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UpdateStep:
+    """One request of a `StreamedWeights` update.
+
+    Attributes:
+      endpoint: the route, e.g. ``/update_weights_from_tensor``.
+      body: its JSON body.
+      during: the trainer's side of the request, run on a worker thread while the request is
+        in flight (the rank-0 half of a collective the server joins: joining the group,
+        broadcasting a bucket); None when the body carries everything.
+      expect_success: the reply must be JSON with a true ``success`` (SGLang's update replies);
+        False: any 200 will do (the session requests, whose reply shape is not pinned).
+    """
+
+    endpoint: str
+    body: dict[str, Any]
+    during: Callable[[], None] | None = None
+    expect_success: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StreamedWeights:
+    """Weights made one bucket at a time while the refit runs (real SGLang servers).
+
+    ``steps(url, weight_version)`` yields the server's `UpdateStep` list lazily: the client asks
+    for the next step only after the previous request answered, so the producer holds one bucket
+    per server at a time (the bucket size bounds the extra device memory) and may free it once
+    its request returned. Made by `osworld_jax.trainer.sglang_weights`.
+
+    Attributes:
+      steps: ``(server url, weight_version) -> iterator of UpdateStep``.
+      expected_digest: the digest of the trainer's cast (None: not checked).
+      label: what is moved, for logs and errors.
+    """
+
+    steps: Callable[[str, str], Iterator[UpdateStep]]
+    expected_digest: str | None = None
+    label: str = "streamed tensors"
+
+    def describe(self) -> str:
+        """One line for logs and errors."""
+        return self.label

@@ -352,9 +352,14 @@ def load_hf_checkpoint(
 
 
 def hf_tensors(
-    params: Mapping[str, Mapping[str, Any]], config: Qwen3MoeConfig
-) -> Iterator[tuple[str, np.ndarray]]:
+    params: Mapping[str, Mapping[str, Any]], config: Qwen3MoeConfig, *, on_device: bool = False
+) -> Iterator[tuple[str, Any]]:
     """Yields ``(hf_name, numpy array)`` in the HF layout, one layer at a time.
+
+    ``on_device``: yield jax arrays on one local device instead (the same names, shapes, dtypes
+    and values: every step is a slice, transpose, reshape or concatenation, exact in either
+    place), so an in-memory refit (`osworld_jax.trainer.sglang_weights`) never copies a
+    parameter to the host. The arrays must be addressable by this process.
 
     Qwen3-MoE: per-expert tensors. Qwen3-VL-MoE: the published fused layout (see module
     docstring) plus the ViT; a model whose fused tensors would be square in it (H = 2I or
@@ -368,33 +373,35 @@ def hf_tensors(
     vl = isinstance(c, Qwen3VLMoeConfig)
     lm = _lm_prefix(c)
     square = H in (2 * c.moe_intermediate_size, c.moe_intermediate_size)
+    leaf = _on_one_device if on_device else _to_host
+    xp: Any = jnp if on_device else np
 
     top = params["top"]
-    yield lm + "embed_tokens.weight", _host(top["embed"])
-    yield lm + "norm.weight", _host(top["final_norm"])
+    yield lm + "embed_tokens.weight", leaf(top["embed"])
+    yield lm + "norm.weight", leaf(top["final_norm"])
     if not c.tie_word_embeddings:
-        yield "lm_head.weight", _host(top["lm_head"]).T
+        yield "lm_head.weight", leaf(top["lm_head"]).T
     a = params["attn"]
     moe_index = {layer: m for m, layer in enumerate(c.moe_layers)}
     dense_index = {layer: d for d, layer in enumerate(c.dense_layers)}
     for i in range(c.num_hidden_layers):
         p = f"{lm}layers.{i}."
-        yield p + "input_layernorm.weight", _host(a["input_norm"][i])
-        yield p + "post_attention_layernorm.weight", _host(a["post_norm"][i])
-        yield p + "self_attn.q_norm.weight", _host(a["q_norm"][i])
-        yield p + "self_attn.k_norm.weight", _host(a["k_norm"][i])
+        yield p + "input_layernorm.weight", leaf(a["input_norm"][i])
+        yield p + "post_attention_layernorm.weight", leaf(a["post_norm"][i])
+        yield p + "self_attn.q_norm.weight", leaf(a["q_norm"][i])
+        yield p + "self_attn.k_norm.weight", leaf(a["k_norm"][i])
         for name in ("q_proj", "k_proj", "v_proj"):
-            yield p + f"self_attn.{name}.weight", _host(a[name][i]).reshape(H, -1).T
-        yield p + "self_attn.o_proj.weight", _host(a["o_proj"][i]).reshape(-1, H).T
+            yield p + f"self_attn.{name}.weight", leaf(a[name][i]).reshape(H, -1).T
+        yield p + "self_attn.o_proj.weight", leaf(a["o_proj"][i]).reshape(-1, H).T
         if i in moe_index:
             m = moe_index[i]
-            yield p + "mlp.gate.weight", _host(params["moe"]["router"][m]).T
-            w = {n: _host(params["moe"][n][m]) for n in ("gate", "up", "down")}
+            yield p + "mlp.gate.weight", leaf(params["moe"]["router"][m]).T
+            w = {n: leaf(params["moe"][n][m]) for n in ("gate", "up", "down")}
             if vl:  # fused: published [E, H, 2I] / [E, I, H], transposed when square (doc)
-                gate_up = np.concatenate([w["gate"], w["up"]], -1)
+                gate_up = xp.concatenate([w["gate"], w["up"]], -1)
                 down = w["down"]
                 if square:
-                    gate_up, down = np.swapaxes(gate_up, 1, 2), np.swapaxes(down, 1, 2)
+                    gate_up, down = xp.swapaxes(gate_up, 1, 2), xp.swapaxes(down, 1, 2)
                 yield p + "mlp.experts.gate_up_proj", gate_up
                 yield p + "mlp.experts.down_proj", down
                 continue
@@ -404,13 +411,13 @@ def hf_tensors(
         else:
             d = dense_index[i]
             for n in ("gate", "up", "down"):
-                yield p + f"mlp.{n}_proj.weight", _host(params["mlp"][n][d]).T
+                yield p + f"mlp.{n}_proj.weight", leaf(params["mlp"][n][d]).T
     if vl:
         assert isinstance(c, Qwen3VLMoeConfig)
-        yield from _vision_tensors(params, c.vision)
+        yield from _vision_tensors(params, c.vision, leaf)
 
 
-def _host(x: Any) -> np.ndarray:
+def _to_host(x: Any) -> np.ndarray:
     """A numpy copy of ``x`` (multi-host: all-gathered first)."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         from jax.experimental import multihost_utils
@@ -419,19 +426,39 @@ def _host(x: Any) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
+def _on_one_device(x: Any) -> jax.Array:
+    """``x`` as a jax array on one device of this process (a sharded array is gathered there,
+    device to device); never through the host."""  # noqa: D205, D209
+    if not isinstance(x, jax.Array):
+        return jnp.asarray(x)
+    if not x.is_fully_addressable:
+        raise ValueError(
+            "hf_tensors(on_device=True) needs parameters this process can address; a multi-host "
+            "array is gathered through the host (on_device=False) or broadcast per process"
+        )
+    devices = x.sharding.device_set
+    if len(devices) == 1:
+        return x
+    first = next(d for d in jax.local_devices() if d in devices)
+    return jax.device_put(x, SingleDeviceSharding(first))
+
+
 def _vision_tensors(
-    params: Mapping[str, Mapping[str, Any]], v: VisionConfig
-) -> Iterator[tuple[str, np.ndarray]]:
-    """The ViT in HF names and layouts (the inverse of `_vision_readers`)."""
+    params: Mapping[str, Mapping[str, Any]],
+    v: VisionConfig,
+    leaf: Callable[[Any], Any] = _to_host,
+) -> Iterator[tuple[str, Any]]:
+    """The ViT in HF names and layouts (the inverse of `_vision_readers`); ``leaf`` fetches a
+    leaf (`_to_host`, or `_on_one_device` for an in-memory export)."""  # noqa: D205, D209
     top, blocks = params["vision"], params["vision_blocks"]
     Hv = v.hidden_size
     conv = (Hv, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
-    yield VISUAL + "patch_embed.proj.weight", _host(top["patch_embed"]).T.reshape(conv)
-    yield VISUAL + "patch_embed.proj.bias", _host(top["patch_bias"])
-    yield VISUAL + "pos_embed.weight", _host(top["pos_embed"])
+    yield VISUAL + "patch_embed.proj.weight", leaf(top["patch_embed"]).T.reshape(conv)
+    yield VISUAL + "patch_embed.proj.bias", leaf(top["patch_bias"])
+    yield VISUAL + "pos_embed.weight", leaf(top["pos_embed"])
     for i in range(v.depth):
         p = f"{VISUAL}blocks.{i}."
-        b = {k: _host(x[i]) for k, x in blocks.items()}
+        b = {k: leaf(x[i]) for k, x in blocks.items()}
         yield p + "norm1.weight", b["norm1"]
         yield p + "norm1.bias", b["norm1_bias"]
         yield p + "norm2.weight", b["norm2"]
@@ -447,12 +474,12 @@ def _vision_tensors(
     mergers = [
         (
             "merger.",
-            {k[len("merger_") :]: _host(x) for k, x in top.items() if k.startswith("merger_")},
+            {k[len("merger_") :]: leaf(x) for k, x in top.items() if k.startswith("merger_")},
         )
     ]
     ds = params.get("deepstack", {})
     for j in range(len(v.deepstack_visual_indexes)):
-        mergers.append((f"deepstack_merger_list.{j}.", {k: _host(x[j]) for k, x in ds.items()}))
+        mergers.append((f"deepstack_merger_list.{j}.", {k: leaf(x[j]) for k, x in ds.items()}))
     for prefix, w in mergers:
         yield VISUAL + prefix + "norm.weight", w["norm"]
         yield VISUAL + prefix + "norm.bias", w["norm_bias"]

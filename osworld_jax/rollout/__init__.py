@@ -26,6 +26,7 @@ from osworld_jax.rollout.config import (
     SamplingParams,
     ServerLauncher,
     SGLangLaunchConfig,
+    SGLangRefitConfig,
     logprob_temperature,
 )
 from osworld_jax.rollout.launch import (
@@ -52,6 +53,7 @@ __all__ = [
     "RolloutError",
     "SGLangClient",
     "SGLangLaunchConfig",
+    "SGLangRefitConfig",
     "SGLangServer",
     "SamplingParams",
     "ServerGroup",

@@ -30,7 +30,13 @@ from osworld_jax.contract.errors import (
     RolloutError,
     ServerUnavailable,
 )
-from osworld_jax.contract.refit import DiskWeights, Weights, check_digest
+from osworld_jax.contract.refit import (
+    DiskWeights,
+    StreamedWeights,
+    UpdateStep,
+    Weights,
+    check_digest,
+)
 from osworld_jax.rollout.config import RolloutConfig, SamplingParams
 from osworld_jax.rollout.wire import Generation, Reply, parse_reply, stitch
 
@@ -483,7 +489,9 @@ class SGLangClient:
         ) as r:
             return r.status, await r.text()
 
-    async def _refit_one(self, s: ServerState, weights: Weights, weight_version: str) -> None:
+    async def _refit_one(
+        self, s: ServerState, weights: Weights | StreamedWeights, weight_version: str
+    ) -> None:
         cfg = self.config
         status, text = await self._control(
             s, "/pause_generation", {"mode": "abort"}, cfg.control_timeout_s
@@ -505,18 +513,15 @@ class SGLangClient:
                     s, "/pause_generation", {"mode": "abort"}, cfg.control_timeout_s
                 )
             await asyncio.sleep(cfg.flush_poll_interval_s)
-        for endpoint, body in weights.requests(weight_version):
-            status, text = await self._control(s, endpoint, body, cfg.refit_timeout_s)
-            try:
-                reply = json.loads(text)
-                ok = status == 200 and isinstance(reply, dict) and bool(reply.get("success"))
-            except ValueError:
-                ok = False
-            if not ok:
-                raise RolloutError(f"{endpoint} answered {status}: {text[:300]}")
-            problem = check_digest(reply, weights.expected_digest)
-            if problem is not None:
-                raise RolloutError(f"{endpoint}: {problem}")
+        if isinstance(weights, StreamedWeights):
+            steps = weights.steps(s.url, weight_version)
+            while (step := await asyncio.to_thread(next, steps, None)) is not None:
+                await self._update_step(s, step, weights.expected_digest)
+        else:
+            for endpoint, body in weights.requests(weight_version):
+                await self._update_step(
+                    s, UpdateStep(endpoint=endpoint, body=body), weights.expected_digest
+                )
         status, text = await self._control(s, "/continue_generation", {}, cfg.control_timeout_s)
         if status != 200:
             raise RolloutError(f"/continue_generation answered {status}: {text[:200]}")
@@ -530,10 +535,33 @@ class SGLangClient:
             )
         s.weight_version = weight_version
 
-    async def refit(self, weights: Weights | str, weight_version: str) -> dict[str, str | None]:
+    async def _update_step(self, s: ServerState, step: UpdateStep, digest: str | None) -> None:
+        """One update request; its ``during`` (the trainer's half of a collective) runs on a
+        worker thread while the request is in flight."""  # noqa: D205, D209
+        request = self._control(s, step.endpoint, step.body, self.config.refit_timeout_s)
+        if step.during is None:
+            status, text = await request
+        else:
+            (status, text), _ = await asyncio.gather(request, asyncio.to_thread(step.during))
+        reply: Any = None
+        with contextlib.suppress(ValueError):
+            reply = json.loads(text)
+        ok = status == 200 and (
+            not step.expect_success or (isinstance(reply, dict) and bool(reply.get("success")))
+        )
+        if not ok:
+            raise RolloutError(f"{step.endpoint} answered {status}: {text[:300]}")
+        problem = check_digest(reply, digest) if isinstance(reply, dict) else None
+        if problem is not None:
+            raise RolloutError(f"{step.endpoint}: {problem}")
+
+    async def refit(
+        self, weights: Weights | StreamedWeights | str, weight_version: str
+    ) -> dict[str, str | None]:
         """Moves every server to ``weights`` (a string: a ``save_hf_checkpoint`` directory).
 
-        ``weights`` is a `DiskWeights` or `TensorWeights` (`osworld_jax.contract.refit`).
+        ``weights`` is a `DiskWeights`, `TensorWeights` or `StreamedWeights` (real SGLang's
+        in-memory endpoints, bucket by bucket; `osworld_jax.contract.refit`).
 
         Per server: ``/pause_generation`` (abort: in-flight requests come back aborted and are
         resubmitted by `generate` after the refit) -> ``/flush_cache`` polled with a sleep (400

@@ -7,7 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from osworld_jax.contract.sampling import logprob_temperature
+from osworld_jax.contract.refit import TENSOR_FORMATS, SGLangRefitPath
+from osworld_jax.contract.sampling import GREEDY_EPS, logprob_temperature  # noqa: F401 (rl.config)
 from osworld_jax.errors import ConfigError
 from osworld_jax.registry import check_choice
 
@@ -195,6 +196,67 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SGLangRefitConfig:
+    """How new weights reach real SGLang servers (``ServerConfig.launch = 'sglang'`` or external
+    SGLang servers); made by `osworld_jax.trainer.sglang_weights.sglang_weights`.
+
+    Attributes:
+      path: ``disk`` (an HF checkpoint directory, ``/update_weights_from_disk``: any server,
+        any host; the fallback), ``tensor`` (``/update_weights_from_tensor`` per bucket: the
+        bucket's CUDA tensors shared by IPC handle; the server must run on the trainer's host
+        and see its GPUs) or ``distributed`` (``/init_weights_update_group`` once per server,
+        then ``/update_weights_from_distributed`` per bucket while the trainer, rank 0 of a
+        process group with the server's ranks, broadcasts it; any host the group can reach).
+        See `SGLangRefitPath`; no path is picked implicitly.
+      bucket_bytes: the most bytes of one bucket (one request; verl and slime use ~512 MiB); a
+        tensor larger than that is a bucket of its own.
+        The extra device memory of a refit is about one bucket per server (``tensor``: the
+        copy shared by handle; ``distributed``: none beyond the exported tensors).
+      load_format: ``None`` (a list of ``(HF name, tensor)``) or ``"flattened_bucket"`` (one
+        flat tensor per bucket plus metadata, SGLang's ``FlattenedTensorBucket``; ``tensor``
+        needs ``sglang`` importable in the trainer for its metadata class).
+      weight_update_session: wrap the in-memory update in ``/begin_weight_update`` ...
+        ``/end_weight_update`` (SGLang builds from mid-2026 on; older ones answer 404). Off by
+        default: 0.5.x releases have no such routes.
+      master_address: ``distributed``: the trainer's address the servers connect to.
+      master_port: ``distributed``: the first server's rendezvous port (server ``i`` gets
+        ``master_port + i``); 0: a free port per server.
+      backend: ``distributed``: ``nccl`` (GPUs) or ``gloo`` (CPU tensors, tests).
+      group_timeout_s: ``distributed``: how long joining the group or one broadcast may wait.
+    """  # noqa: D205, D209
+
+    path: SGLangRefitPath = "disk"
+    bucket_bytes: int = 512 * 2**20
+    load_format: str | None = None
+    weight_update_session: bool = False
+    master_address: str = "127.0.0.1"
+    master_port: int = 0
+    backend: Literal["nccl", "gloo"] = "nccl"
+    group_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        check_choice(self.path, SGLangRefitPath, "SGLangRefitConfig.path", "refit path")
+        check_choice(self.backend, Literal["nccl", "gloo"], "SGLangRefitConfig.backend")
+        if self.load_format not in TENSOR_FORMATS:
+            raise ConfigError(
+                f"SGLangRefitConfig.load_format must be one of {list(TENSOR_FORMATS)}, got "
+                f"{self.load_format!r}"
+            )
+        if self.bucket_bytes < 1:
+            raise ConfigError(
+                f"SGLangRefitConfig.bucket_bytes must be >= 1, got {self.bucket_bytes}"
+            )
+        if not 0 <= self.master_port < 65536:
+            raise ConfigError(
+                f"SGLangRefitConfig.master_port must be in [0, 65536), got {self.master_port}"
+            )
+        if not self.group_timeout_s > 0:
+            raise ConfigError(
+                f"SGLangRefitConfig.group_timeout_s must be > 0, got {self.group_timeout_s}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class SGLangLaunchConfig:
     """How the RL loop starts real SGLang servers (``ServerConfig.launch = 'sglang'``).
 
@@ -217,6 +279,8 @@ class SGLangLaunchConfig:
       context_length: ``--context-length`` (None: the model's).
       mem_fraction_static: ``--mem-fraction-static`` (None: SGLang's default).
       extra_args: further ``sglang.launch_server`` flags, appended last.
+      refit: how new weights reach the SGLang servers (`SGLangRefitConfig`: disk, tensor or
+        distributed); it also applies to external SGLang servers (``launch = 'none'``).
     """
 
     python: str = ""
@@ -230,6 +294,7 @@ class SGLangLaunchConfig:
     context_length: int | None = None
     mem_fraction_static: float | None = None
     extra_args: tuple[str, ...] = ()
+    refit: SGLangRefitConfig = field(default_factory=SGLangRefitConfig)
 
     def __post_init__(self) -> None:
         for name in ("num_servers", "tp_size", "dp_size", "ep_size"):

@@ -4,11 +4,21 @@ Its outputs are pure functions of the absolute position, so a request that is ab
 resubmitted must stitch to exactly the reply of an uninterrupted request:
 token(pos) = (31 * pos + 7) % 1000, logprob(pos) = -0.001 * pos - 0.01,
 route(row, layer, k) = (5 * row + 3 * layer + k) % 64 (row = the input position).
+
+It also takes weights in memory as real SGLang does, keeping what it received in ``received``
+(HF name -> CPU torch tensor): ``/update_weights_from_tensor`` deserializes tensor-parallel
+rank 0's payload as SGLang's ``MultiprocessingSerializer.deserialize`` does (base64, then
+unpickle: CPU tensors arrive through torch.multiprocessing's shared memory), either format;
+``/init_weights_update_group`` + ``/update_weights_from_distributed`` run in a child process
+that joins the trainer's gloo group (`osworld_jax.testing.sglang_group`). torch is imported
+only by those routes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import pickle
 import socket
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +30,18 @@ from osworld_jax.contract.routes import encode_routed_experts
 
 #: Route shape of the fake model: layers, experts per token.
 L, K = 3, 2
+
+
+@dataclass(frozen=True)
+class FlattenedTensorMetadata:
+    """The fields of SGLang's ``FlattenedTensorMetadata`` (a test double of its class)."""
+
+    name: str
+    shape: Any
+    dtype: Any
+    start_idx: int
+    end_idx: int
+    numel: int
 
 
 def token_at(pos: int) -> int:
@@ -56,6 +78,9 @@ class FakeServer:
     fail_update: bool = False
     requests: list[dict[str, Any]] = field(default_factory=list)
     calls: list[str] = field(default_factory=list)
+    received: dict[str, Any] = field(default_factory=dict)
+    update_bodies: list[dict[str, Any]] = field(default_factory=list)
+    _group: Any = None
     paused: bool = False
     port: int = 0
     _runner: web.AppRunner | None = None
@@ -78,6 +103,11 @@ class FakeServer:
         app.router.add_post("/flush_cache", self.flush)
         app.router.add_post("/update_weights_from_disk", self.update)
         app.router.add_post("/abort_request", self.abort_request)
+        app.router.add_post("/update_weights_from_tensor", self.update_from_tensor)
+        app.router.add_post("/init_weights_update_group", self.init_group)
+        app.router.add_post("/update_weights_from_distributed", self.update_from_distributed)
+        app.router.add_post("/begin_weight_update", self.session)
+        app.router.add_post("/end_weight_update", self.session)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         sock = socket.socket()
@@ -88,9 +118,12 @@ class FakeServer:
         return self
 
     async def stop(self) -> None:
-        """Stops listening."""
+        """Stops listening (and the distributed child, if one was started)."""
         assert self._runner is not None
         await self._runner.cleanup()
+        if self._group is not None:
+            await asyncio.to_thread(self._group.stop)
+            self._group = None
 
     async def ok(self, request: web.Request) -> web.Response:
         """``GET /health``."""
@@ -133,6 +166,67 @@ class FakeServer:
             return web.json_response({"success": False, "message": "bad path"}, status=400)
         self.version = body["weight_version"]
         return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
+
+    def _took(self, body: dict[str, Any], pairs: list[tuple[str, Any]]) -> web.Response:
+        for name, tensor in pairs:
+            self.received[name] = tensor.clone()  # SGLang copies into its parameters
+        if body.get("weight_version") is not None:
+            self.version = body["weight_version"]
+        return web.json_response({"success": True, "message": "ok"})
+
+    async def update_from_tensor(self, request: web.Request) -> web.Response:
+        """``POST /update_weights_from_tensor``: rank 0's payload, either ``load_format``."""
+        body = await request.json()
+        self.calls.append("update_tensor")
+        self.update_bodies.append(
+            {k: v for k, v in body.items() if k != "serialized_named_tensors"}
+        )
+        if self.fail_update:
+            return web.json_response({"success": False, "message": "refused"}, status=400)
+        import torch  # noqa: F401  (the payload's tensors rebuild through torch)
+
+        obj = pickle.loads(base64.b64decode(body["serialized_named_tensors"][0], validate=True))
+        if body.get("load_format") == "flattened_bucket":
+            flat = obj["flattened_tensor"]
+            pairs = [
+                (m.name, flat[m.start_idx : m.end_idx].reshape(m.shape)) for m in obj["metadata"]
+            ]
+        else:
+            pairs = list(obj)
+        return self._took(body, pairs)
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        """``POST /init_weights_update_group``: the child process joins as ``rank_offset``."""
+        body = await request.json()
+        self.calls.append("init_group")
+        self.update_bodies.append(body)
+        from osworld_jax.testing.sglang_group import GroupWorker
+
+        if self._group is None:
+            self._group = await asyncio.to_thread(GroupWorker)
+        try:
+            await asyncio.to_thread(self._group.ask, "init", body)
+        except RuntimeError as e:
+            return web.json_response({"success": False, "message": str(e)}, status=400)
+        return web.json_response({"success": True, "message": "joined"})
+
+    async def update_from_distributed(self, request: web.Request) -> web.Response:
+        """``POST /update_weights_from_distributed``: the child receives the broadcast."""
+        body = await request.json()
+        self.calls.append("update_distributed")
+        self.update_bodies.append(body)
+        if self._group is None:
+            return web.json_response({"success": False, "message": "no group"}, status=400)
+        try:
+            pairs = await asyncio.to_thread(self._group.ask, "update", body)
+        except RuntimeError as e:
+            return web.json_response({"success": False, "message": str(e)}, status=400)
+        return self._took(body, pairs)
+
+    async def session(self, request: web.Request) -> web.Response:
+        """``POST /begin_weight_update`` and ``/end_weight_update`` (recorded in ``calls``)."""
+        self.calls.append(request.path.strip("/"))
+        return web.json_response({"success": True})
 
     async def abort_request(self, request: web.Request) -> web.Response:
         """``POST /abort_request`` (recorded in ``calls``)."""
