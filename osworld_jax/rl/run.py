@@ -334,6 +334,24 @@ class RunResources(RolloutResources):
             server, client = self.colocated, self.client
             stages.refit_in_memory(self.trainer, self.state, client, server, step, self.runner)
             return None
+        sglang = self.experiment.server.sglang
+        if self.experiment.server.launch in ("sglang", "none") and sglang.refit.path != "disk":
+            if sglang.refit.path == "distributed" and getattr(self, "_sender", None) is None:
+                from osworld_jax.trainer.sglang_weights import DistributedSender
+
+                self._sender = DistributedSender(sglang.refit, tp_size=sglang.tp_size)
+                self.callback(self._sender.close)
+            stages.refit_sglang(
+                self.trainer,
+                self.state,
+                self.client,
+                sglang.refit,
+                step,
+                self.runner,
+                tp_size=sglang.tp_size,
+                sender=getattr(self, "_sender", None),
+            )
+            return None
         return stages.export_and_refit(
             self.trainer,
             self.state,

@@ -72,6 +72,7 @@ __all__ = [  # the stage helpers, with those of rl/rollouts.py and rl/metrics_st
     "episode_files",
     "export_and_refit",
     "refit_in_memory",
+    "refit_sglang",
     "mean_update_metrics",
     "model_dir",
     "owner_advantages",
@@ -394,6 +395,26 @@ def refit_in_memory(
     """
     params = trainer.serving_params(state, server.dtype)
     weights = server.stage(params, expected_digest=params_digest(params))
+    if client is not None and runner is not None:
+        runner.run(client.refit(weights, str(step)))
+
+
+def refit_sglang(
+    trainer: Any,
+    state: Any,
+    client: SGLangClient | None,
+    cfg: Any,
+    step: int,
+    runner: Any,
+    *,
+    tp_size: int = 1,
+    sender: Any = None,
+) -> None:
+    """Moves real SGLang servers to ``state``'s weights in memory (``SGLangRefitConfig.path``
+    ``tensor`` or ``distributed``: `osworld_jax.trainer.sglang_weights`), no file written."""  # noqa: D205, D209
+    from osworld_jax.trainer.sglang_weights import sglang_weights
+
+    weights = sglang_weights(trainer.policy(state.params), cfg, tp_size=tp_size, sender=sender)
     if client is not None and runner is not None:
         runner.run(client.refit(weights, str(step)))
 

@@ -222,14 +222,14 @@ class ManagedServer(Protocol):
     """What a `ServerGroup` starts and stops: a `ServerProcess`, or a server on a thread of
     this process (`osworld_jax.server.colocated.ColocatedServer`, started by the RL loop)."""  # noqa: D205, D209
 
-    url: str
-    name: str
+    @property
+    def url(self) -> str: ...  # noqa: D102
 
-    def spawn(self) -> None: ...  # noqa: D102
+    def spawn(self) -> object: ...  # noqa: D102
 
-    def wait_ready(self) -> None: ...  # noqa: D102
+    def wait_ready(self) -> object: ...  # noqa: D102
 
-    def stop(self) -> None: ...  # noqa: D102
+    def stop(self) -> object: ...  # noqa: D102
 
 
 class EmbeddedServer(ServerProcess):
