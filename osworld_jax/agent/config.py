@@ -12,15 +12,16 @@ from osworld_jax.registry import check_choice
 #: What a step does with a group below ``min_healthy_per_group``: train on the rest, or fail.
 OnDroppedGroup = Literal["shrink", "fail"]
 
-#: Who forms a group's baseline: ``logical_owners``, every logical owner of the group whose
-#: reward is known, each once however many segments (rows) it has. An owner masked for an
-#: infrastructure failure or as stale has an unknown reward and never enters (docs/DESIGN.md,
-#: "Baseline population"); the former ``all_owners`` (those owners as reward 0) is refused.
-BaselinePopulation = Literal["logical_owners"]
+#: Who forms a group's baseline (docs/DESIGN.md, "Baseline population"):
+#: ``logical_owners``, every logical owner of the group whose reward is known, each once however
+#: many segments (rows) it has; an owner masked for an infrastructure failure or as stale has an
+#: unknown reward and enters no statistic. ``all_owners`` (the seed's base recipe): every owner
+#: the group drew, each once; a masked owner stays in as a placeholder with reward 0 (it counts
+#: in the group's size, mean and std) and no tokens (weight 0 in token-weighted whitening); its
+#: own row stays masked (advantage 0) either way.
+BaselinePopulation = Literal["logical_owners", "all_owners"]
 #: Former population names, refused with the reason (a recipe naming one fails loudly).
 _RETIRED_POPULATIONS = {
-    "all_owners": "it counted owners that failed for an infrastructure reason (or were masked "
-    "as stale) as reward 0, an unknown reward in the baseline",
     "healthy": "it is now called 'logical_owners'",
 }
 
@@ -198,9 +199,11 @@ class GroupPolicyConfig:
       on_dropped_group: ``shrink`` trains on the remaining groups; ``fail`` fails the step.
       min_step_batch_fraction: the step fails when fewer than this fraction of the step's prompt
         groups survive.
-      baseline_population: who forms the group statistics: ``logical_owners`` (the one
-        choice), every logical owner of the group with a known reward, each once; owners masked
-        for an infrastructure failure or as stale stay out of every statistic.
+      baseline_population: who forms the group statistics: ``logical_owners`` (the default),
+        every logical owner of the group with a known reward, each once; owners masked for an
+        infrastructure failure or as stale stay out of every statistic. ``all_owners`` (the
+        seed's recipes): every owner of the group, a masked one as a placeholder of reward 0
+        and no tokens (`BaselinePopulation`).
     """
 
     min_healthy_per_group: int = 2

@@ -3,13 +3,15 @@
 XLA only reports a step's memory after compiling it (minutes for a large model) and a step that
 does not fit fails at its first run. `estimate_step_memory` adds up, per device:
 
-- ``params``: the train-state parameters, ``P * bytes(master)`` (sharded over the parameter
-  axes: fsdp x expert x tensor);
-- ``compute_copy``: the policy-dtype copy the forward runs on (``P * bytes(dtype)``) when the
-  masters are wider;
-- ``moments``: AdamW's mu and nu, ``2 * P * bytes(master)``;
-- ``grads``: one gradient tree in the policy dtype, plus a float32 accumulator when
-  ``num_micro_batches > 1``;
+- ``params``: the train-state parameters, ``P_t * bytes(master) + P_f * bytes(dtype)``
+  (sharded over the parameter axes: fsdp x expert x tensor); ``P_t`` trainable, ``P_f`` frozen
+  (``OptimizerConfig.freeze_router`` / ``freeze_vision``): a frozen parameter is held once, in
+  the policy's dtype, with no master copy;
+- ``compute_copy``: the policy-dtype copy of the trainable parameters the forward runs on
+  (``P_t * bytes(dtype)``) when the masters are wider;
+- ``moments``: AdamW's mu and nu, ``2 * P_t * bytes(master)`` (none for frozen parameters);
+- ``grads``: one gradient tree of the trainable parameters in the policy dtype, plus a float32
+  accumulator when ``num_micro_batches > 1`` (the step takes no gradient w.r.t. frozen ones);
 - ``activations``: what one micro-batch keeps for its backward (sharded over the batch axes):
   per token and layer, the residual stream, norms, q/k/v/attention output, the router, and the
   MoE's padded expert rows (dispatched x, gate/up/SwiGLU outputs, expert outputs, the combine
@@ -46,6 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from osworld_jax.model.config import ModelRuntimeConfig, Qwen3MoeConfig
+from osworld_jax.model.freeze import is_frozen_name
 from osworld_jax.model.kernels.grouped_matmul import padded_rows
 from osworld_jax.model.params import param_specs
 from osworld_jax.trainer.config import TrainerConfig
@@ -98,6 +101,18 @@ def _layer_bytes_per_token(
         model.num_hidden_layers, 1
     )
     return per_layer, attn
+
+
+def frozen_fraction(model: Qwen3MoeConfig, config: TrainerConfig) -> float:
+    """The share of the model's parameters that ``config.optimizer`` freezes (0 to 1)."""
+    opt = config.optimizer
+    sizes = {name: math.prod(s.shape) for name, s in param_specs(model).items()}
+    frozen = sum(
+        n
+        for name, n in sizes.items()
+        if is_frozen_name(name, freeze_router=opt.freeze_router, freeze_vision=opt.freeze_vision)
+    )
+    return frozen / max(sum(sizes.values()), 1)
 
 
 def vision_bytes(
@@ -160,7 +175,9 @@ def estimate_step_memory(
     """
     c = jnp.dtype(runtime.dtype).itemsize
     m = c if config.master_dtype is None else jnp.dtype(config.master_dtype).itemsize
-    n = sum(math.prod(s.shape) for s in param_specs(model).values()) / param_shards
+    total = sum(math.prod(s.shape) for s in param_specs(model).values()) / param_shards
+    n_frozen = total * frozen_fraction(model, config)
+    n = total - n_frozen  # trainable: master, compute copy, moments, gradients
     micro_rows = max(rows // (config.num_micro_batches * batch_shards), 1)
     tokens = micro_rows * seq
     per_layer, attn = _layer_bytes_per_token(model, runtime, tokens, expert_parallel)
@@ -179,7 +196,7 @@ def estimate_step_memory(
         lp += micro_rows * seq * vocab * c
     grads = n * c + (n * 4 if config.num_micro_batches > 1 else 0)
     return StepMemory(
-        params=n * m,
+        params=n * m + n_frozen * c,
         compute_copy=n * c if m != c else 0.0,
         moments=2 * n * m,
         grads=grads,
