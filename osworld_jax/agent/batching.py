@@ -106,9 +106,7 @@ class GroupSelection:
             failed=failed,
             group_index=index.astype(np.int32).reshape(-1),
             num_groups=int(uniq.size),
-            token_counts=np.array(
-                [0 if o.failed else o.num_trainable for o in owners], np.float32
-            ),
+            token_counts=np.array([0 if o.failed else o.num_trainable for o in owners], np.float32),
         )
 
 

@@ -260,9 +260,7 @@ class ContextManager:
             msgs.append({"role": "assistant", "content": turn.reply or ""})
         replies = [t.reply or "" for t in self._turns[protected:first]]
         block = (
-            action_history_block(replies, self.config, first_step=protected + 1)
-            if replies
-            else ""
+            action_history_block(replies, self.config, first_step=protected + 1) if replies else ""
         )
         kept = self._turns[first:]
         for k, turn in enumerate(kept):

@@ -32,7 +32,9 @@ does not fit fails at its first run. `estimate_step_memory` adds up, per device:
   ``+ c Hv``); ``"full"`` the block input (plus one block's
   worth, recomputed during its backward); plus the float32 patches, the DeepStack features,
   and the XLA attention's float32 score blocks (``3 x heads x chunk x N`` per row) unless the
-  cuDNN packed kernel runs (``attention="cudnn"`` on a GPU: no score buffer).
+  cuDNN packed kernel runs (``attention="cudnn"`` on a GPU: no score buffer). A frozen tower
+  (``freeze_vision``) is outside the differentiated function, so it keeps nothing for a
+  backward: one block's working set per patch (as ``"full"``'s recompute) plus the features.
 
 The coefficients were checked against XLA's own figures on an H200 (benchmarks/NOTES.md); the
 estimate is meant to be a little high (it ignores buffer reuse between layers' temporaries).
@@ -116,7 +118,12 @@ def frozen_fraction(model: Qwen3MoeConfig, config: TrainerConfig) -> float:
 
 
 def vision_bytes(
-    model: Qwen3MoeConfig, runtime: ModelRuntimeConfig, rows: int, patches: int
+    model: Qwen3MoeConfig,
+    runtime: ModelRuntimeConfig,
+    rows: int,
+    patches: int,
+    *,
+    frozen: bool = False,
 ) -> float:
     """Bytes the ViT keeps for its backward over ``rows`` rows of ``patches`` patches (doc)."""
     from osworld_jax.model.vl_config import Qwen3VLMoeConfig
@@ -130,8 +137,10 @@ def vision_bytes(
     # patch and block measured on an H200 (Qwen3-VL's tower, remat none), 113.9 KB here.
     full_block = c * (11 * hv + 2 * inter) + 4 * (8 * hv + 2 * inter) + 4 * heads
     remat = runtime.vision_remat or runtime.remat
-    if remat == "none":
-        per_patch: float = v.depth * full_block
+    if frozen:  # forward only: no residuals kept, one block's working set at a time
+        per_patch: float = full_block
+    elif remat == "none":
+        per_patch = v.depth * full_block
     elif remat == "full":
         per_patch = v.depth * c * hv + full_block
     else:  # dots / dots_with_batch: block input + matmul outputs saved (+ attention output)
@@ -202,7 +211,9 @@ def estimate_step_memory(
         grads=grads,
         activations=act,
         logprobs=lp,
-        vision=vision_bytes(model, runtime, micro_rows, patches),
+        vision=vision_bytes(
+            model, runtime, micro_rows, patches, frozen=config.optimizer.freeze_vision
+        ),
     )
 
 
