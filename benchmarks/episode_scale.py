@@ -400,12 +400,12 @@ def main(argv: list[str] | None = None) -> int:
         old_bytes, old_pix = batch_bytes(dense), image_bytes(dense)
         row_pix = 0 if dense.pixel_values is None else dense.pixel_values[0].nbytes
         del dense
-    print(
-        f"  the same rows as float32 patches (the former host batch): pixel_values "
-        f"{old_pix / MiB:.0f} MiB, arrays {old_bytes / MiB:.0f} MiB; making them "
-        f"{t_patch:.2f} s; one row's patches {row_pix / MiB:.0f} MiB (the trainer's upload "
-        f"holds one device shard's rows of them at a time)"
-    )
+        print(
+            f"  the same rows as float32 patches (the former host batch): pixel_values "
+            f"{old_pix / MiB:.0f} MiB, arrays {old_bytes / MiB:.0f} MiB; making them "
+            f"{t_patch:.2f} s; one row's patches {row_pix / MiB:.0f} MiB (the trainer's upload "
+            f"holds one device shard's rows of them at a time)"
+        )
     for recipe in args.recipes.split(","):
         b, n = (int(x) for x in recipe.lower().split("x"))
         scale = b * n / len(pack)
@@ -413,9 +413,13 @@ def main(argv: list[str] | None = None) -> int:
             f"B{b}/N{n} ({b * n} owners; extrapolated x{scale:.0f} from the packed owners): "
             f"host batch {nbytes * scale / GiB:.2f} GiB (screenshots "
             f"{pix_bytes * scale / GiB:.2f}, routes {route_bytes * scale / GiB:.1f}); "
-            f"former layout {old_bytes * scale / GiB:.1f} "
-            f"GiB (pixels {old_pix * scale / GiB:.1f}) -> x{nbytes / max(old_bytes, 1):.3f}; "
-            f"peak RSS of packing +{rss * scale / 1024:.1f} GiB, pack {t_pack * scale:.0f} s, "
+            + (
+                ""
+                if args.skip_former
+                else f"former layout {old_bytes * scale / GiB:.1f} GiB (pixels "
+                f"{old_pix * scale / GiB:.1f}) -> x{nbytes / old_bytes:.3f}; "
+            )
+            + f"peak RSS of packing +{rss * scale / 1024:.1f} GiB, pack {t_pack * scale:.0f} s, "
             f"patches at upload {t_patch * scale:.0f} s, rows {mean['rows'] * b * n:.0f}; "
             f"uint8 patch levels once would be {mean['level_bytes'] * b * n / GiB:.1f} GiB"
         )
