@@ -23,6 +23,16 @@ Run (the "before" column: today's behaviour by config)::
 
     python benchmarks/episode_scale.py --low-water 3 --keep-old-text
     python benchmarks/episode_scale.py                 # the defaults
+
+The seed's shapes (issue 42): ``--gin`` takes the agent config (context 49,152 tokens, 11,152
+reserved, the seed's screenshot window) and the turns (150) from a recipe, and prints the
+train step's memory plan at the recipe's row length for Qwen3-VL-30B-A3B's shapes
+(`trainer.memory.estimate_step_memory`, per device of the recipe's mesh; rows = the rows the
+owners here make per step, and the run's validate estimate of B x N rows), with the recipe's
+freezing and without it::
+
+    python benchmarks/episode_scale.py --gin configs/osworld_flash_b8n8_r3_dr_grpo.gin \
+        --owners 1 --skip-former
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from osworld_jax import config as gin_config
 from osworld_jax.agent import AgentConfig, AgentTokenizer
 from osworld_jax.agent.batching import GroupSelection, VisionPacking, pack_batch
 from osworld_jax.agent.context import ContextManager
@@ -213,9 +224,75 @@ def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def qwen3_vl_30b_a3b() -> Qwen3VLMoeConfig:
+    """Qwen3-VL-30B-A3B-Instruct's shapes (its config.json: 48 layers, 128 experts top-8, the
+    27-block ViT with DeepStack at 8, 16, 24), random-free: shapes only."""
+    from osworld_jax.model.tiny import tiny_config, tiny_vl_config
+
+    ids = {"<|image_pad|>": 151655, "<|video_pad|>": 151656}
+    ids |= {"<|vision_start|>": 151652, "<|vision_end|>": 151653}
+    text = tiny_config(
+        151936,
+        151645,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        mlp_only_layers=[],
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        max_position_embeddings=262144,
+    )
+    vision = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16}
+    vision |= {"num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24]}
+    return tiny_vl_config(text, ids, vision)
+
+
+def memory_plan(exp: object, rows_per_step: float, patches: int) -> None:
+    """The recipe's train step at its longest row, per device, frozen as the recipe and not."""
+    import dataclasses
+
+    from osworld_jax.trainer.memory import estimate_step_memory
+
+    model = qwen3_vl_30b_a3b()
+    m = exp.rl.mesh  # type: ignore[attr-defined]
+    seq = max(exp.rl.length_buckets, default=exp.agent.compaction.max_context_tokens)  # type: ignore[attr-defined]
+    trainer = exp.trainer  # type: ignore[attr-defined]
+    opt = trainer.optimizer
+    trained = dataclasses.replace(
+        trainer, optimizer=dataclasses.replace(opt, freeze_router=False, freeze_vision=False)
+    )
+    dp = m.data * m.fsdp * m.expert  # the trainer's batch axes
+    for name, cfg in (("recipe (frozen)", trainer), ("router+tower trained", trained)):
+        est = estimate_step_memory(
+            model,
+            exp.runtime,  # type: ignore[attr-defined]
+            cfg,
+            rows=dp * cfg.num_micro_batches,  # one row per device per micro-batch
+            seq=seq,
+            param_shards=m.fsdp * m.expert * m.tensor,
+            batch_shards=dp,
+            patches=patches,
+        )
+        print(
+            f"  memory plan per device ({dp} devices, one {seq}-token row with {patches} "
+            f"patches per device per micro-batch), {name}: {est.describe()}"
+        )
+    print(
+        f"  rows per step {rows_per_step:.0f}: {rows_per_step / dp:.0f} micro-batches of one "
+        f"row per device (the recipe's num_micro_batches = {trainer.num_micro_batches} gives "
+        f"{rows_per_step / (dp * trainer.num_micro_batches):.0f} rows per device each)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--turns", type=int, default=15)
+    p.add_argument("--gin", default=None, help="a recipe: its agent config, turns, memory plan")
+    p.add_argument("--skip-former", action="store_true", help="skip the float32-patches layout")
+    p.add_argument("--turns", type=int, default=None, help="default 15, or the recipe's")
     p.add_argument("--owners", type=int, default=2, help="owners run through the context")
     p.add_argument("--pack-owners", type=int, default=1, help="owners packed in one pack_batch")
     p.add_argument("--recipes", default="8x8,17x16", help="B x N per step, comma separated")
@@ -247,6 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.keep_old_text:
         extra["placeholder_old_observations"] = False
     config = AgentConfig(max_screenshots=args.max_screenshots, **extra)  # type: ignore[arg-type]
+    exp = None
+    if args.gin:
+        exp = gin_config.load_experiment([args.gin])
+        config = exp.agent.replace(**extra) if extra else exp.agent
+    if args.turns is None:
+        args.turns = exp.env.max_turns if exp is not None else 15
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_checkpoint(
             Path(tmp) / "m", kind="qwen3_vl_moe", preprocessor=dict(QWEN3_VL_PREPROCESSOR)
@@ -291,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         top_k=args.top_k,
         num_experts=args.experts or None,
         vision=vision,
+        length_buckets=(exp.rl.length_buckets or None) if exp is not None else None,
     )
     t_pack = time.perf_counter() - t0
     rss = rss_mib() - rss0
@@ -307,18 +391,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     # The former host layout of the same rows: every row's float32 patches (what the trainer
     # now makes per device shard at upload; `with_pixel_values` makes them for all rows).
-    t0 = time.perf_counter()
-    dense = with_pixel_values(batch)
-    t_patch = time.perf_counter() - t0
-    old_bytes, old_pix = batch_bytes(dense), image_bytes(dense)
-    row_pix = 0 if dense.pixel_values is None else dense.pixel_values[0].nbytes
-    del dense
-    print(
-        f"  the same rows as float32 patches (the former host batch): pixel_values "
-        f"{old_pix / MiB:.0f} MiB, arrays {old_bytes / MiB:.0f} MiB; making them "
-        f"{t_patch:.2f} s; one row's patches {row_pix / MiB:.0f} MiB (the trainer's upload "
-        f"holds one device shard's rows of them at a time)"
-    )
+    old_bytes = old_pix = row_pix = 0
+    t_patch = 0.0
+    if not args.skip_former:
+        t0 = time.perf_counter()
+        dense = with_pixel_values(batch)
+        t_patch = time.perf_counter() - t0
+        old_bytes, old_pix = batch_bytes(dense), image_bytes(dense)
+        row_pix = 0 if dense.pixel_values is None else dense.pixel_values[0].nbytes
+        del dense
+        print(
+            f"  the same rows as float32 patches (the former host batch): pixel_values "
+            f"{old_pix / MiB:.0f} MiB, arrays {old_bytes / MiB:.0f} MiB; making them "
+            f"{t_patch:.2f} s; one row's patches {row_pix / MiB:.0f} MiB (the trainer's upload "
+            f"holds one device shard's rows of them at a time)"
+        )
     for recipe in args.recipes.split(","):
         b, n = (int(x) for x in recipe.lower().split("x"))
         scale = b * n / len(pack)
@@ -326,12 +413,21 @@ def main(argv: list[str] | None = None) -> int:
             f"B{b}/N{n} ({b * n} owners; extrapolated x{scale:.0f} from the packed owners): "
             f"host batch {nbytes * scale / GiB:.2f} GiB (screenshots "
             f"{pix_bytes * scale / GiB:.2f}, routes {route_bytes * scale / GiB:.1f}); "
-            f"former layout {old_bytes * scale / GiB:.1f} "
-            f"GiB (pixels {old_pix * scale / GiB:.1f}) -> x{nbytes / old_bytes:.3f}; "
-            f"peak RSS of packing +{rss * scale / 1024:.1f} GiB, pack {t_pack * scale:.0f} s, "
+            + (
+                ""
+                if args.skip_former
+                else f"former layout {old_bytes * scale / GiB:.1f} GiB (pixels "
+                f"{old_pix * scale / GiB:.1f}) -> x{nbytes / old_bytes:.3f}; "
+            )
+            + f"peak RSS of packing +{rss * scale / 1024:.1f} GiB, pack {t_pack * scale:.0f} s, "
             f"patches at upload {t_patch * scale:.0f} s, rows {mean['rows'] * b * n:.0f}; "
             f"uint8 patch levels once would be {mean['level_bytes'] * b * n / GiB:.1f} GiB"
         )
+    if exp is not None:
+        b, n = exp.rl.num_prompts, exp.rl.num_owners
+        shown = config.screenshot_window + config.protected_observations
+        patches = shown * int(np.prod(processor.grid_thw(1080, 1920)))
+        memory_plan(exp, mean["rows"] * b * n, patches)
     return 0
 
 

@@ -86,9 +86,18 @@ def seed_recipe(size: str, alternative: str) -> ExperimentConfig:
         ),
         trainer=TrainerConfig(
             optimizer=OptimizerConfig(
-                learning_rate=5e-6, weight_decay=0.01, max_grad_norm=1.0, warmup_steps=0
+                learning_rate=5e-6,
+                weight_decay=0.01,
+                max_grad_norm=1.0,
+                warmup_steps=9,
+                warmup_init_lr=0.0,
+                schedule="constant",
+                b1=0.9,
+                b2=0.99,
+                freeze_router=True,
+                freeze_vision=True,
             ),
-            checkpoint=CheckpointConfig(save_every=10, keep=3),
+            checkpoint=CheckpointConfig(save_every=1, keep=2),
             loss=LossConfig(
                 gate="binary_kl",
                 gate_threshold=0.01,
@@ -100,18 +109,24 @@ def seed_recipe(size: str, alternative: str) -> ExperimentConfig:
             router_replay=True,
         ),
         rollout=RolloutConfig(
-            urls=urls, sampling=SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=2048)
+            urls=urls, sampling=SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=16384)
         ),
         server=ServerConfig(launch="none"),
-        env=AgentEnvConfig(max_turns=15),
+        env=AgentEnvConfig(max_turns=150),
         sandbox=LocalBackendConfig(),
         agent=AgentConfig(
-            max_screenshots=3,
+            max_screenshots=2,
+            screenshots_after_compaction=None,
+            max_active_images=10,
+            protect_initial_observation=True,
             compaction=CompactionConfig(
-                max_context_tokens=32768, reserved_generation_tokens=2048, every_k_actions=5
+                max_context_tokens=49152,
+                reserved_generation_tokens=11152,
+                every_k_actions=5,
+                keep_last_observations=2,
             ),
         ),
-        group=GroupPolicyConfig(min_healthy_per_group=2, baseline_population="logical_owners"),
+        group=GroupPolicyConfig(min_healthy_per_group=2, baseline_population="all_owners"),
         data=DataConfig(task_set=f"/data/osworld/band_{size}"),
         rl=RLConfig(
             num_prompts=8 if b8 else 17,
@@ -119,6 +134,7 @@ def seed_recipe(size: str, alternative: str) -> ExperimentConfig:
             steps=200,
             estimator={"dr_grpo": "dr_grpo", "reinforce": "reinforce_baseline"}[alternative],
             mesh=MeshConfig(fsdp=8),
+            length_buckets=(8192, 16384, 32768, 49152),
             # the seed's "windowed sampler with staleness 1", its windows validated
             max_staleness=1,
             stale_owners="refuse",
@@ -140,7 +156,7 @@ def test_seed_recipes_field_by_field(size, alternative):
     assert (
         exp.rl.estimator == {"dr_grpo": "dr_grpo", "reinforce": "reinforce_baseline"}[alternative]
     )
-    assert exp.group.baseline_population == "logical_owners"
+    assert exp.group.baseline_population == "all_owners"
     loss = exp.trainer.loss
     assert (loss.gate, loss.gate_threshold, loss.gate_level) == ("binary_kl", 0.01, "sequence")
     assert loss.agg_mode == "prompt-mean-token-mean"

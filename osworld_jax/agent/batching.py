@@ -42,12 +42,15 @@ class GroupSelection:
       owners: the kept owners, in input order.
       dropped_group_ids: prompt groups dropped for too few healthy owners.
       rewards: f32[N] reward per kept owner (0 for failed owners).
-      valid: bool[N] owners in the baseline population: the owners with a known reward (not
-        ``failed``), each once (``GroupPolicyConfig.baseline_population``).
+      valid: bool[N] owners in the baseline population, each once
+        (``GroupPolicyConfig.baseline_population``): ``logical_owners``, the owners with a
+        known reward (not ``failed``); ``all_owners``, every owner (a failed one as a
+        placeholder: reward 0, token count 0).
       failed: bool[N] owners masked for an infrastructure failure.
       group_index: i32[N] dense group index in ``[0, num_groups)`` (rank of the sorted ids).
       num_groups: number of kept groups.
-      token_counts: f32[N] trainable tokens per owner, over all its segments.
+      token_counts: f32[N] trainable tokens per owner, over all its segments (0 for failed
+        owners: their row is masked).
       owner_index: i32[N] each owner's id in a packed batch (``Batch.owner_ids``): its index
         in the step's whole selection. ``arange(N)`` by default; a `split_selection` part keeps
         the whole selection's ids (and ``group_index`` / ``num_groups``), so its batch's ids
@@ -83,8 +86,10 @@ class GroupSelection:
         """The selection of exactly ``owners`` (no group policy applied).
 
         Failed owners (infrastructure failures, stale-masked: unknown rewards) have reward 0 and
-        are never ``valid``: ``valid`` is the complete logical-owner population of each group,
-        every owner with a known reward, once (``logical_owners``). Group indices are the rank
+        token count 0. ``logical_owners``: they are never ``valid`` (``valid`` is every owner
+        with a known reward, once). ``all_owners``: every owner is ``valid``, a failed one a
+        placeholder of reward 0 in its group's statistics. Either way a failed owner's own
+        advantage is 0 (`osworld_jax.rl.stages.owner_advantages`). Group indices are the rank
         of each owner's ``group_id`` among the sorted distinct ids.
         """
         check_choice(baseline_population, BaselinePopulation, "baseline_population")
@@ -97,11 +102,11 @@ class GroupSelection:
             owners=owners,
             dropped_group_ids=dropped_group_ids,
             rewards=rewards.astype(np.float32),
-            valid=~failed,
+            valid=np.ones_like(failed) if baseline_population == "all_owners" else ~failed,
             failed=failed,
             group_index=index.astype(np.int32).reshape(-1),
             num_groups=int(uniq.size),
-            token_counts=np.array([o.num_trainable for o in owners], np.float32),
+            token_counts=np.array([0 if o.failed else o.num_trainable for o in owners], np.float32),
         )
 
 

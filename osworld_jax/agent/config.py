@@ -12,15 +12,16 @@ from osworld_jax.registry import check_choice
 #: What a step does with a group below ``min_healthy_per_group``: train on the rest, or fail.
 OnDroppedGroup = Literal["shrink", "fail"]
 
-#: Who forms a group's baseline: ``logical_owners``, every logical owner of the group whose
-#: reward is known, each once however many segments (rows) it has. An owner masked for an
-#: infrastructure failure or as stale has an unknown reward and never enters (docs/DESIGN.md,
-#: "Baseline population"); the former ``all_owners`` (those owners as reward 0) is refused.
-BaselinePopulation = Literal["logical_owners"]
+#: Who forms a group's baseline (docs/DESIGN.md, "Baseline population"):
+#: ``logical_owners``, every logical owner of the group whose reward is known, each once however
+#: many segments (rows) it has; an owner masked for an infrastructure failure or as stale has an
+#: unknown reward and enters no statistic. ``all_owners`` (the seed's base recipe): every owner
+#: the group drew, each once; a masked owner stays in as a placeholder with reward 0 (it counts
+#: in the group's size, mean and std) and no tokens (weight 0 in token-weighted whitening); its
+#: own row stays masked (advantage 0) either way.
+BaselinePopulation = Literal["logical_owners", "all_owners"]
 #: Former population names, refused with the reason (a recipe naming one fails loudly).
 _RETIRED_POPULATIONS = {
-    "all_owners": "it counted owners that failed for an infrastructure reason (or were masked "
-    "as stale) as reward 0, an unknown reward in the baseline",
     "healthy": "it is now called 'logical_owners'",
 }
 
@@ -112,6 +113,17 @@ class AgentConfig:
         slides by one: a new segment every turn once it is full, the former behaviour). Default
         1: a window of 3 trains 3 replies per segment, each row at most 3 screenshots
         (docs/DESIGN.md, "Screenshot window").
+      max_active_images: at most this many images in any prompt, the protected first
+        screenshot included (the seed's "at most 10 active images"); None: no cap beyond the
+        window. Each observation carries one screenshot, so the window of the last
+        ``max_screenshots`` observations (the seed's "image groups") shows at most
+        ``max_screenshots`` (+ 1 protected) images and the cap binds only when it is smaller;
+        when it binds, the window shows the newest ``max_active_images`` (- 1 protected).
+      protect_initial_observation: the first observation (with the task instruction and its
+        screenshot) stays verbatim in every prompt (the seed's "initial context protected"):
+        no compaction replaces it by the action history, its screenshot is always shown
+        (outside the window of the last ``max_screenshots``, inside ``max_active_images``),
+        its text is never a placeholder. False: it is compacted like any other turn.
       placeholder_old_observations: at every compaction, the observation text (accessibility
         tree, terminal) of the kept turns older than the window (the first turn whose
         screenshot is shown; text-only: the last ``keep_last_observations``) becomes the short
@@ -138,6 +150,8 @@ class AgentConfig:
     terminal_max_chars: int = 4000
     max_screenshots: int = 3
     screenshots_after_compaction: int | None = 1
+    max_active_images: int | None = None
+    protect_initial_observation: bool = False
     placeholder_old_observations: bool = True
     image_start_token: str = "<|vision_start|>"
     image_pad_token: str = "<|image_pad|>"
@@ -166,6 +180,15 @@ class AgentConfig:
                 f"AgentConfig.screenshots_after_compaction must be in [1, max_screenshots = "
                 f"{self.max_screenshots}] or None, got {low}"
             )
+        if self.max_active_images is not None and self.max_active_images < 1 + int(
+            self.protect_initial_observation
+        ):
+            raise ConfigError(
+                f"AgentConfig.max_active_images must leave the window at least one image "
+                f"(>= {1 + int(self.protect_initial_observation)} with "
+                f"protect_initial_observation={self.protect_initial_observation}), got "
+                f"{self.max_active_images}"
+            )
         object.__setattr__(self, "extra_media_tokens", tuple(self.extra_media_tokens))
 
     @property
@@ -179,10 +202,23 @@ class AgentConfig:
         )
 
     @property
+    def protected_observations(self) -> int:
+        """Leading observations no compaction rewrites: 1 with ``protect_initial_observation``."""
+        return int(self.protect_initial_observation)
+
+    @property
+    def screenshot_window(self) -> int:
+        """Screenshots the window shows at most (``max_screenshots``, within the image cap)."""
+        if self.max_active_images is None:
+            return self.max_screenshots
+        return min(self.max_screenshots, self.max_active_images - self.protected_observations)
+
+    @property
     def screenshot_low_water(self) -> int:
         """Screenshots a ``screenshots`` compaction keeps shown (the new one included)."""
         low = self.screenshots_after_compaction
-        return self.max_screenshots if low is None else min(low, self.max_screenshots)
+        window = self.screenshot_window
+        return window if low is None else min(low, window)
 
     def replace(self, **changes: object) -> AgentConfig:
         """A copy with ``changes`` applied (validated again)."""
@@ -198,9 +234,11 @@ class GroupPolicyConfig:
       on_dropped_group: ``shrink`` trains on the remaining groups; ``fail`` fails the step.
       min_step_batch_fraction: the step fails when fewer than this fraction of the step's prompt
         groups survive.
-      baseline_population: who forms the group statistics: ``logical_owners`` (the one
-        choice), every logical owner of the group with a known reward, each once; owners masked
-        for an infrastructure failure or as stale stay out of every statistic.
+      baseline_population: who forms the group statistics: ``logical_owners`` (the default),
+        every logical owner of the group with a known reward, each once; owners masked for an
+        infrastructure failure or as stale stay out of every statistic. ``all_owners`` (the
+        seed's recipes): every owner of the group, a masked one as a placeholder of reward 0
+        and no tokens (`BaselinePopulation`).
     """
 
     min_healthy_per_group: int = 2

@@ -19,7 +19,12 @@ shown; when a new one would pass that, the context is rebuilt showing only the l
 text placeholders), a declared compaction (reason ``screenshots``); the following turns extend
 the rebuilt context until the window is full again, so one segment trains several replies. At a
 compaction the observation text of kept turns older than the window becomes a short placeholder
-(``placeholder_old_observations``).
+(``placeholder_old_observations``). ``max_active_images`` caps the images of any prompt.
+
+With ``protect_initial_observation`` (the seed's "initial context protected") the first
+observation, with the instruction and its screenshot, is rendered verbatim in every prompt
+before the action history: it is never compacted, its screenshot is shown outside the window
+(but within ``max_active_images``) and its text is never a placeholder.
 
 A compaction (every K actions, or when the next prompt would pass the budget) re-renders the
 context from messages: system prompt, the instruction with a compact action history of the
@@ -117,6 +122,7 @@ class ContextManager:
         self._context: np.ndarray | None = None  # last prompt + last output
         self._prompt: np.ndarray | None = None
         self._first_kept = 0  # index of the first observation in the current context
+        self._protected = config.protected_observations  # leading turns never compacted
         self._actions_since_rebuild = 0
         self._num_calls = 0
         self._extended = 0  # tokens of the pending prompt that extend the previous context
@@ -229,7 +235,7 @@ class ContextManager:
             return prefix + text
         body = "\n\n" + text if text else ""
         if not turn.shown:
-            dropped = SCREENSHOT_DROPPED.format(k=self.config.max_screenshots)
+            dropped = SCREENSHOT_DROPPED.format(k=self.config.screenshot_window)
             return f"{prefix}Screenshot: {dropped}{body}"
         parts: list[dict[str, Any]] = [
             {"type": "text", "text": prefix + "Screenshot: "},
@@ -240,14 +246,29 @@ class ContextManager:
         return parts
 
     def _messages(self, first: int, last_text: str | None = None) -> list[dict[str, Any]]:
-        """System + the turns ``first..end`` (earlier replies summarised), last turn unanswered."""
-        replies = [t.reply or "" for t in self._turns[:first]]
-        block = action_history_block(replies, self.config) if first else ""
+        """System + the turns ``first..end`` (earlier replies summarised), last turn unanswered.
+
+        A protected first observation (``first > 0``) comes first, verbatim with its reply;
+        the history then summarises turns ``1..first - 1``.
+        """
         msgs: list[dict[str, Any]] = [{"role": "system", "content": self._system}]
+        protected = min(self._protected, first)
+        if protected:
+            turn = self._turns[0]
+            prefix = self._first_user("")
+            msgs.append({"role": "user", "content": self._content(turn, prefix, turn.text)})
+            msgs.append({"role": "assistant", "content": turn.reply or ""})
+        replies = [t.reply or "" for t in self._turns[protected:first]]
+        block = (
+            action_history_block(replies, self.config, first_step=protected + 1) if replies else ""
+        )
         kept = self._turns[first:]
         for k, turn in enumerate(kept):
             text = last_text if (last_text is not None and k == len(kept) - 1) else turn.text
-            prefix = self._first_user(block) if k == 0 else ""
+            if k == 0:
+                prefix = (block + "\n\n" if block else "") if protected else self._first_user(block)
+            else:
+                prefix = ""
             msgs.append({"role": "user", "content": self._content(turn, prefix, text)})
             if k < len(kept) - 1:
                 msgs.append({"role": "assistant", "content": turn.reply or ""})
@@ -294,18 +315,35 @@ class ContextManager:
         shown = [turn.image] if turn.shown and turn.image is not None else []
         return self._expand_images(self.tokenizer.encode(text[at + len(_SENTINEL) :]), shown)
 
+    def _rendered(self, k: int) -> bool:
+        """Turn ``k`` is part of the current context (kept, or the protected first one)."""
+        return k < self._protected or k >= self._first_kept
+
     def _shown(self) -> list[Screenshot]:
         """The screenshots the current context shows, in order."""
-        return [t.image for t in self._turns[self._first_kept :] if t.shown and t.image]
+        return [
+            t.image
+            for k, t in enumerate(self._turns)
+            if self._rendered(k) and t.shown and t.image is not None
+        ]
+
+    def _window_shown(self) -> int:
+        """Screenshots the window shows (the protected first one not counted)."""
+        start = max(self._protected, self._first_kept)
+        return sum(1 for t in self._turns[start:] if t.shown and t.image is not None)
 
     def _mark_shown(self, first: int, shots: int | None = None) -> None:
         """Shows the screenshots of the last ``shots`` turns from ``first`` that have one.
 
-        ``shots`` defaults to ``max_screenshots``.
+        ``shots`` defaults to the window (``AgentConfig.screenshot_window``). A protected first
+        observation's screenshot is always shown, outside the window.
         """
-        left = self.config.max_screenshots if shots is None else shots
+        left = self.config.screenshot_window if shots is None else shots
         for k in range(len(self._turns) - 1, -1, -1):
             turn = self._turns[k]
+            if k < self._protected:
+                turn.shown = turn.image is not None
+                continue
             turn.shown = k >= first and turn.image is not None and left > 0
             left -= turn.shown
 
@@ -319,6 +357,7 @@ class ContextManager:
         if not self.config.placeholder_old_observations:
             return
         n = len(self._turns)
+        first = max(first, self._protected)  # a protected observation keeps its text
         shown = [k for k in range(first, n) if self._turns[k].shown]
         window = shown[0] if shown else n - self.config.compaction.keep_last_observations
         for turn in self._turns[first : min(window, n - 1)]:
@@ -353,7 +392,7 @@ class ContextManager:
             prompt = None
             if cfg.every_k_actions and self._actions_since_rebuild >= cfg.every_k_actions:
                 reason = "every_k_actions"
-            elif image is not None and len(self._shown()) >= self.config.max_screenshots:
+            elif image is not None and self._window_shown() >= self.config.screenshot_window:
                 reason = "screenshots"
             else:
                 self._turns[-1].shown = image is not None
@@ -373,11 +412,12 @@ class ContextManager:
                     prompt = self._rebuild(self._first_kept, self.config.screenshot_low_water)
                 else:
                     prompt = self._rebuild(len(self._turns) - keep)
+                protected = min(self._protected, self._first_kept)
                 compaction = Compaction(
                     before_call=self._num_calls,
                     reason=reason,
-                    dropped_observations=self._first_kept,
-                    kept_observations=len(self._turns) - self._first_kept,
+                    dropped_observations=self._first_kept - protected,
+                    kept_observations=len(self._turns) - self._first_kept + protected,
                     tokens_before=before,
                     tokens_after=int(prompt.size),
                     screenshots=len(self._shown()),

@@ -183,8 +183,14 @@ def summarize_action(reply: str, max_chars: int) -> str:
     return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
 
 
-def action_history_block(replies: Sequence[str], config: AgentConfig) -> str:
-    """The compact history that replaces older turns after a compaction (declared in the text)."""
+def action_history_block(
+    replies: Sequence[str], config: AgentConfig, *, first_step: int = 1
+) -> str:
+    """The compact history that replaces older turns after a compaction (declared in the text).
+
+    ``first_step``: the episode step number of ``replies[0]`` (2 when the first observation
+    is protected and stays verbatim before the history).
+    """
     cfg = config.compaction
     n = len(replies)
     first = max(n - cfg.max_history_actions, 0)
@@ -193,7 +199,7 @@ def action_history_block(replies: Sequence[str], config: AgentConfig) -> str:
         "their observations were removed.]"
     ]
     if first:
-        lines.append(f"(steps 1-{first} omitted)")
+        lines.append(f"(steps {first_step}-{first_step + first - 1} omitted)")
     for i in range(first, n):
-        lines.append(f"{i + 1}. {summarize_action(replies[i], cfg.max_action_chars)}")
+        lines.append(f"{first_step + i}. {summarize_action(replies[i], cfg.max_action_chars)}")
     return "\n".join(lines)

@@ -27,6 +27,7 @@ from osworld_jax.model.vl_config import Qwen3VLMoeConfig, VisionConfig
 
 if TYPE_CHECKING:
     from osworld_jax.model.freeze import (
+        is_frozen_name,
         is_router_path,
         is_vision_path,
         param_labels,
@@ -62,6 +63,7 @@ _LAZY = {
     "forward": "policy",
     "init_kv_cache": "policy",
     "unembed_matrix": "policy",
+    "is_frozen_name": "freeze",
     "is_router_path": "freeze",
     "is_vision_path": "freeze",
     "param_labels": "freeze",
@@ -109,6 +111,7 @@ __all__ = [
     "VisionConfig",
     "forward",
     "init_kv_cache",
+    "is_frozen_name",
     "is_router_path",
     "is_vision_path",
     "load_hf_checkpoint",

@@ -1,7 +1,16 @@
-"""Frozen parameters: label the router (and/or the vision tower) so an optimizer leaves them fixed.
+"""Frozen parameters: label the router (and/or the vision tower) so the trainer leaves them fixed.
 
-NeMo RL's OSWorld recipes freeze the MoE router; many vision-language RL recipes also freeze the
-vision tower (the ViT, its merger and the DeepStack mergers). Use with ``optax.multi_transform``::
+The seed's recipes freeze the MoE router (so R3's replayed routes stay the routes the router
+would pick across steps) and the vision tower with its projection (``freeze_vision_model`` +
+``freeze_vision_projection``: here the ViT blocks, the patch embedding, the merger and the
+DeepStack mergers, one switch). Qwen3-VL-MoE's router is one matrix per MoE layer with no
+auxiliary-loss-free bias, so the seed's "router bias-update rate 0" has nothing to act on here.
+
+The trainer (``osworld_jax.trainer``) makes a frozen parameter cost only its one copy: it is
+held in the policy's dtype (no float32 master), ``jax.grad`` is not taken with respect to it
+(the step differentiates the trainable partition only), the optimizer keeps no state for it
+(``optax.multi_transform`` with ``set_to_zero``), and the step returns it unchanged, bit for
+bit::
 
     labels = param_labels(params, freeze_router=True, freeze_vision=True)
     tx = optax.multi_transform({"trainable": adamw, "frozen": optax.set_to_zero()}, labels)
@@ -29,6 +38,12 @@ def is_router_path(path: tuple[Any, ...]) -> bool:
 def is_vision_path(path: tuple[Any, ...]) -> bool:
     """True when a pytree key path points into the vision tower (groups `VISION_GROUPS`)."""
     return any(name in VISION_GROUPS for name in _names(path))
+
+
+def is_frozen_name(name: str, *, freeze_router: bool, freeze_vision: bool) -> bool:
+    """True when a ``"group.name"`` parameter (`osworld_jax.model.params.param_specs`) is frozen."""
+    group, _, leaf = name.partition(".")
+    return (freeze_router and leaf == ROUTER_PARAM) or (freeze_vision and group in VISION_GROUPS)
 
 
 def param_labels(params: Any, *, freeze_router: bool = False, freeze_vision: bool = False) -> Any:

@@ -354,7 +354,8 @@ def owner_advantages(
     With ``bounds`` the estimator's inputs are padded to ``bounds.num_owners`` owners (the
     padding is not ``valid``: it enters no statistic) over ``bounds.num_groups`` groups, so the
     estimator compiles once per run whatever the step dropped. Failed owners get 0: they are
-    masked rows, and their unknown rewards enter no statistic (``selection.valid``).
+    masked rows; whether they enter their group's statistics (as reward-0 placeholders,
+    ``all_owners``) or not (``logical_owners``) is ``selection.valid``.
 
     Returns:
       f32[N] advantages of ``selection.owners``.

@@ -21,26 +21,35 @@ class OptimizerConfig:
 
     Attributes:
       learning_rate: peak learning rate (the OSWorld recipes use 5e-6).
-      warmup_steps: linear warmup from 0 to ``learning_rate`` over this many optimizer steps.
+      warmup_steps: linear warmup from ``warmup_init_lr`` to ``learning_rate`` over this many
+        optimizer steps (the seed's recipes: 9 from 0, then constant).
+      warmup_init_lr: the learning rate of the first warmup step (step 0).
       schedule: after warmup, ``"constant"`` or ``"cosine"`` (decay to
         ``learning_rate * min_lr_ratio`` at ``decay_steps``).
       decay_steps: total optimizer steps of the cosine schedule (warmup included); ignored by
         ``"constant"``.
       min_lr_ratio: final learning rate of the cosine schedule as a fraction of the peak.
       b1: Adam first-moment decay.
-      b2: Adam second-moment decay.
+      b2: Adam second-moment decay (the seed's recipes: 0.99; optax's default 0.999 averages
+        the second moment over ~1000 steps, longer than a 200-step run).
       eps: Adam epsilon.
       weight_decay: decoupled weight decay (AdamW), applied to matrices only (ndim >= 2); norms,
         biases and other vectors are not decayed.
       max_grad_norm: global-norm gradient clipping threshold (``None`` disables clipping).
-      freeze_router: keep the MoE router weights fixed (no update, no optimizer state, excluded
-        from the clipping norm).
-      freeze_vision: keep a Qwen3-VL model's vision tower fixed (the ViT, its merger and the
-        DeepStack mergers; as ``freeze_router``). Default False: the tower is trained.
+      freeze_router: keep the MoE router weights fixed: no gradient is taken for them, no
+        optimizer state or float32 master is held, they leave the clipping norm and stay bit
+        for bit (`osworld_jax.model.freeze`). The seed's recipes freeze it (R3 then replays
+        routes the router would still pick); Qwen3-VL-MoE's router has no bias, so the seed's
+        router bias-update rate 0 has no counterpart. Default False.
+      freeze_vision: keep a Qwen3-VL model's vision tower and its projection fixed (the patch
+        embedding, the ViT blocks, the merger and the DeepStack mergers: the seed's
+        ``freeze_vision_model`` + ``freeze_vision_projection``; as ``freeze_router``). Default
+        False: the tower is trained.
     """
 
     learning_rate: float = 5e-6
     warmup_steps: int = 0
+    warmup_init_lr: float = 0.0
     schedule: Schedule = "constant"
     decay_steps: int = 0
     min_lr_ratio: float = 0.0
@@ -56,6 +65,11 @@ class OptimizerConfig:
         check_choice(self.schedule, Schedule, "OptimizerConfig.schedule")
         if self.learning_rate < 0:
             raise ConfigError(f"OptimizerConfig.learning_rate: {self.learning_rate} < 0")
+        if not 0.0 <= self.warmup_init_lr <= self.learning_rate:
+            raise ConfigError(
+                f"OptimizerConfig.warmup_init_lr: {self.warmup_init_lr} not in [0, "
+                f"learning_rate = {self.learning_rate}]"
+            )
         if self.warmup_steps < 0:
             raise ConfigError(f"OptimizerConfig.warmup_steps: {self.warmup_steps} < 0")
         if self.schedule == "cosine" and self.decay_steps <= self.warmup_steps:
@@ -75,8 +89,9 @@ class CheckpointConfig:
 
     Attributes:
       directory: where checkpoints live (one sub-directory per step); ``None`` disables saving.
-      save_every: save when ``step % save_every == 0`` (a forced save ignores it).
-      keep: keep the newest ``keep`` checkpoints, delete older ones.
+      save_every: save when ``step % save_every == 0`` (a forced save ignores it); 1, every
+        step boundary (the seed's recipes).
+      keep: keep the newest ``keep`` checkpoints, delete older ones (the seed's recipes: 2).
       async_save: write in a background thread (the trainer waits before exit / restore).
       restore_step: resume from this checkpoint step instead of the newest one (e.g. when the
         newest is corrupt: the error names it and the previous complete step). The newer

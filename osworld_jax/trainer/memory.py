@@ -3,13 +3,15 @@
 XLA only reports a step's memory after compiling it (minutes for a large model) and a step that
 does not fit fails at its first run. `estimate_step_memory` adds up, per device:
 
-- ``params``: the train-state parameters, ``P * bytes(master)`` (sharded over the parameter
-  axes: fsdp x expert x tensor);
-- ``compute_copy``: the policy-dtype copy the forward runs on (``P * bytes(dtype)``) when the
-  masters are wider;
-- ``moments``: AdamW's mu and nu, ``2 * P * bytes(master)``;
-- ``grads``: one gradient tree in the policy dtype, plus a float32 accumulator when
-  ``num_micro_batches > 1``;
+- ``params``: the train-state parameters, ``P_t * bytes(master) + P_f * bytes(dtype)``
+  (sharded over the parameter axes: fsdp x expert x tensor); ``P_t`` trainable, ``P_f`` frozen
+  (``OptimizerConfig.freeze_router`` / ``freeze_vision``): a frozen parameter is held once, in
+  the policy's dtype, with no master copy;
+- ``compute_copy``: the policy-dtype copy of the trainable parameters the forward runs on
+  (``P_t * bytes(dtype)``) when the masters are wider;
+- ``moments``: AdamW's mu and nu, ``2 * P_t * bytes(master)`` (none for frozen parameters);
+- ``grads``: one gradient tree of the trainable parameters in the policy dtype, plus a float32
+  accumulator when ``num_micro_batches > 1`` (the step takes no gradient w.r.t. frozen ones);
 - ``activations``: what one micro-batch keeps for its backward (sharded over the batch axes):
   per token and layer, the residual stream, norms, q/k/v/attention output, the router, and the
   MoE's padded expert rows (dispatched x, gate/up/SwiGLU outputs, expert outputs, the combine
@@ -30,7 +32,9 @@ does not fit fails at its first run. `estimate_step_memory` adds up, per device:
   ``+ c Hv``); ``"full"`` the block input (plus one block's
   worth, recomputed during its backward); plus the float32 patches, the DeepStack features,
   and the XLA attention's float32 score blocks (``3 x heads x chunk x N`` per row) unless the
-  cuDNN packed kernel runs (``attention="cudnn"`` on a GPU: no score buffer).
+  cuDNN packed kernel runs (``attention="cudnn"`` on a GPU: no score buffer). A frozen tower
+  (``freeze_vision``) is outside the differentiated function, so it keeps nothing for a
+  backward: one block's working set per patch (as ``"full"``'s recompute) plus the features.
 
 The coefficients were checked against XLA's own figures on an H200 (benchmarks/NOTES.md); the
 estimate is meant to be a little high (it ignores buffer reuse between layers' temporaries).
@@ -46,6 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from osworld_jax.model.config import ModelRuntimeConfig, Qwen3MoeConfig
+from osworld_jax.model.freeze import is_frozen_name
 from osworld_jax.model.kernels.grouped_matmul import padded_rows
 from osworld_jax.model.params import param_specs
 from osworld_jax.trainer.config import TrainerConfig
@@ -100,8 +105,25 @@ def _layer_bytes_per_token(
     return per_layer, attn
 
 
+def frozen_fraction(model: Qwen3MoeConfig, config: TrainerConfig) -> float:
+    """The share of the model's parameters that ``config.optimizer`` freezes (0 to 1)."""
+    opt = config.optimizer
+    sizes = {name: math.prod(s.shape) for name, s in param_specs(model).items()}
+    frozen = sum(
+        n
+        for name, n in sizes.items()
+        if is_frozen_name(name, freeze_router=opt.freeze_router, freeze_vision=opt.freeze_vision)
+    )
+    return frozen / max(sum(sizes.values()), 1)
+
+
 def vision_bytes(
-    model: Qwen3MoeConfig, runtime: ModelRuntimeConfig, rows: int, patches: int
+    model: Qwen3MoeConfig,
+    runtime: ModelRuntimeConfig,
+    rows: int,
+    patches: int,
+    *,
+    frozen: bool = False,
 ) -> float:
     """Bytes the ViT keeps for its backward over ``rows`` rows of ``patches`` patches (doc)."""
     from osworld_jax.model.vl_config import Qwen3VLMoeConfig
@@ -115,8 +137,10 @@ def vision_bytes(
     # patch and block measured on an H200 (Qwen3-VL's tower, remat none), 113.9 KB here.
     full_block = c * (11 * hv + 2 * inter) + 4 * (8 * hv + 2 * inter) + 4 * heads
     remat = runtime.vision_remat or runtime.remat
-    if remat == "none":
-        per_patch: float = v.depth * full_block
+    if frozen:  # forward only: no residuals kept, one block's working set at a time
+        per_patch: float = full_block
+    elif remat == "none":
+        per_patch = v.depth * full_block
     elif remat == "full":
         per_patch = v.depth * c * hv + full_block
     else:  # dots / dots_with_batch: block input + matmul outputs saved (+ attention output)
@@ -160,7 +184,9 @@ def estimate_step_memory(
     """
     c = jnp.dtype(runtime.dtype).itemsize
     m = c if config.master_dtype is None else jnp.dtype(config.master_dtype).itemsize
-    n = sum(math.prod(s.shape) for s in param_specs(model).values()) / param_shards
+    total = sum(math.prod(s.shape) for s in param_specs(model).values()) / param_shards
+    n_frozen = total * frozen_fraction(model, config)
+    n = total - n_frozen  # trainable: master, compute copy, moments, gradients
     micro_rows = max(rows // (config.num_micro_batches * batch_shards), 1)
     tokens = micro_rows * seq
     per_layer, attn = _layer_bytes_per_token(model, runtime, tokens, expert_parallel)
@@ -179,13 +205,15 @@ def estimate_step_memory(
         lp += micro_rows * seq * vocab * c
     grads = n * c + (n * 4 if config.num_micro_batches > 1 else 0)
     return StepMemory(
-        params=n * m,
+        params=n * m + n_frozen * c,
         compute_copy=n * c if m != c else 0.0,
         moments=2 * n * m,
         grads=grads,
         activations=act,
         logprobs=lp,
-        vision=vision_bytes(model, runtime, micro_rows, patches),
+        vision=vision_bytes(
+            model, runtime, micro_rows, patches, frozen=config.optimizer.freeze_vision
+        ),
     )
 
 

@@ -15,7 +15,8 @@ TRAIN, FROZEN = "trainable", "frozen"  # the labels of osworld_jax.model.param_l
 def make_schedule(config: OptimizerConfig) -> optax.Schedule:
     """The learning rate as a function of the optimizer step.
 
-    ``lr(s) = peak * s / warmup`` for ``s < warmup``; afterwards ``peak`` (constant) or
+    ``lr(s) = init + (peak - init) * s / warmup`` for ``s < warmup`` (``init`` =
+    ``warmup_init_lr``, the seed's 0: step 0 makes no update); afterwards ``peak`` (constant) or
     ``peak * (m + (1 - m) * (1 + cos(pi * (s - warmup) / (decay - warmup))) / 2)`` (cosine, with
     ``m = min_lr_ratio``, held at ``peak * m`` after ``decay_steps``).
     """
@@ -28,7 +29,7 @@ def make_schedule(config: OptimizerConfig) -> optax.Schedule:
         )
     if config.warmup_steps == 0:
         return after
-    warmup = optax.linear_schedule(0.0, peak, config.warmup_steps)
+    warmup = optax.linear_schedule(config.warmup_init_lr, peak, config.warmup_steps)
     return optax.join_schedules([warmup, after], [config.warmup_steps])
 
 

@@ -60,7 +60,7 @@ from osworld_jax.batch import BatchBounds
 from osworld_jax.model import ModelRuntimeConfig, Qwen3MoeConfig, forward, unembed_matrix
 from osworld_jax.trainer.config import TrainerConfig
 from osworld_jax.trainer.logprobs import token_logprobs
-from osworld_jax.trainer.optimizer import TRAIN
+from osworld_jax.trainer.optimizer import FROZEN, TRAIN
 from osworld_jax.trainer.state import TrainState
 
 Params = Any  # nested dict {group: {name: array}}
@@ -206,6 +206,25 @@ def compute_params(params: Params, runtime: ModelRuntimeConfig) -> Params:
     return jax.tree.map(cast, params)
 
 
+def partition(params: Params, labels: Params | None) -> tuple[Params, Params]:
+    """``(trainable, frozen)``: ``params`` split by ``labels``, None in the other's places.
+
+    ``labels`` None: everything is trainable (the frozen tree is all None).
+    """
+    if labels is None:
+        return params, jax.tree.map(lambda _: None, params)
+    trainable = jax.tree.map(lambda lab, p: p if lab == TRAIN else None, labels, params)
+    frozen = jax.tree.map(lambda lab, p: p if lab == FROZEN else None, labels, params)
+    return trainable, frozen
+
+
+def merge(trainable: Params, frozen: Params, labels: Params | None) -> Params:
+    """The inverse of `partition`."""
+    if labels is None:
+        return trainable
+    return jax.tree.map(lambda lab, t, f: t if lab == TRAIN else f, labels, trainable, frozen)
+
+
 def score_rows(
     params: Params,
     batch: DeviceBatch,
@@ -261,8 +280,14 @@ def _accumulate(
     loss: LossConfig,
     bounds: BatchBounds,
     num_micro_batches: int,
+    labels: Params | None = None,
 ) -> tuple[Params, Scores, jax.Array]:
     """Gradient of the full-batch loss, summed over micro-batches (global denominators).
+
+    Only the trainable partition of ``params`` is differentiated (``labels``: ``"frozen"``
+    leaves enter the forward as constants, so ``jax.grad`` never builds their gradient, nor
+    the backward of a frozen vision tower); a frozen leaf's entry of the returned gradient
+    tree is a zero constant the optimizer's ``set_to_zero`` ignores and XLA removes.
 
     ``first_update`` (bool[] or None; only with ``old_logprobs``): when true, ``params`` are
     those ``old_logprobs`` were computed with, and the loss takes ``old_logprobs`` as the value
@@ -280,6 +305,7 @@ def _accumulate(
     # micro-batch loop): the same values as through the master -> compute cast, but every
     # per-micro-batch gradient tree is in the compute dtype (bf16), not the master's.
     compute = compute_params(params, runtime)
+    trainable, frozen = partition(compute, labels)
     if loss.gate_level == "owner" and m > 1:
         batch, old_logprobs, loss = _gate_owners_first(
             compute, batch, old_logprobs, mask, score=score, loss=loss, bounds=bounds, m=m
@@ -288,7 +314,7 @@ def _accumulate(
     micro = (split_batch(batch, m), split(weights), old)
 
     def micro_loss(p: Params, mb: DeviceBatch, w: jax.Array, o: jax.Array | None) -> Any:
-        s = score(p, mb)
+        s = score(merge(p, frozen, labels), mb)
         if first_update is not None and o is not None:
             own = jax.lax.stop_gradient(s.logprobs)  # value: pi_old (first update) or own
             value = jnp.where(first_update, o, own)  # + 0 exactly; gradient: this forward's
@@ -298,17 +324,19 @@ def _accumulate(
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
     if m == 1:  # no accumulator
-        (_, out), grads = grad_fn(compute, *jax.tree.map(lambda x: x[0], micro))
+        (_, out), grads = grad_fn(trainable, *jax.tree.map(lambda x: x[0], micro))
         pls, scores = jax.tree.map(lambda x: x[None], out)
     else:
 
         def body(acc: Params, xs: Any) -> tuple[Params, Any]:
-            (_, out), g = grad_fn(compute, *xs)
+            (_, out), g = grad_fn(trainable, *xs)
             return jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc, g), out
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trainable)
         grads, (pls, scores) = jax.lax.scan(body, zeros, micro)
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    masters, frozen_masters = partition(params, labels)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, masters)
+    grads = merge(grads, jax.tree.map(jnp.zeros_like, frozen_masters), labels)
     merged = Scores(
         logprobs=merge_micro(scores.logprobs),
         entropy=merge_micro(scores.entropy),
@@ -394,8 +422,12 @@ def make_gradients(
     config: TrainerConfig,
     bounds: BatchBounds,
     temperature: float = 1.0,
+    labels: Params | None = None,
 ) -> Callable[[Params, DeviceBatch], tuple[jax.Array, Params]]:
-    """``gradients(params, batch) -> (loss, d loss / d params)`` exactly as the step has them."""
+    """``gradients(params, batch) -> (loss, d loss / d params)`` exactly as the step has them.
+
+    ``labels``: as `make_train_step`'s (frozen leaves' gradients are zeros, never computed).
+    """
     accumulate = functools.partial(
         _accumulate,
         score=_scorer(model, runtime, config, temperature),
@@ -403,6 +435,7 @@ def make_gradients(
         loss=config.loss,
         bounds=bounds,
         num_micro_batches=config.num_micro_batches,
+        labels=labels,
     )
 
     def gradients(params: Params, batch: DeviceBatch) -> tuple[jax.Array, Params]:
@@ -432,7 +465,9 @@ def make_train_step(
       bounds: owner / group id bounds and the ``seq-mean-token-sum-norm`` constant.
       tx: the optax optimizer.
       schedule: its learning-rate schedule (reported as the ``lr`` metric).
-      labels: ``"trainable"`` / ``"frozen"`` per parameter (frozen ones leave the grad norm).
+      labels: ``"trainable"`` / ``"frozen"`` per parameter: a frozen one gets no gradient
+        (``jax.grad`` is taken w.r.t. the trainable partition only), leaves the grad norm and
+        comes out of the step unchanged, bit for bit.
       temperature: the logits are divided by it before the log-softmax (logprobs, entropy,
         gate, loss): the temperature the batch's behaviour logprobs refer to.
 
@@ -454,6 +489,7 @@ def make_train_step(
         loss=config.loss,
         bounds=bounds,
         num_micro_batches=config.num_micro_batches,
+        labels=labels,
     )
 
     def train_step(
@@ -467,7 +503,13 @@ def make_train_step(
         trainable = jax.tree.map(lambda g, lab: g if lab == TRAIN else None, grads, labels)
         grad_norm = optax.global_norm(trainable)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        # A frozen leaf is the state's own array, bit for bit (not p + 0: -0.0 would become 0.0).
+        params = jax.tree.map(
+            lambda lab, p, u: p if lab == FROZEN else optax.apply_updates(p, u),
+            labels,
+            state.params,
+            updates,
+        )
 
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         keep_new = lambda new, old: jnp.where(finite, new, old)

@@ -42,7 +42,7 @@ from osworld_jax.trainer.config import TrainerConfig
 from osworld_jax.trainer.distributed import collective
 from osworld_jax.trainer.images import device_pixel_values
 from osworld_jax.trainer.memory import check_step_fits
-from osworld_jax.trainer.optimizer import make_optimizer, make_schedule
+from osworld_jax.trainer.optimizer import FROZEN, make_optimizer, make_schedule
 from osworld_jax.trainer.state import NonFiniteError, TrainerError, TrainState
 from osworld_jax.trainer.step import (
     compute_params,
@@ -137,19 +137,26 @@ class Trainer:
         self._rows = NamedSharding(self.mesh, PartitionSpec(batch_axes or None))
         self._rows_axis1 = NamedSharding(self.mesh, PartitionSpec(None, batch_axes or None))
 
-        self._abstract_params = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, _master_dtype(x.dtype, config.master_dtype)),
-            self._policy_params,
-        )
         opt = config.optimizer
         labels = param_labels(
-            self._abstract_params,
+            self._policy_params,
             freeze_router=opt.freeze_router,
             freeze_vision=opt.freeze_vision,
         )
+        # A frozen parameter is held once, in the policy's dtype: no master copy (it is never
+        # updated), no optimizer state, no gradient (`step.partition`).
+        self._abstract_params = jax.tree.map(
+            lambda x, lab: jax.ShapeDtypeStruct(
+                x.shape, _master_dtype(x.dtype, None if lab == FROZEN else config.master_dtype)
+            ),
+            self._policy_params,
+            labels,
+        )
+        freezes = opt.freeze_router or opt.freeze_vision
+        self.labels = labels if freezes else None
         self.tx = make_optimizer(
             opt,
-            labels=labels if opt.freeze_router or opt.freeze_vision else None,
+            labels=self.labels,
             decay_mask=decay_mask(self.model),  # matrices only; stacked norms/biases are vectors
         )
         self.schedule = make_schedule(config.optimizer)
@@ -178,7 +185,7 @@ class Trainer:
         )
         self._logprobs_fn = make_logprobs(self.model, self.runtime, config, self.temperature)
         self._gradients_fn = make_gradients(
-            self.model, self.runtime, config, bounds, self.temperature
+            self.model, self.runtime, config, bounds, self.temperature, labels=self.labels
         )
         self._jitted: dict[tuple[str, ...], tuple[Any, Any, Any]] = {}
         self._checked_shapes: set[tuple[tuple[int, ...], int]] = set()  # (R, T), patches

@@ -422,8 +422,8 @@ def test_group_below_minimum_is_dropped():
 
 def test_failed_owner_baseline_population():
     # One group: rewards 1, 0, failed (an unknown reward). dr_grpo over the logical owners with a
-    # known reward {1, 0} -> mean 0.5 -> [+.5, -.5, (masked) 0]; never the retired all_owners
-    # mean 1/3 that counted the failed owner as 0.
+    # known reward {1, 0} -> mean 0.5 -> [+.5, -.5, (masked) 0]; the seed's all_owners keeps the
+    # failed owner as a reward-0 placeholder: mean 1/3 -> [2/3, -1/3, (masked) 0].
     owners = [
         owner(0, 0, 1.0, [segment(0, 0, 3, 2)]),
         owner(1, 0, 0.0, [segment(1, 0, 3, 2)]),
@@ -432,9 +432,50 @@ def test_failed_owner_baseline_population():
     np.testing.assert_allclose(owner_advantages(owners, "dr_grpo"), [0.5, -0.5, 0.0], atol=1e-6)
     sel = select_groups(owners, GroupPolicyConfig(baseline_population="logical_owners"), 1)
     np.testing.assert_array_equal(sel.valid, [True, True, False])
-    for retired in ("all_owners", "healthy"):
-        with pytest.raises(ConfigError, match=f"baseline_population = '{retired}' is retired"):
-            GroupPolicyConfig(baseline_population=retired)
+    sel = select_groups(owners, GroupPolicyConfig(baseline_population="all_owners"), 1)
+    np.testing.assert_array_equal(sel.valid, [True, True, True])
+    np.testing.assert_array_equal(sel.token_counts, [2, 2, 0])  # a placeholder has no tokens
+    np.testing.assert_allclose(
+        selection_advantages(sel, "dr_grpo"), [2 / 3, -1 / 3, 0.0], atol=1e-6
+    )
+    with pytest.raises(ConfigError, match="baseline_population = 'healthy' is retired"):
+        GroupPolicyConfig(baseline_population="healthy")
+
+
+@pytest.mark.parametrize("estimator", ["dr_grpo", "grpo", "rloo", "reinforce_baseline"])
+def test_all_owners_keeps_a_failed_owner_as_a_reward_0_placeholder(estimator):
+    # Rewards 1, 0, 1 and an infrastructure failure, trainable tokens 1, 1, 2 (the failed
+    # owner: none). Where the two populations differ, by hand:
+    #   logical_owners {1, 0, 1}: mean 2/3, centred [1/3, -2/3, 1/3]
+    #   all_owners {1, 0, 1, 0}: mean 1/2, centred [1/2, -1/2, 1/2] (placeholder -1/2, masked)
+    #   dr_grpo: the centred rewards
+    #   grpo (Bessel): logical sqrt((1/9 + 4/9 + 1/9) / 2) = sqrt(1/3) -> [.57735, -1.1547, .57735]
+    #                  all sqrt((4 x 1/4) / 3) = sqrt(1/3) -> [.86603, -.86603, .86603]
+    #   rloo: n/(n-1) x centred: logical 3/2 -> [1/2, -1, 1/2]; all 4/3 -> [2/3, -2/3, 2/3]
+    #   reinforce_baseline, token weights w = [1, 1, 2] (placeholder 0):
+    #     logical: mu = (1/3 - 2/3 + 2/3) / 4 = 1/12; deviations [1/4, -3/4, 1/4];
+    #              var = (1/16 + 9/16 + 2/16) / 4 = 3/16 -> [1/sqrt3, -sqrt3, 1/sqrt3]
+    #     all: mu = (1/2 - 1/2 + 1) / 4 = 1/4; deviations [1/4, -3/4, 1/4]: the same values
+    #          (whitening removes the shift of the mean; the populations differ in the group
+    #          mean, not in the whitened spread here)
+    s3 = math.sqrt(3)
+    want = {
+        "dr_grpo": ([1 / 3, -2 / 3, 1 / 3], [0.5, -0.5, 0.5]),
+        "grpo": ([1 / 3 * s3, -2 / 3 * s3, 1 / 3 * s3], [0.5 * s3, -0.5 * s3, 0.5 * s3]),
+        "rloo": ([0.5, -1.0, 0.5], [2 / 3, -2 / 3, 2 / 3]),
+        "reinforce_baseline": ([1 / s3, -s3, 1 / s3], [1 / s3, -s3, 1 / s3]),
+    }[estimator]
+    owners = [
+        owner(0, 0, 1.0, [segment(0, 0, 3, 1)]),
+        owner(1, 0, 0.0, [segment(1, 0, 3, 1)]),
+        owner(2, 0, 1.0, [segment(2, 0, 3, 2)]),
+        owner(3, 0, None, failed=True),
+    ]
+    for population, expected in zip(("logical_owners", "all_owners"), want, strict=True):
+        sel = select_groups(owners, GroupPolicyConfig(baseline_population=population), 1)
+        adv = selection_advantages(sel, estimator)
+        np.testing.assert_allclose(adv[:3], expected, rtol=1e-5, err_msg=population)
+        assert adv[3] == 0.0  # the failed owner's own row is masked under both
 
 
 @pytest.mark.parametrize("estimator", ["dr_grpo", "grpo", "rloo", "reinforce_baseline"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 
 import numpy as np
 import pytest
@@ -211,6 +212,65 @@ def test_chunked_compaction_one_segment_trains_several_replies(vl_tokenizer):
     assert "OK 0.0" not in call3 and "OK 2.0" not in call3 and "OK 3.0" in call3
     assert call3.count(OBSERVATION_DROPPED) == 3
     assert all(f"OK {i}.5" in call5 for i in (3, 4, 5)) and "OK 1.0" not in call5
+
+
+def test_the_seeds_window_last_2_groups_initial_context_protected(vl_tokenizer):
+    # The seed's window: the last 2 screenshots (one per observation: an image group), at most
+    # 10 active images, the initial context protected; the window slides (no low-water mark)
+    # and every 3 actions the context is compacted to the last 2 observations. 6 turns, the
+    # shown screenshots ("|" after the protected one):
+    #   calls 0-2 extend each other: [0], [0 | 1], [0 | 1, 2]
+    #   call 3: 3 actions since the first render: every_k_actions -> [0 | 2, 3], turn 1 in
+    #     the action history (as step 2: step 1 is the protected observation)
+    #   calls 4, 5: the window would hold 3: screenshots -> [0 | 3, 4], [0 | 4, 5]
+    # The first observation's screenshot and text are in every prompt; never more than 3
+    # images; every segment is token-exact (build_segments checks it).
+    tok = vl_tokenizer
+    observations = [long_obs(i) for i in range(6)]
+    replies = [f"WAIT {i}" for i in range(6)]
+    config = AgentConfig(
+        max_screenshots=2,
+        screenshots_after_compaction=None,
+        max_active_images=10,
+        protect_initial_observation=True,
+        compaction=CompactionConfig(every_k_actions=3, keep_last_observations=2),
+    )
+    agent, client = run(tok, config, observations, replies=replies)
+    shots = [o.screenshot for o in observations]
+    assert [len(x) for x in client.images] == [1, 2, 3, 3, 3, 3]
+    assert [c.images for c in agent.history.calls] == [
+        (shots[0],),
+        (shots[0], shots[1]),
+        (shots[0], shots[1], shots[2]),
+        (shots[0], shots[2], shots[3]),
+        (shots[0], shots[3], shots[4]),
+        (shots[0], shots[4], shots[5]),
+    ]
+    comps = agent.history.compactions
+    assert [(c.before_call, c.reason) for c in comps] == [
+        (3, "every_k_actions"),
+        (4, "screenshots"),
+        (5, "screenshots"),
+    ]
+    assert [(c.dropped_observations, c.kept_observations) for c in comps] == [
+        (1, 3),  # turn 1 summarised; turn 0 (protected), turns 2, 3 kept
+        (1, 4),
+        (1, 5),
+    ]
+    segs = build_segments(agent.history)
+    assert [s.call_indices for s in segs] == [(0, 1, 2), (3,), (4,), (5,)]
+    for call in agent.history.calls:
+        text = tok.decode(call.prompt_ids, skip_special_tokens=False)
+        assert "OK 0.5" in text and f"Task instruction: {observations[0].instruction}" in text
+    last = tok.decode(agent.history.calls[5].prompt_ids, skip_special_tokens=False)
+    assert "2. WAIT 1" in last  # the action history numbers steps after the protected one
+    assert "OK 1.0" not in last and "OK 5.5" in last
+    # The cap binds when it is smaller than the window: 2 images = the protected one + 1.
+    capped = dataclasses.replace(config, max_active_images=2)
+    agent, client = run(tok, capped, observations[:3], replies=replies[:3])
+    assert [len(x) for x in client.images] == [1, 2, 2]
+    with pytest.raises(ConfigError, match="max_active_images"):
+        AgentConfig(max_active_images=1, protect_initial_observation=True)
 
 
 def test_low_water_mark_is_checked():

@@ -57,7 +57,10 @@ def test_after_a_seed_recipe_it_keeps_the_recipes_algorithm_on_one_gpu():
     assert t.loss.gate_threshold == 0.01 and t.loss.agg_mode == "prompt-mean-token-mean"
     assert exp.rl.mesh.axes() == dict(data=1, fsdp=1, expert=1, tensor=1)
     assert (exp.server.launch, exp.model.path) == ("embedded", "tiny")
-    assert _lines([SEED, GPU])[3] == _lines([GPU])[3]
+    # The recipe's freezing (router, vision tower) comes along and the memory plan counts it.
+    assert t.optimizer.freeze_router and t.optimizer.freeze_vision
+    frozen = ["OptimizerConfig.freeze_router = True", "OptimizerConfig.freeze_vision = True"]
+    assert _lines([SEED, GPU])[3] == _lines([GPU], frozen)[3] != _lines([GPU])[3]
 
 
 def test_a_split_that_cannot_fit_fails_before_compiling_naming_what_to_change():
