@@ -72,7 +72,8 @@ def abstract_trainer(exp: ExperimentConfig, model: Qwen3MoeConfig) -> Any:
     rl = exp.rl
     runtime = exp.runtime
     policy = nnx.eval_shape(lambda: Policy(model, runtime, rngs=nnx.Rngs(0)))
-    mesh = make_mesh(**rl.mesh.axes())
+    m = rl.mesh
+    mesh = make_mesh(data=m.data, fsdp=m.fsdp, expert=m.expert, tensor=m.tensor)
     norm = rl.norm_length or exp.rollout.sampling.max_new_tokens * exp.env.max_turns
     bounds = BatchBounds(
         num_owners=rl.num_logical_owners, num_groups=rl.num_prompts, norm_length=norm

@@ -114,9 +114,9 @@ def server_programs(
     )
     params = abstract_params(model, dtype)
     single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shape = (model.num_hidden_layers, layout.slots, layout.slot_len)
-    shape += (model.num_key_value_heads, model.head_dim)
-    kv = jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=single)
+    shape = (model.num_hidden_layers, layout.slots, layout.slot_len, model.num_key_value_heads,
+             model.head_dim)  # fmt: skip
+    kv: Any = jax.ShapeDtypeStruct(shape, np.dtype(dtype), sharding=single)
     cache = KVCache(kv, kv)
     persistent = device_bytes(params) + device_bytes(cache)
     statics = dict(config=model, runtime=runtime, num_top=0)

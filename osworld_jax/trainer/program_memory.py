@@ -244,7 +244,7 @@ def abstract_batch(
     """
     from osworld_jax.batch import Batch, route_dtype
 
-    def sds(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+    def sds(shape: tuple[int, ...], dtype: Any) -> Any:  # a Batch field's stand-in
         return jax.ShapeDtypeStruct(shape, np.dtype(dtype))
 
     vision = getattr(model, "vision", None)
@@ -270,7 +270,7 @@ def abstract_batch(
         owner_ids=sds((rows,), np.int32),
         group_ids=sds((rows,), np.int32),
         row_weight=sds((rows,), np.float32),
-        routed_experts=routed,  # type: ignore[arg-type]
+        routed_experts=routed,  # type: ignore[arg-type]  # None: R3 off (uploaded so)
         pixel_values=pixels,
         image_grid_thw=grid,
     )
