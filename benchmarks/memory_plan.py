@@ -56,11 +56,14 @@ def main(argv: list[str] | None = None) -> int:
         model_path = stages.prepare_model(exp.model, Path(tmp), weights=False)
         model = Qwen3MoeConfig.from_json(model_path / "config.json")
         vision = stages.vision_packing(model, model_path, exp.agent)
-    buckets = vision.patch_buckets if vision is not None else ()
-    gib = exp.rl.mesh.device_memory_gib
-    device = gib * GiB if gib is not None else device_total()
-    trainer = abstract_trainer(exp, model)
-    plan = compiled_plan(exp, model, device_bytes=device, patch_buckets=buckets, trainer=trainer)
+        buckets = vision.patch_buckets if vision is not None else ()
+        gib = exp.rl.mesh.device_memory_gib
+        device = gib * GiB if gib is not None else device_total()
+        trainer = abstract_trainer(exp, model)
+        plan = compiled_plan(
+            exp, model, model_path=model_path, device_bytes=device, patch_buckets=buckets,
+            trainer=trainer,
+        )  # fmt: skip
     print("\n".join(plan.table()))
     if not args.measure:
         return 0

@@ -21,15 +21,19 @@ import argparse
 from typing import Any
 
 import jax
+import numpy as np
 
 from osworld_jax.batch import BatchBounds
 from osworld_jax.model import Qwen3MoeConfig
+from osworld_jax.model.params import param_specs
 from osworld_jax.model.serving import DEFAULT_MIN_BUCKET, CacheLayout, cache_layout
 from osworld_jax.rl.config import ExperimentConfig
 from osworld_jax.trainer.program_memory import (
     AUTOTUNE_RESERVE,
     MemoryPlan,
+    MemoryPlanError,
     Pool,
+    ProgramMemory,
     colocated_pool,
     trainer_pool,
     trainer_programs,
@@ -87,6 +91,7 @@ def compiled_plan(
     exp: ExperimentConfig,
     model: Qwen3MoeConfig,
     *,
+    model_path: Any,
     device_bytes: float | None,
     patch_buckets: tuple[int, ...] = (),
     trainer: Any = None,
@@ -97,6 +102,8 @@ def compiled_plan(
     Args:
       exp: the run's config.
       model: the policy's architecture.
+      model_path: its checkpoint directory (config.json; the server's programs compile in a
+        process of the server room's own).
       device_bytes: each device's memory (None: unknown, nothing is refused).
       patch_buckets: the per-row patch buckets of a VL run (`stages.vision_packing`).
       trainer: the run's `Trainer` (default: one over an abstract policy): its jitted
@@ -126,7 +133,7 @@ def compiled_plan(
     train = trainer_pool(trainer, programs, capacity=cap, reserve=reserve, capacity_knob=knob)
     if not embedded:
         return MemoryPlan((train,))
-    server = server_pool(exp, model, device_bytes, patch_buckets, reserve, colocated)
+    server = server_pool(exp, model, model_path, device_bytes, patch_buckets, reserve, colocated)
     if colocated:
         overlap = rl.max_staleness > 0
         return MemoryPlan((colocated_pool(train, server, capacity=device_bytes, overlap=overlap),))
@@ -136,22 +143,29 @@ def compiled_plan(
 def server_pool(
     exp: ExperimentConfig,
     model: Qwen3MoeConfig,
+    model_path: Any,
     device_bytes: float | None,
     patch_buckets: tuple[int, ...],
     reserve: int,
     colocated: bool,
 ) -> Pool:
     """The embedded server's pool: weights (twice), KV cache, its programs (compiled here)."""
-    from osworld_jax.rl.servers import memory_shares
-    from osworld_jax.server.program_memory import server_persistent, server_programs
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from osworld_jax.rl.servers import _cache_env, memory_shares
 
     args = embedded_flags(exp)
     layout = embedded_layout(exp, model)
     gpu = jax.default_backend() != "cpu"
     dtype = exp.server.dtype if exp.server.dtype != "auto" else ("bfloat16" if gpu else "float32")
-    programs = server_programs(
-        model,
-        layout,
+    request = dict(
+        model_path=str(model_path),
+        context_length=layout.context_length,
+        slots=layout.slots,
+        slot_len=layout.slot_len,
         dtype=dtype,
         min_bucket=args.min_bucket,
         max_prefill_batch=args.max_prefill_batch,
@@ -160,12 +174,29 @@ def server_pool(
         patches=max(patch_buckets, default=0),
         image_slots=exp.agent.max_screenshots,
     )
+    # The server room's own process (the client side never imports it), with the run's cache.
+    done = subprocess.run(
+        [sys.executable, "-m", "osworld_jax.server.program_memory", json.dumps(request)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **_cache_env(exp)},
+        check=False,
+    )
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise MemoryPlanError(f"memory plan: compiling the server's programs failed: {tail}")
+    programs = [ProgramMemory(**json.loads(line)) for line in done.stdout.splitlines() if line]
+    weights = sum(int(np.prod(s.shape)) for s in param_specs(model).values())
+    weights *= np.dtype(dtype).itemsize
+    kv = 2 * model.num_hidden_layers * layout.slots * layout.slot_len
+    kv *= model.num_key_value_heads * model.head_dim * np.dtype(dtype).itemsize
+    persistent = (("weights", weights), ("refit weights", weights), ("KV cache", kv))
     shares = memory_shares(exp.server)
     share = shares[0] if shares is not None and not colocated else 1.0
     return Pool(
         name="server",
         capacity=None if device_bytes is None else device_bytes * share,
-        persistent=server_persistent(model, layout, dtype),
+        persistent=persistent,
         programs=tuple(programs),
         reserve=reserve,
         capacity_knob=f"a larger {SHARE_KNOB}" if shares is not None else "",

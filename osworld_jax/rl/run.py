@@ -166,6 +166,7 @@ class RolloutResources(contextlib.ExitStack):
         plan = compiled_plan(
             exp,
             self.model_config,
+            model_path=self.model_path,
             device_bytes=total * 2**30 if total is not None else device_total(),
             patch_buckets=vision.patch_buckets if vision is not None else (),
         )
@@ -417,6 +418,7 @@ def validate(experiment: ExperimentConfig) -> list[str]:
       TrainerError: the step does not fit the device (with what would).
       ConfigError: the embedded server does not fit its share (with what would).
     """
+    from osworld_jax.rl.memory_plan import compiled_plan, on_accelerator
     from osworld_jax.rl.servers import check_server_fits, memory_shares
     from osworld_jax.trainer.memory import GiB, check_step_fits
 
@@ -441,8 +443,18 @@ def validate(experiment: ExperimentConfig) -> list[str]:
         model = Qwen3MoeConfig.from_json(model_path / "config.json")
         vision = stages.vision_packing(model, model_path, exp.agent)
         patches = max(vision.patch_buckets, default=0) if vision is not None else 0
-    from osworld_jax.rl.memory_plan import compiled_plan, on_accelerator
+        plan = None
+        if on_accelerator():  # compiled while the model dir (config.json) exists
+            from osworld_jax.rl.memory_plan import device_total
 
+            gib = exp.rl.mesh.device_memory_gib
+            plan = compiled_plan(
+                exp,
+                model,
+                model_path=model_path,
+                device_bytes=gib * GiB if gib is not None else device_total(),
+                patch_buckets=vision.patch_buckets if vision else (),
+            )
     compiled = on_accelerator()  # the compiled plan decides; the analytic one is shown
     rl, m = exp.rl, exp.rl.mesh
     rows = rl.num_logical_owners
@@ -484,9 +496,7 @@ def validate(experiment: ExperimentConfig) -> list[str]:
         where = "a random model the run builds" if exp.model.tiny_overrides else "the tiny model"
     of = "" if trainer_bytes is None else f" of {trainer_bytes / GiB:.1f} GiB"
     if compiled:
-        plan = compiled_plan(
-            exp, model, device_bytes=device, patch_buckets=vision.patch_buckets if vision else ()
-        )
+        assert plan is not None
         plan_lines = ["memory plan (compiled programs, GiB per device):", *plan.table()]
         plan.check()  # MemoryPlanError: one line naming the program, its peak and the knob
     else:

@@ -176,3 +176,29 @@ def server_persistent(model: Qwen3MoeConfig, layout: CacheLayout, dtype: str) ->
     kv = int(np.prod(shape)) * model.num_key_value_heads * model.head_dim
     kv *= np.dtype(dtype).itemsize
     return (("weights", weights), ("refit weights", weights), ("KV cache", kv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m osworld_jax.server.program_memory '<json>'``: the programs as JSON lines.
+
+    The run plans its server's programs in a process of the server's own (the client side
+    never imports the server room): the JSON holds ``model_path`` (a directory with
+    config.json), ``slots``, ``slot_len``, ``context_length`` and `server_programs`' keywords.
+    """
+    import dataclasses
+    import json
+    import sys
+    from pathlib import Path
+
+    args = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    model = Qwen3MoeConfig.from_json(Path(args.pop("model_path")) / "config.json")
+    layout = CacheLayout(args.pop("context_length"), args.pop("slots"), args.pop("slot_len"))
+    for p in server_programs(model, layout, **args):
+        print(json.dumps(dataclasses.asdict(p)))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
