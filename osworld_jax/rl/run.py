@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Self
 
+import jax
 import jax.numpy as jnp
 
 from osworld_jax.agent import AgentTokenizer
@@ -127,6 +128,7 @@ class RolloutResources(contextlib.ExitStack):
         self.model_config = Qwen3MoeConfig.from_json(self.model_path / "config.json")
         if not self.rolls_out:
             return
+        self._check_memory_plan()  # before the server starts and any weight is loaded
         urls = self._servers()
         self.tokenizer = AgentTokenizer.from_model_dir(self.model_path)
         # decodes the text when servers send none (SGLang with --skip-tokenizer-init)
@@ -140,6 +142,36 @@ class RolloutResources(contextlib.ExitStack):
         )
         self.callback(self.runner.run, self.client.aclose())
         self.agent_env = AgentEnv(backend, exp.env)
+
+    def _check_memory_plan(self) -> None:
+        """On an accelerator: compiles the run's programs and refuses a plan that does not fit.
+
+        Nothing is allocated yet, so the autotuner runs on a free device; with
+        ``RLConfig.compilation_cache_dir`` the trainer's first steps and the server load these
+        executables. On the CPU the train step checks its analytic estimate instead.
+        """
+        from osworld_jax.rl.memory_plan import compiled_plan, device_total, on_accelerator
+        from osworld_jax.rl.servers import compilation_cache
+
+        exp = self.experiment
+        if not on_accelerator():
+            return
+        if compilation_cache(exp) is None:
+            log.warning(
+                "memory plan: no RLConfig.compilation_cache_dir, so the run compiles its "
+                "programs again after the plan did (set it to compile each once)"
+            )
+        vision = stages.vision_packing(self.model_config, self.model_path, exp.agent)
+        total = exp.rl.mesh.device_memory_gib
+        plan = compiled_plan(
+            exp,
+            self.model_config,
+            model_path=self.model_path,
+            device_bytes=total * 2**30 if total is not None else device_total(),
+            patch_buckets=vision.patch_buckets if vision is not None else (),
+        )
+        log.info("memory plan (GiB per device):\n%s", "\n".join(plan.table()))
+        plan.check()  # MemoryPlanError (a ConfigError): one line, nothing started yet
 
     def _sandbox(self) -> SandboxConfig:
         """The sandbox config; a local backend's sandboxes' root is recorded in the lease."""
@@ -413,6 +445,7 @@ def validate(experiment: ExperimentConfig) -> list[str]:
       TrainerError: the step does not fit the device (with what would).
       ConfigError: the embedded server does not fit its share (with what would).
     """
+    from osworld_jax.rl.memory_plan import compiled_plan, on_accelerator
     from osworld_jax.rl.servers import check_server_fits, memory_shares
     from osworld_jax.trainer.memory import GiB, check_step_fits
 
@@ -437,15 +470,33 @@ def validate(experiment: ExperimentConfig) -> list[str]:
         model = Qwen3MoeConfig.from_json(model_path / "config.json")
         vision = stages.vision_packing(model, model_path, exp.agent)
         patches = max(vision.patch_buckets, default=0) if vision is not None else 0
+        plan = None
+        if on_accelerator():  # compiled while the model dir (config.json) exists
+            from osworld_jax.rl.memory_plan import device_total
+
+            gib = exp.rl.mesh.device_memory_gib
+            plan = compiled_plan(
+                exp,
+                model,
+                model_path=model_path,
+                device_bytes=gib * GiB if gib is not None else device_total(),
+                patch_buckets=vision.patch_buckets if vision else (),
+            )
+    compiled = on_accelerator()  # the compiled plan decides; the analytic one is shown
     rl, m = exp.rl, exp.rl.mesh
     rows = rl.num_logical_owners
     seq = max(rl.length_buckets, default=exp.agent.compaction.max_context_tokens)
     device = m.device_memory_gib * GiB if m.device_memory_gib is not None else None
+    if device is None and compiled:
+        from osworld_jax.rl.memory_plan import device_total
+
+        device = device_total()
+    analytic = None if compiled else device  # on the accelerator the compiled plan refuses
     shares = memory_shares(exp.server)
-    trainer_bytes = None if device is None else device * (shares[1] if shares else 1.0)
+    trainer_bytes = None if analytic is None else analytic * (shares[1] if shares else 1.0)
     lines = []
-    if device is not None and shares is not None:  # the server shares the trainer's device
-        lines.append(f"memory: the embedded server needs {check_server_fits(exp, model, device)}")
+    if analytic is not None and shares is not None:  # the server shares the trainer's device
+        lines.append(f"memory: the embedded server needs {check_server_fits(exp, model, analytic)}")
     try:
         est = check_step_fits(
             model,
@@ -471,6 +522,16 @@ def validate(experiment: ExperimentConfig) -> list[str]:
     if tiny:  # built by the run: the tiny model, or the random one of tiny_overrides' shapes
         where = "a random model the run builds" if exp.model.tiny_overrides else "the tiny model"
     of = "" if trainer_bytes is None else f" of {trainer_bytes / GiB:.1f} GiB"
+    if compiled:
+        assert plan is not None
+        plan_lines = ["memory plan (compiled programs, GiB per device):", *plan.table()]
+        plan.check()  # MemoryPlanError: one line naming the program, its peak and the knob
+    else:
+        plan_lines = [
+            "memory plan: the compiled programs' plan needs the run's accelerator (this "
+            f"machine runs jax on {jax.default_backend()}): the figures above are the analytic "
+            "estimate"
+        ]
     return [
         f"model: {where} ({model.num_hidden_layers} layers, {model.num_experts} experts)",
         f"preflight: ok (sandbox backend {exp.backend!r}, task set {exp.data.task_set!r})",
@@ -478,4 +539,5 @@ def validate(experiment: ExperimentConfig) -> list[str]:
         f"memory: one train step of {rows} rows x {seq} tokens"
         + (f" ({patches} image patches per row)" if patches else "")
         + f" needs ~{size}{of} per device (of {m.data * m.fsdp * m.expert * m.tensor})",
+        *plan_lines,
     ]

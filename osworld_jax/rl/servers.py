@@ -251,9 +251,16 @@ def _share_env(server: ServerConfig) -> dict[str, str]:
 CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 
 
+#: jax caches only programs that took at least this long to compile (default 1 s): every
+#: program of a run is cached, so a second run compiles none (the server's many small buckets).
+MIN_COMPILE_TIME_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
+
+
 def _cache_env(exp: ExperimentConfig) -> dict[str, str]:
     d = compilation_cache(exp)
-    return {} if d is None else {CACHE_ENV: d}
+    if d is None:
+        return {}
+    return {CACHE_ENV: d, MIN_COMPILE_TIME_ENV: os.environ.get(MIN_COMPILE_TIME_ENV, "0")}
 
 
 def compilation_cache(exp: ExperimentConfig) -> str | None:
@@ -292,6 +299,8 @@ def use_compilation_cache(exp: ExperimentConfig) -> None:
     Path(d).mkdir(parents=True, exist_ok=True)
     compile_cache.repair(d)
     jax.config.update("jax_compilation_cache_dir", d)
+    if MIN_COMPILE_TIME_ENV not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def server_problems(exp: ExperimentConfig) -> list[str]:

@@ -329,6 +329,32 @@ class Trainer:
         device, shardings = self._device_batch(batch)
         return self._functions(shardings)[0], device
 
+    def lower(self, program: str, batch: Batch, *, old_logprobs: bool = False) -> Any:
+        """The jitted ``"train_step"`` or ``"logprobs"`` lowered for an abstract device batch.
+
+        ``batch`` holds ``jax.ShapeDtypeStruct`` fields (`program_memory.abstract_batch`); they
+        take `batch_shardings` and the step takes ``abstract_state``, under the trainer's mesh,
+        exactly as `train_step` / `logprobs` call the same jitted functions: the compiled
+        program is the run's (a persistent compilation cache hands it to the first real call).
+        ``old_logprobs``: the step's form with pi_old (``num_minibatches > 1``).
+        """
+        shardings = self.batch_shardings(batch)
+        fns = self._functions(shardings)
+        args = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), batch, shardings
+        )
+        rows = batch.tokens.shape
+        with jax.set_mesh(self.mesh):
+            if program == "logprobs":
+                return fns[1].lower(self.abstract_state.params, args)
+            if program != "train_step":
+                raise TrainerError(f"Trainer.lower: unknown program {program!r}")
+            old = first = None
+            if old_logprobs:
+                old = jax.ShapeDtypeStruct(rows, jnp.float32, sharding=self._rows)
+                first = jax.ShapeDtypeStruct((), jnp.bool_, sharding=self._replicated)
+            return fns[0].lower(self.abstract_state, args, old, first)
+
     @collective("logprobs")  # multi-host: bounded, named (trainer.distributed)
     def logprobs(self, params: Params, batch: Batch) -> jax.Array:
         """Forward-only token logprobs f32[R, T] (aligned to ``batch.tokens``), e.g. pi_old.

@@ -1,0 +1,30 @@
+"""The embedded server's programs in the memory plan (abstract weights and cache, CPU)."""
+
+from __future__ import annotations
+
+from osworld_jax.model.serving import cache_layout
+from osworld_jax.server.program_memory import (
+    abstract_params,
+    prefill_buckets,
+    prefill_rows,
+    server_persistent,
+    server_programs,
+)
+from osworld_jax.trainer.program_memory import device_bytes
+from tests.tiny import TINY
+
+
+def test_prefill_and_decode_donate_the_cache_and_keep_the_weights_once():
+    layout = cache_layout(TINY, max_running_requests=2, context_length=32, max_total_tokens=None)
+    assert prefill_buckets(layout, 16) == (16, 32)
+    assert prefill_rows(16, 8) == 8 and prefill_rows(8192, 8) == 1
+    progs = server_programs(TINY, layout, dtype="float32", max_prefill_batch=1, buckets=[16])
+    assert [p.name for p in progs] == ["prefill 1x16", "decode 2x32"]
+    weights = device_bytes(abstract_params(TINY, "float32"))
+    (_, w), (_, refit), (_, kv) = server_persistent(TINY, layout, "float32")
+    assert w == refit == weights
+    assert kv == 2 * TINY.num_hidden_layers * 2 * 32 * TINY.num_key_value_heads * TINY.head_dim * 4
+    for p in progs:
+        assert p.persistent == weights + kv  # the weights and the cache are its arguments
+        assert p.aliased == kv  # the donated cache is updated in place
+        assert p.arguments >= weights + kv and p.transient > 0
