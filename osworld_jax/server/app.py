@@ -67,7 +67,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         )
         await resp.prepare(request)
         while sub.pending:
-            i, out, done = await sub.next()
+            i, out, done = await sub.next(request)
             if batch:
                 out["index"] = i
             await resp.write(f"data: {json.dumps(out)}\n\n".encode())

@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from osworld_jax.server.refit_check import (
     checkpoint_signature,
     first_difference,
 )
-from osworld_jax.server.requests import TOP_K_ALL, EngineConfig, GenRequest, build_request
+from osworld_jax.server.requests import TOP_K_ALL, EngineConfig, GenRequest, build_request, num_top
 from osworld_jax.server.runner import (
     MAX_BANNED,
     MAX_TOP_LOGPROBS,
@@ -431,7 +431,11 @@ class Engine:
         admitted: list[GenRequest] = []
         while self.waiting and None in self.slots:
             req = self.waiting.popleft()
-            self._place(req)
+            try:
+                self._place(req)
+            except Exception as e:  # a value of this request: it alone fails
+                self._fail([req], e)
+                continue
             admitted.append(req)
         # Same prefill shape (suffix bucket, attention window, images or not) -> one batched
         # call (at most max_prefill_batch rows).
@@ -449,15 +453,18 @@ class Engine:
                 try:
                     self._prefill(chunk, step)
                 except Exception as e:  # only the requests of this prefill fail
-                    log.exception("prefill of %s failed", [r.rid for r in chunk])
-                    for r in chunk:
-                        if r.finish is None:
-                            slot = r.slot
-                            r.num_route_rows = 0  # its rows may be half written: keep none
-                            self._finish(r, {"type": "abort", "message": f"engine error: "
-                                             f"{type(e).__name__}: {e}"})  # fmt: skip
-                            if slot is not None:
-                                self.prefix.drop(slot)
+                    self._fail(chunk, e)
+
+    def _fail(self, reqs: list[GenRequest], e: Exception) -> None:
+        """Aborts ``reqs`` after an error of their own (not the batch's); keeps none of its rows."""
+        log.exception("requests %s failed", [r.rid for r in reqs])
+        reason = {"type": "abort", "message": f"engine error: {type(e).__name__}: {e}"}
+        for r in reqs:
+            if r.finish is None:
+                slot, r.num_route_rows = r.slot, 0  # its rows may be half written
+                self._finish(r, dict(reason))
+                if slot is not None:
+                    self.prefix.drop(slot)
 
     def _place(self, req: GenRequest) -> None:
         """Puts ``req`` into a free slot.
@@ -489,8 +496,8 @@ class Engine:
         req.slot = slot
         self._temp[slot], self._top_p[slot] = req.temperature, req.top_p
         self._top_k[slot], self._min_p[slot] = req.top_k, req.min_p
-        self._lp_temp[slot] = req.logprob_temperature
-        self._keys[slot] = req.key
+        self._lp_temp[slot], self._keys[slot] = req.logprob_temperature, req.key
+        self._banned(req)  # a bad stop id fails here (this request only), not in a decode step
 
     def _key(self, req: GenRequest) -> np.ndarray:
         """Prefix-cache keys of ``req``'s tokens (prompt, then output ids)."""
@@ -516,7 +523,7 @@ class Engine:
             samp,
             max_rows,
             images,
-            _num_top(reqs),
+            num_top(reqs),
             [r.match for r in reqs],
         )
         for req, prompt, res in zip(reqs, prompts, results, strict=True):
@@ -542,10 +549,7 @@ class Engine:
         live = [i for i, r in enumerate(self.slots) if r is not None]
         b = min(self.runner.num_slots, next_pow2(max(live) + 1, self.config.min_decode_batch))
         reqs = self.slots[:b]
-        tokens = np.zeros(b, np.int32)
-        positions = np.zeros(b, np.int32)
-        rope = np.zeros(b, np.int32)
-        active = np.zeros(b, np.int32)
+        tokens, positions, rope, active = (np.zeros(b, np.int32) for _ in range(4))
         for i in live:
             r = reqs[i]
             assert r is not None
@@ -554,7 +558,7 @@ class Engine:
             rope[i] = positions[i] + r.rope_delta
             active[i] = 1
         toks, lps, routes, (top_ids, top_lps) = self.runner.decode(
-            tokens, positions, active, self._sampling(slice(0, b), reqs), rope, _num_top(reqs)
+            tokens, positions, active, self._sampling(slice(0, b), reqs), rope, num_top(reqs)
         )
         self.num_decode_steps += 1
         for i in live:
@@ -562,7 +566,10 @@ class Engine:
             assert r is not None
             r.routes.append(routes[i : i + 1])
             r.num_route_rows += 1
-            self._append(r, int(toks[i]), float(lps[i]), (top_ids[i], top_lps[i]))
+            try:
+                self._append(r, int(toks[i]), float(lps[i]), (top_ids[i], top_lps[i]))
+            except Exception as e:  # its stop check: this request alone fails
+                self._fail([r], e)
 
     def _append(
         self, req: GenRequest, tok: int, lp: float, top: tuple[np.ndarray, np.ndarray]
@@ -591,9 +598,3 @@ class Engine:
             self._finish(req, reason)
         else:
             self._notify(req, False)
-
-
-def _num_top(reqs: Sequence[GenRequest | None]) -> int:
-    """Top logprobs a step computes: all of `MAX_TOP_LOGPROBS` if any request asks, else 0."""
-    wants = any(r is not None and r.return_logprob and r.top_logprobs_num for r in reqs)
-    return MAX_TOP_LOGPROBS if wants else 0
