@@ -125,7 +125,7 @@ async def parse_body_requests(
     engine: Engine,
     limits: ServerLimits,
     budget: ImageBudget | None = None,
-    names: dict[str, str] | None = None,
+    field_names: dict[str, str] | None = None,
 ) -> tuple[list[GenRequest], bool, bool]:
     """A ``/generate`` body's requests: text tokenized and images read and processed in threads.
 
@@ -134,7 +134,7 @@ async def parse_body_requests(
     ``--max-request-image-pixels`` and the server's ``budget`` (checked from the headers before
     any pixel is decoded), and stay reserved until each request is prefilled or finished
     (`Submission` releases them). Every image is decoded completely and its token count taken
-    from the decoded pixels before a request reaches the engine. ``names``: see
+    from the decoded pixels before a request reaches the engine. ``field_names``: see
     `parse_generate`.
 
     Raises:
@@ -174,7 +174,7 @@ async def parse_body_requests(
         except ImageRequestError as e:
             raise BadRequest(str(e)) from None
     try:
-        reqs, batch, stream = parse_generate(body, engine, limits, tokenized, images, names)
+        reqs, batch, stream = parse_generate(body, engine, limits, tokenized, images, field_names)
     except BaseException:
         if hold is not None:
             hold.release()

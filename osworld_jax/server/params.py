@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -23,7 +23,19 @@ from osworld_jax.server.runner import MAX_BANNED
 
 if TYPE_CHECKING:
     from osworld_jax.server.engine import Engine
-    from osworld_jax.server.protocol import ServerLimits
+
+
+class StopLimits(Protocol):
+    """The stop-string limits of `osworld_jax.server.protocol.ServerLimits`."""
+
+    @property
+    def max_stop_strings(self) -> int:
+        """Most stop strings of a request."""
+
+    @property
+    def max_stop_length(self) -> int:
+        """Longest stop string, in characters."""
+
 
 #: Largest float32 (temperatures live in float32 arrays on the device).
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -103,7 +115,7 @@ def _or(v: Any, default: Any) -> Any:
     return default if v is None else v
 
 
-def _check_stop(sp: dict[str, Any], name: str, engine: Engine, limits: ServerLimits) -> list[str]:
+def _check_stop(sp: dict[str, Any], name: str, engine: Engine, limits: StopLimits) -> list[str]:
     stop = _or(sp.get("stop"), [])
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
@@ -141,7 +153,7 @@ def _check_stop_ids(v: Any, name: str, vocab: int) -> list[int]:
 def check_sampling(
     sp: Any,
     engine: Engine,
-    limits: ServerLimits,
+    limits: StopLimits,
     prefix: str = "sampling_params.",
     names: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
@@ -150,7 +162,7 @@ def check_sampling(
     Args:
       sp: the ``sampling_params`` object of one request.
       engine: the served engine (vocabulary, tokenizer, EOS ids).
-      limits: the server's `ServerLimits` (stop strings).
+      limits: the server's `ServerLimits` (its stop-string limits).
       prefix: what messages put before a key's name (``sampling_params[3].`` in a batch; the
         OpenAI routes' keys are top-level: "").
       names: wire names of renamed keys (the OpenAI routes' ``max_tokens``, ``seed``, ...).

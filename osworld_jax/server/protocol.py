@@ -253,12 +253,12 @@ def parse_generate(
     limits: ServerLimits,
     tokenized: list[list[int]] | None = None,
     images: list[RequestImages | None] | None = None,
-    names: dict[str, str] | None = None,
+    field_names: dict[str, str] | None = None,
 ) -> tuple[list[GenRequest], bool, bool]:
     """Validates a ``/generate`` body; returns (requests, is_batch, stream).
 
     Every sampling and logprob value is checked here, once (`check_sampling`): nothing of a
-    request can fail in the engine thread. ``names``: the wire names of renamed fields in
+    request can fail in the engine thread. ``field_names``: the wire names of renamed fields in
     messages (the OpenAI routes send ``max_tokens`` as ``max_new_tokens``: their keys).
 
     ``tokenized`` holds the token ids of the body's ``text`` prompts (see `prompt_texts`);
@@ -303,11 +303,14 @@ def parse_generate(
     r_starts = _per_item(body, "routed_experts_start_len", n, batch, 0)
     tops = _per_item(body, "top_logprobs_num", n, batch, 0)
     reqs = []
-    key = (lambda k, i: f"{k}[{i}]") if batch else (lambda k, i: k)
-    name = (lambda k: k) if names is None else (lambda k: names.get(k, k))
+
+    def indexed(k: str, i: int) -> str:
+        return f"{k}[{i}]" if batch else k
+
+    renamed = field_names or {}
     for i, prompt in enumerate(prompts):
-        prefix = "" if names is not None else f"{key('sampling_params', i)}."
-        sampling = check_sampling(sps[i], engine, limits, prefix, names)
+        prefix = "" if field_names is not None else f"{indexed('sampling_params', i)}."
+        sampling = check_sampling(sps[i], engine, limits, prefix, field_names)
         rid = rids[i]
         if rid is not None and not isinstance(rid, str):
             raise BadRequest(f"rid must be a string, got {rid!r}")
@@ -315,15 +318,20 @@ def parse_generate(
             raise BadRequest("return_logprob / return_routed_experts must be bools")
         # As SGLang's scheduler: each start is checked only when its output is requested.
         lp_start = lp_starts[i] if lps[i] else -1
-        where = key(name("logprob_start_len"), i)
+        where = indexed(renamed.get("logprob_start_len", "logprob_start_len"), i)
         int_in(lp_start, f"{where} (the prompt has {len(prompt)} tokens)", -1, len(prompt))
         r_start = r_starts[i] if routed[i] else 0
-        where = key(name("routed_experts_start_len"), i)
+        where = indexed("routed_experts_start_len", i)
         int_in(r_start, f"{where} (the prompt has {len(prompt)} tokens)", 0, len(prompt))
         if routed[i] and not engine.config.enable_return_routed_experts:
             raise BadRequest("return_routed_experts needs --enable-return-routed-experts")
         top = tops[i] if lps[i] else 0
-        int_in(top, key(name("top_logprobs_num"), i), 0, MAX_TOP_LOGPROBS)
+        int_in(
+            top,
+            indexed(renamed.get("top_logprobs_num", "top_logprobs_num"), i),
+            0,
+            MAX_TOP_LOGPROBS,
+        )
         reqs.append(
             engine.make_request(
                 rid=rid,

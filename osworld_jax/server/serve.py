@@ -114,7 +114,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="with --model-path tiny: the text or the screenshot model",
     )
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=Number(int, 1, 65535), default=30000)
+    p.add_argument("--port", type=Number(int, 0, 65535), default=30000, help="0: any free port")
     p.add_argument("--enable-return-routed-experts", action="store_true")
     p.add_argument("--max-running-requests", type=_count(1 << 16), default=16)
     p.add_argument("--weight-version", default="default")
