@@ -112,6 +112,7 @@ def compiled_plan(
     """
     from osworld_jax.rl.servers import memory_shares
 
+    colocated = colocated or exp.server.launch == "colocated"
     trainer = trainer if trainer is not None else abstract_trainer(exp, model)
     rl = exp.rl
     lengths = rl.length_buckets or (exp.agent.compaction.max_context_tokens,)
@@ -126,7 +127,7 @@ def compiled_plan(
     gpu = jax.default_backend() != "cpu"
     reserve = AUTOTUNE_RESERVE if gpu else 0
     shares = memory_shares(exp.server)
-    embedded = exp.server.launch == "embedded"
+    embedded = exp.server.launch in ("embedded", "colocated")
     trainer_share = shares[1] if shares is not None and not colocated else 1.0
     cap = None if device_bytes is None else device_bytes * trainer_share
     knob = SHARE_KNOB if shares is not None else ""
@@ -174,18 +175,22 @@ def server_pool(
         patches=max(patch_buckets, default=0),
         image_slots=exp.agent.max_screenshots,
     )
-    # The server room's own process (the client side never imports it), with the run's cache.
-    done = subprocess.run(
-        [sys.executable, "-m", "osworld_jax.server.program_memory", json.dumps(request)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **_cache_env(exp)},
-        check=False,
-    )
-    if done.returncode != 0:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise MemoryPlanError(f"memory plan: compiling the server's programs failed: {tail}")
-    programs = [ProgramMemory(**json.loads(line)) for line in done.stdout.splitlines() if line]
+    if colocated:  # the server shares this process (and its device): compile here
+        from osworld_jax.server.colocated import server_program_memory
+
+        programs = [ProgramMemory(**p) for p in server_program_memory(request)]
+    else:  # the server room's own process (its own device share), with the run's cache
+        done = subprocess.run(
+            [sys.executable, "-m", "osworld_jax.server.program_memory", json.dumps(request)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **_cache_env(exp)},
+            check=False,
+        )
+        if done.returncode != 0:
+            tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise MemoryPlanError(f"memory plan: compiling the server's programs failed: {tail}")
+        programs = [ProgramMemory(**json.loads(line)) for line in done.stdout.splitlines() if line]
     weights = sum(int(np.prod(s.shape)) for s in param_specs(model).values())
     weights *= np.dtype(dtype).itemsize
     kv = 2 * model.num_hidden_layers * layout.slots * layout.slot_len

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from osworld_jax.contract.refit import DIGEST_KEY, STAGED_FORMAT
 from osworld_jax.server import info, openai_api
-from osworld_jax.server.engine import Engine, GenRequest, Refit
+from osworld_jax.server.engine import Engine, GenRequest
 from osworld_jax.server.http_base import (
     ARGS_KEY,
     BUDGET_KEY,
@@ -41,6 +41,7 @@ from osworld_jax.server.images import ImageBudget
 from osworld_jax.server.protocol import BadRequest, ServerLimits
 from osworld_jax.server.refit_check import CheckpointMismatch, checkpoint_signature
 from osworld_jax.server.staging import Staging
+from osworld_jax.server.weights import Refit
 
 #: The in-process staging area of a colocated server (None: a server of its own process).
 STAGING_KEY: web.AppKey[Staging | None] = web.AppKey("staging")
@@ -72,7 +73,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         )
         await resp.prepare(request)
         while sub.pending:
-            i, out, done = await sub.next()
+            i, out, done = await sub.next(request)
             if batch:
                 out["index"] = i
             await resp.write(f"data: {json.dumps(out)}\n\n".encode())

@@ -192,3 +192,19 @@ class ColocatedServer:
             expected_digest=expected_digest,
             label="staged in-process arrays",
         )
+
+
+def server_program_memory(request: dict[str, Any]) -> list[dict[str, Any]]:
+    """The server's compiled programs' memory in this process (a colocated server's plan).
+
+    ``request`` is what ``python -m osworld_jax.server.program_memory`` takes (``model_path``,
+    the cache layout and `server_programs`' keywords); returns one dict per program.
+    """
+    from osworld_jax.model import Qwen3MoeConfig
+    from osworld_jax.model.serving import CacheLayout
+    from osworld_jax.server.program_memory import server_programs
+
+    args = dict(request)
+    model = Qwen3MoeConfig.from_json(Path(args.pop("model_path")) / "config.json")
+    layout = CacheLayout(args.pop("context_length"), args.pop("slots"), args.pop("slot_len"))
+    return [dataclasses.asdict(p) for p in server_programs(model, layout, **args)]

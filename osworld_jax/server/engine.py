@@ -17,25 +17,21 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from osworld_jax.contract.errors import EngineError
-from osworld_jax.model.digest import params_digest
 from osworld_jax.server.memory import check_fits, engine_layout
 from osworld_jax.server.model_files import eos_ids, load_processor, load_tokenizer
 from osworld_jax.server.prefix_cache import PrefixCache, prefix_key
 from osworld_jax.server.refit_check import (
-    CheckpointMismatch,
-    CheckpointSignature,
     check_checkpoint_files,
     checkpoint_signature,
-    first_difference,
 )
-from osworld_jax.server.requests import TOP_K_ALL, EngineConfig, GenRequest, build_request
+from osworld_jax.server.requests import TOP_K_ALL, EngineConfig, GenRequest, build_request, num_top
 from osworld_jax.server.runner import (
     MAX_BANNED,
     MAX_TOP_LOGPROBS,
@@ -43,28 +39,18 @@ from osworld_jax.server.runner import (
     SlotSampling,
     next_pow2,
 )
+from osworld_jax.server.weights import EngineWeights
 
 __all__ = ["Engine", "EngineConfig", "GenRequest"]
 
 log = logging.getLogger(__name__)
 
 
-class Refit(NamedTuple):
-    """What a refit did: ``success``, ``message``, requests running when it began, and the
-    digest of the weights now served (`osworld_jax.model.digest.params_digest`; None when the
-    refit failed)."""  # noqa: D205, D209
-
-    success: bool
-    message: str
-    num_paused_requests: int = 0
-    digest: str | None = None
-
-
 #: Batched prefills hold at most this many (padded) tokens.
 PREFILL_BATCH_TOKENS = 8192
 
 
-class Engine:
+class Engine(EngineWeights):
     """Continuous-batching generation over `ModelRunner` (see module docstring).
 
     Args:
@@ -333,75 +319,6 @@ class Engine:
 
         return self._call(run)
 
-    def update_weights(
-        self,
-        model_path: str,
-        weight_version: str | None,
-        abort_all: bool,
-        signature: CheckpointSignature | None = None,
-    ) -> concurrent.futures.Future[Refit]:
-        """Loads ``model_path`` between steps (``/update_weights_from_disk``).
-
-        A checkpoint whose config or tensor names / shapes differ from the served one is
-        refused before anything is aborted or loaded (the message names the first
-        difference); on any failure the served weights stay as they were. ``signature``: the
-        checkpoint's, read beforehand off the engine thread (the HTTP handler does, with a
-        deadline); else it is read here.
-        """
-
-        def run() -> Refit:
-            running = sum(r is not None for r in self.slots)
-            try:
-                new = signature or checkpoint_signature(model_path)
-                check_checkpoint_files(model_path)  # still regular files, just before loading
-            except CheckpointMismatch as e:
-                return Refit(False, f"refused {model_path}: {e}", running)
-            diff = first_difference(self.signature, new)
-            if diff is not None:
-                return Refit(False, f"refused {model_path}: {diff} (still serving the old weights)")
-            if abort_all:
-                self._abort_matching(lambda r: True, "aborted by /update_weights_from_disk")
-            try:
-                self.runner.load_weights(model_path)
-            except Exception as e:
-                why = f"failed to load {model_path}: {type(e).__name__}: {e}"
-                return Refit(False, why, running)
-            self.model_path, self.signature = str(model_path), new
-            return self._refitted(weight_version, running)
-
-        return self._call(run)
-
-    def update_weights_from_params(
-        self, params: Any, weight_version: str | None, abort_all: bool
-    ) -> concurrent.futures.Future[Refit]:
-        """Serves ``params`` between steps: arrays handed over in this process, no file.
-
-        ``params`` must have the served tree's structure, shapes and dtypes (else refused, the
-        first difference named, the served weights kept); they are placed on the served
-        parameters' devices (`ModelRunner.swap_params`: no copy where they already are).
-        """
-
-        def run() -> Refit:
-            running = sum(r is not None for r in self.slots)
-            try:
-                self.runner.check_params(params)
-            except EngineError as e:
-                return Refit(False, f"refused: {e} (still serving the old weights)")
-            if abort_all:
-                self._abort_matching(lambda r: True, "aborted by /update_weights_from_tensor")
-            self.runner.swap_params(params)
-            return self._refitted(weight_version, running)
-
-        return self._call(run)
-
-    def _refitted(self, weight_version: str | None, running: int) -> Refit:
-        """After new weights are in place (engine thread): forget old KV, name the version."""
-        self.prefix.clear()  # kept KV belongs to the old weights
-        if weight_version is not None:
-            self.weight_version = weight_version
-        digest = params_digest(self.runner.params)
-        return Refit(True, "Succeeded to update model weights.", running, digest)
-
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
         """Runs ``fn`` on the engine thread between steps (e.g. to read a consistent state)."""
         return self._call(fn)
@@ -473,7 +390,11 @@ class Engine:
         admitted: list[GenRequest] = []
         while self.waiting and None in self.slots:
             req = self.waiting.popleft()
-            self._place(req)
+            try:
+                self._place(req)
+            except Exception as e:  # a value of this request: it alone fails
+                self._fail([req], e)
+                continue
             admitted.append(req)
         # Same prefill shape (suffix bucket, attention window, images or not) -> one batched
         # call (at most max_prefill_batch rows).
@@ -491,15 +412,18 @@ class Engine:
                 try:
                     self._prefill(chunk, step)
                 except Exception as e:  # only the requests of this prefill fail
-                    log.exception("prefill of %s failed", [r.rid for r in chunk])
-                    for r in chunk:
-                        if r.finish is None:
-                            slot = r.slot
-                            r.num_route_rows = 0  # its rows may be half written: keep none
-                            self._finish(r, {"type": "abort", "message": f"engine error: "
-                                             f"{type(e).__name__}: {e}"})  # fmt: skip
-                            if slot is not None:
-                                self.prefix.drop(slot)
+                    self._fail(chunk, e)
+
+    def _fail(self, reqs: list[GenRequest], e: Exception) -> None:
+        """Aborts ``reqs`` after an error of their own (not the batch's); keeps none of its rows."""
+        log.exception("requests %s failed", [r.rid for r in reqs])
+        reason = {"type": "abort", "message": f"engine error: {type(e).__name__}: {e}"}
+        for r in reqs:
+            if r.finish is None:
+                slot, r.num_route_rows = r.slot, 0  # its rows may be half written
+                self._finish(r, dict(reason))
+                if slot is not None:
+                    self.prefix.drop(slot)
 
     def _place(self, req: GenRequest) -> None:
         """Puts ``req`` into a free slot.
@@ -531,8 +455,8 @@ class Engine:
         req.slot = slot
         self._temp[slot], self._top_p[slot] = req.temperature, req.top_p
         self._top_k[slot], self._min_p[slot] = req.top_k, req.min_p
-        self._lp_temp[slot] = req.logprob_temperature
-        self._keys[slot] = req.key
+        self._lp_temp[slot], self._keys[slot] = req.logprob_temperature, req.key
+        self._banned(req)  # a bad stop id fails here (this request only), not in a decode step
 
     def _key(self, req: GenRequest) -> np.ndarray:
         """Prefix-cache keys of ``req``'s tokens (prompt, then output ids)."""
@@ -558,7 +482,7 @@ class Engine:
             samp,
             max_rows,
             images,
-            _num_top(reqs),
+            num_top(reqs),
             [r.match for r in reqs],
         )
         for req, prompt, res in zip(reqs, prompts, results, strict=True):
@@ -584,10 +508,7 @@ class Engine:
         live = [i for i, r in enumerate(self.slots) if r is not None]
         b = min(self.runner.num_slots, next_pow2(max(live) + 1, self.config.min_decode_batch))
         reqs = self.slots[:b]
-        tokens = np.zeros(b, np.int32)
-        positions = np.zeros(b, np.int32)
-        rope = np.zeros(b, np.int32)
-        active = np.zeros(b, np.int32)
+        tokens, positions, rope, active = (np.zeros(b, np.int32) for _ in range(4))
         for i in live:
             r = reqs[i]
             assert r is not None
@@ -596,7 +517,7 @@ class Engine:
             rope[i] = positions[i] + r.rope_delta
             active[i] = 1
         toks, lps, routes, (top_ids, top_lps) = self.runner.decode(
-            tokens, positions, active, self._sampling(slice(0, b), reqs), rope, _num_top(reqs)
+            tokens, positions, active, self._sampling(slice(0, b), reqs), rope, num_top(reqs)
         )
         self.num_decode_steps += 1
         for i in live:
@@ -604,7 +525,10 @@ class Engine:
             assert r is not None
             r.routes.append(routes[i : i + 1])
             r.num_route_rows += 1
-            self._append(r, int(toks[i]), float(lps[i]), (top_ids[i], top_lps[i]))
+            try:
+                self._append(r, int(toks[i]), float(lps[i]), (top_ids[i], top_lps[i]))
+            except Exception as e:  # its stop check: this request alone fails
+                self._fail([r], e)
 
     def _append(
         self, req: GenRequest, tok: int, lp: float, top: tuple[np.ndarray, np.ndarray]
@@ -633,9 +557,3 @@ class Engine:
             self._finish(req, reason)
         else:
             self._notify(req, False)
-
-
-def _num_top(reqs: Sequence[GenRequest | None]) -> int:
-    """Top logprobs a step computes: all of `MAX_TOP_LOGPROBS` if any request asks, else 0."""
-    wants = any(r is not None and r.return_logprob and r.top_logprobs_num for r in reqs)
-    return MAX_TOP_LOGPROBS if wants else 0

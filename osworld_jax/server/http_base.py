@@ -121,7 +121,11 @@ def too_large(request: web.Request, size: int | None) -> web.Response:
 
 
 async def parse_body_requests(
-    body: Any, engine: Engine, limits: ServerLimits, budget: ImageBudget | None = None
+    body: Any,
+    engine: Engine,
+    limits: ServerLimits,
+    budget: ImageBudget | None = None,
+    field_names: dict[str, str] | None = None,
 ) -> tuple[list[GenRequest], bool, bool]:
     """A ``/generate`` body's requests: text tokenized and images read and processed in threads.
 
@@ -130,7 +134,8 @@ async def parse_body_requests(
     ``--max-request-image-pixels`` and the server's ``budget`` (checked from the headers before
     any pixel is decoded), and stay reserved until each request is prefilled or finished
     (`Submission` releases them). Every image is decoded completely and its token count taken
-    from the decoded pixels before a request reaches the engine.
+    from the decoded pixels before a request reaches the engine. ``field_names``: see
+    `parse_generate`.
 
     Raises:
       BadRequest: naming the field, the request and the image, or the exceeded limit.
@@ -169,7 +174,7 @@ async def parse_body_requests(
         except ImageRequestError as e:
             raise BadRequest(str(e)) from None
     try:
-        reqs, batch, stream = parse_generate(body, engine, limits, tokenized, images)
+        reqs, batch, stream = parse_generate(body, engine, limits, tokenized, images, field_names)
     except BaseException:
         if hold is not None:
             hold.release()
@@ -218,9 +223,23 @@ class Submission:
 
         return notify
 
-    async def next(self) -> tuple[int, dict[str, Any], bool]:
-        """The next (request index, reply so far, finished) event."""
-        i, out, done = await self._events.get()
+    async def next(self, request: web.Request | None = None) -> tuple[int, dict[str, Any], bool]:
+        """The next (request index, reply so far, finished) event.
+
+        With ``request`` (a streaming handler's), a client that goes away while no event comes
+        (its requests queued, prefilling, paused, or their text held back) is noticed within
+        ``DISCONNECT_POLL_S``: `ConnectionResetError`, and the handler aborts its requests.
+        """
+        while self._events.empty() and request is not None:  # no timer while events flow
+            try:
+                async with asyncio.timeout(DISCONNECT_POLL_S):
+                    i, out, done = await self._events.get()
+                break
+            except TimeoutError:
+                if _disconnected(request):
+                    raise ConnectionResetError("the client disconnected") from None
+        else:
+            i, out, done = await self._events.get()
         if done:
             self.pending.discard(i)
         return i, out, done

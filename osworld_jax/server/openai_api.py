@@ -52,6 +52,7 @@ from osworld_jax.server.http_base import (
     ready_engine,
 )
 from osworld_jax.server.openai_protocol import (
+    NAMES,
     bool_field,
     chat_body,
     chat_logprobs,
@@ -67,6 +68,9 @@ from osworld_jax.server.openai_protocol import (
 from osworld_jax.server.protocol import BadRequest
 
 _TEMPLATE_KEY: web.AppKey[dict[str, Any]] = web.AppKey("openai_templates", dict)
+# 400 messages name the fields as these routes spell them
+_COMPLETION_NAMES = {**NAMES, "top_logprobs_num": "logprobs"}
+_CHAT_NAMES = {**NAMES, "top_logprobs_num": "top_logprobs"}
 
 
 def openai_error(status: int, message: str, kind: str = "BadRequest") -> web.Response:
@@ -87,7 +91,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         gen["stream"] = stream
         echoes = echo_texts(engine, body["prompt"]) if echo else None
         reqs, _, _ = await parse_body_requests(
-            gen, engine, request.app[LIMITS_KEY], request.app[BUDGET_KEY]
+            gen, engine, request.app[LIMITS_KEY], request.app[BUDGET_KEY], _COMPLETION_NAMES
         )
     except _Refused as e:
         return e.response
@@ -151,7 +155,7 @@ async def _stream_completions(
     finals: dict[int, dict[str, Any]] = {}
     last_id = ""
     while sub.pending:
-        i, r, done = await sub.next()
+        i, r, done = await sub.next(request)
         meta = r["meta_info"]
         last_id = meta["id"]
         first = i not in sent
@@ -197,15 +201,18 @@ async def _stream_completions(
 
 def _template(app: web.Application, engine: Any) -> tuple[ChatTemplate, dict[str, Any]]:
     """(chat template, generation defaults) of the served model, cached per model path."""
-    cache = app[_TEMPLATE_KEY]
-    if cache.get("path") != engine.config.model_path:
-        template = ChatTemplate.from_model_dir(engine.config.model_path)
-        cache.update(
-            path=engine.config.model_path,
-            template=template,
-            defaults=generation_defaults(engine.config.model_path),
-        )
-    return cache["template"], cache["defaults"]
+    cache, path = app[_TEMPLATE_KEY], engine.config.model_path
+    entry = cache.get("entry")
+    if entry is None or entry[0] != path:  # one tuple: threads see a whole entry or none
+        entry = (path, ChatTemplate.from_model_dir(path), generation_defaults(path))
+        cache["entry"] = entry
+    return entry[1], entry[2]
+
+
+def _chat_body(app: web.Application, engine: Any, body: dict[str, Any], limit: float) -> Any:
+    """`chat_body` with the served model's template (in a thread: loading and rendering it)."""
+    template, defaults = _template(app, engine)
+    return chat_body(body, template, defaults, engine.context_length, limit)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -215,16 +222,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         body = await _object_body(request)
         if engine.tokenizer is None:
             raise BadRequest("chat completions need the tokenizer (not --skip-tokenizer-init)")
-        template, defaults = _template(request.app, engine)
         limit = request.app[LIMITS_KEY].chat_template_timeout_s
         # off the event loop, with a deadline: a template from a checkpoint may loop for ever
-        gen = await asyncio.to_thread(
-            chat_body, body, template, defaults, engine.context_length, limit
-        )
+        gen = await asyncio.to_thread(_chat_body, request.app, engine, body, limit)
         stream, include_usage = bool_field(body, "stream"), stream_usage(body)
         gen["stream"] = stream
         reqs, _, _ = await parse_body_requests(
-            gen, engine, request.app[LIMITS_KEY], request.app[BUDGET_KEY]
+            gen, engine, request.app[LIMITS_KEY], request.app[BUDGET_KEY], _CHAT_NAMES
         )
     except _Refused as e:
         return e.response
@@ -292,7 +296,7 @@ async def _stream_chat(
 
     await _send(resp, chunk(delta={"role": "assistant", "content": ""}))
     while sub.pending:
-        _, r, done = await sub.next()
+        _, r, done = await sub.next(request)
         meta = r["meta_info"]
         text = _stable(r["text"], done)
         delta = text[sent:]

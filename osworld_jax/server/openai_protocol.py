@@ -18,7 +18,7 @@ import jinja2.nodes
 
 from osworld_jax.model.chat_template import ChatTemplate
 from osworld_jax.model.errors import ChatTemplateError
-from osworld_jax.server.protocol import BadRequest
+from osworld_jax.server.params import INT64, BadRequest, int_in
 from osworld_jax.server.runner import MAX_TOP_LOGPROBS
 
 #: Sampling keys of a chat request that default to the checkpoint's generation_config.json.
@@ -40,15 +40,14 @@ PASSTHROUGH = (
 )
 
 
+#: The wire names of the ``sampling_params`` keys these routes rename (in 400 messages).
+NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
+
+
 def int_field(body: dict[str, Any], key: str, default: Any, lo: int, hi: int | None = None) -> Any:
     """``body[key]``: an int in ``[lo, hi]``, or ``default`` when absent / null."""
     v = body.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
-        bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
-        raise BadRequest(f"{key} must be an int {bound}, got {v!r}")
-    return v
+    return default if v is None else int_in(v, key, lo, INT64[1] if hi is None else hi)
 
 
 def bool_field(body: dict[str, Any], key: str) -> bool:
@@ -240,11 +239,23 @@ def content_format(source: str) -> str:
 ROLES = ("system", "user", "assistant", "tool", "function", "developer")
 
 
-def chat_messages(body: dict[str, Any], fmt: str) -> tuple[list[dict[str, Any]], list[str], str]:
-    """(template messages, image strings in order, assistant prefix) of a chat request."""
+def chat_messages(
+    body: dict[str, Any], fmt: str, context_length: int | None = None
+) -> tuple[list[dict[str, Any]], list[str], str]:
+    """(template messages, image strings in order, assistant prefix) of a chat request.
+
+    More messages than ``context_length`` cannot fit (each one's turn markers take at least a
+    token): refused before any is copied or rendered (900,000 empty messages would otherwise
+    hold the GIL for seconds in allocations and garbage collection).
+    """
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("Messages cannot be empty.")
+    if context_length is not None and len(messages) > context_length:
+        raise BadRequest(
+            f"messages: {len(messages)} messages cannot fit the model's context length "
+            f"({context_length} tokens; each message takes at least one)"
+        )
     out: list[dict[str, Any]] = []
     images: list[str] = []
     for k, m in enumerate(messages):
@@ -354,7 +365,7 @@ def chat_body(
       timeout_s: longest the template may render (`ChatTemplate.render`).
     """
     fmt = content_format(template.source)
-    messages, images, prefix = chat_messages(body, fmt)
+    messages, images, prefix = chat_messages(body, fmt, context_length)
     choice = body.get("tool_choice")
     if choice not in (None, "auto", "none"):
         raise BadRequest(f"tool_choice {choice!r} is not supported by this server (auto | none)")
@@ -377,8 +388,8 @@ def chat_body(
         raise BadRequest(str(e)) from None
     top = int_field(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
     sp = sampling_params(body, defaults)
-    max_new = body.get("max_completion_tokens") or body.get("max_tokens")
-    sp["max_new_tokens"] = int_field({"max_tokens": max_new}, "max_tokens", context_length, 1)
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    sp["max_new_tokens"] = int_field(body, key, context_length, 1)
     gen: dict[str, Any] = {
         "text": prompt + prefix,
         "sampling_params": sp,

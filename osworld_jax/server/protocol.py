@@ -11,6 +11,7 @@ the neutral value of every optional parameter, ``logprob_start_len`` is ignored 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -24,7 +25,13 @@ from osworld_jax.server.images import (
     expand_image_tokens,
     normalize_image_data,
 )
-from osworld_jax.server.runner import MAX_BANNED, MAX_TOP_LOGPROBS
+from osworld_jax.server.params import (
+    BadRequest,
+    check_sampling,
+    int_in,
+    is_neutral,
+)
+from osworld_jax.server.runner import MAX_TOP_LOGPROBS
 
 if TYPE_CHECKING:
     from osworld_jax.server.engine import Engine, GenRequest
@@ -77,21 +84,15 @@ class ServerLimits:
     refit_read_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in (
-            "max_request_bytes",
-            "max_json_depth",
-            "max_json_values",
-            "max_stop_strings",
-            "max_stop_length",
-            "max_image_pixels",
-            "max_images_per_request",
-            "max_request_image_pixels",
-            "max_server_image_pixels",
-            "chat_template_timeout_s",
-            "refit_read_timeout_s",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ServerLimits.{name} must be >= 1, got {getattr(self, name)}")
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, float):  # timeouts
+                if not (math.isfinite(v) and v > 0):
+                    raise ValueError(f"ServerLimits.{f.name} must be finite and above 0, got {v}")
+            elif not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(
+                    f"ServerLimits.{f.name} must be an integer of at least 1, got {v!r}"
+                )
 
     @property
     def images(self) -> ImageLimits:
@@ -104,38 +105,11 @@ class ServerLimits:
         )
 
 
-class BadRequest(ValueError):
-    """A malformed request body (HTTP 400)."""
-
-
-SAMPLING_KEYS = {
-    "max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
-    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
-    "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
-    "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval",
-    "logit_bias", "sampling_seed", "stop_regex", "beam_width", "watermark",
-}  # fmt: skip
-# Keys the embedded engine does not implement: accepted only at their neutral value (None and
-# empty containers / strings are neutral too, as in SGLang's ``SamplingParams``).
-NEUTRAL: dict[str, Any] = {
-    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "n": 1,
-    "json_schema": None, "regex": None, "ebnf": None, "structural_tag": None, "logit_bias": None,
-    "stop_regex": None, "beam_width": None, "watermark": None,
-}  # fmt: skip
 REQUEST_NEUTRAL: dict[str, Any] = {
     "audio_data": None, "video_data": None, "input_embeds": None,
     "token_ids_logprob": None, "lora_path": None,
     "custom_logit_processor": None, "return_hidden_states": False,
 }  # fmt: skip
-
-
-def _is_neutral(value: Any, neutral: Any) -> bool:
-    """None, an empty list / object / string, or ``neutral`` itself (bools only equal bools)."""
-    if value is None or (isinstance(value, list | dict | str) and not value):
-        return True
-    if isinstance(value, bool) != isinstance(neutral, bool):
-        return False
-    return bool(value == neutral)
 
 
 def json_depth_exceeds(obj: Any, limit: int) -> bool:
@@ -184,112 +158,6 @@ def parse_body(raw: bytes, limits: ServerLimits, *, optional: bool = False) -> A
     if isinstance(body, list | dict) and json_depth_exceeds(body, limits.max_json_depth):
         raise BadRequest(f"the body nests deeper than {limits.max_json_depth} levels")
     return body
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _num(d: dict[str, Any], key: str, default: float) -> float:
-    v = d.get(key, default)
-    v = default if v is None else v
-    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
-        raise BadRequest(f"sampling_params.{key} must be a finite number, got {v!r}")
-    return float(v)
-
-
-def _check_stop(sp: dict[str, Any], engine: Engine, limits: ServerLimits) -> list[str]:
-    stop = sp.get("stop")
-    stop = [] if stop is None else stop
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise BadRequest("sampling_params.stop must be a string or a list of strings")
-    if len(stop) > limits.max_stop_strings:
-        raise BadRequest(
-            f"sampling_params.stop has {len(stop)} strings, at most {limits.max_stop_strings} "
-            "are allowed"
-        )
-    for s in stop:
-        if not s:
-            raise BadRequest("sampling_params.stop strings must be non-empty")
-        if len(s) > limits.max_stop_length:
-            raise BadRequest(
-                f"sampling_params.stop string of {len(s)} characters exceeds the limit of "
-                f"{limits.max_stop_length}"
-            )
-    if stop and engine.tokenizer is None:
-        raise BadRequest(
-            f"sampling_params.stop={stop[:3]!r} is unavailable with --skip-tokenizer-init (it "
-            "needs the tokenizer to decode the output)"
-        )
-    return stop
-
-
-def check_sampling(sp: Any, engine: Engine, limits: ServerLimits) -> dict[str, Any]:
-    """SGLang's ``SamplingParams`` normalisation and ``verify`` plus the engine's limits."""
-    if sp is None:
-        sp = {}
-    if not isinstance(sp, dict):
-        raise BadRequest(f"sampling_params must be an object, got {type(sp).__name__}")
-    unknown = sorted(set(sp) - SAMPLING_KEYS)
-    if unknown:
-        raise BadRequest(f"unknown sampling_params keys {unknown}")
-    for key, neutral in NEUTRAL.items():
-        if key in sp and not _is_neutral(sp[key], neutral):
-            raise BadRequest(f"sampling_params.{key}={sp[key]!r} is not supported by this server")
-    t = _num(sp, "temperature", 1.0)
-    if t < 0:
-        raise BadRequest(f"sampling_params.temperature must be non-negative, got {t}")
-    top_p = _num(sp, "top_p", 1.0)
-    if not 0.0 < top_p <= 1.0:
-        raise BadRequest(f"sampling_params.top_p must be in (0, 1], got {top_p}")
-    min_p = _num(sp, "min_p", 0.0)
-    if not 0.0 <= min_p <= 1.0:
-        raise BadRequest(f"sampling_params.min_p must be in [0, 1], got {min_p}")
-    top_k = sp.get("top_k", -1)
-    top_k = -1 if top_k is None else top_k
-    if not _is_int(top_k) or (top_k != -1 and top_k < 1):
-        raise BadRequest(f"sampling_params.top_k must be -1 (disable) or >= 1, got {top_k!r}")
-    max_new = sp.get("max_new_tokens", 128)
-    max_new = 128 if max_new is None else max_new
-    if not _is_int(max_new) or max_new < 0:
-        raise BadRequest(f"sampling_params.max_new_tokens must be at least 0, got {max_new!r}")
-    min_new = sp.get("min_new_tokens") or 0
-    if not _is_int(min_new) or not 0 <= min_new <= max_new:
-        raise BadRequest(
-            f"sampling_params.min_new_tokens must be in [0, max_new_tokens], got {min_new!r}"
-        )
-    if min_new and engine.tokenizer is None:
-        raise BadRequest(
-            "sampling_params.min_new_tokens is unavailable with --skip-tokenizer-init (as in "
-            "SGLang)"
-        )
-    stop = _check_stop(sp, engine, limits)
-    stop_ids = sp.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
-        raise BadRequest("sampling_params.stop_token_ids must be a list of ints")
-    if min_new and len(set(stop_ids) | set(engine.eos_ids)) > MAX_BANNED:
-        raise BadRequest(f"min_new_tokens supports at most {MAX_BANNED} stop + EOS ids")
-    seed = sp.get("sampling_seed")
-    if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**63):
-        raise BadRequest(f"sampling_params.sampling_seed must be a 64-bit int, got {seed!r}")
-    for key in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
-        if key in sp and sp[key] is not None and not isinstance(sp[key], bool):
-            raise BadRequest(f"sampling_params.{key} must be a bool")
-    return {
-        "temperature": t,
-        "top_p": top_p,
-        "top_k": top_k,
-        "min_p": min_p,
-        "max_new_tokens": max_new,
-        "min_new_tokens": min_new,
-        "stop": stop,
-        "stop_token_ids": stop_ids,
-        "ignore_eos": bool(sp.get("ignore_eos") or False),
-        "skip_special_tokens": sp.get("skip_special_tokens") is not False,
-        "no_stop_trim": bool(sp.get("no_stop_trim") or False),
-        "sampling_seed": seed,
-    }
 
 
 def _per_item(body: dict[str, Any], key: str, n: int, batch: bool, default: Any) -> list[Any]:
@@ -385,8 +253,13 @@ def parse_generate(
     limits: ServerLimits,
     tokenized: list[list[int]] | None = None,
     images: list[RequestImages | None] | None = None,
+    field_names: dict[str, str] | None = None,
 ) -> tuple[list[GenRequest], bool, bool]:
     """Validates a ``/generate`` body; returns (requests, is_batch, stream).
+
+    Every sampling and logprob value is checked here, once (`check_sampling`): nothing of a
+    request can fail in the engine thread. ``field_names``: the wire names of renamed fields in
+    messages (the OpenAI routes send ``max_tokens`` as ``max_new_tokens``: their keys).
 
     ``tokenized`` holds the token ids of the body's ``text`` prompts (see `prompt_texts`);
     ``images`` each request's processed images (`image_items` read in a thread with
@@ -396,7 +269,7 @@ def parse_generate(
     """
     texts = prompt_texts(body, engine)
     for key, neutral in REQUEST_NEUTRAL.items():
-        if key in body and not _is_neutral(body[key], neutral):
+        if key in body and not is_neutral(body[key], neutral):
             raise BadRequest(f"{key} is not supported by this server")
     if texts is None:
         ids = body["input_ids"]
@@ -430,8 +303,14 @@ def parse_generate(
     r_starts = _per_item(body, "routed_experts_start_len", n, batch, 0)
     tops = _per_item(body, "top_logprobs_num", n, batch, 0)
     reqs = []
+
+    def indexed(k: str, i: int) -> str:
+        return f"{k}[{i}]" if batch else k
+
+    renamed = field_names or {}
     for i, prompt in enumerate(prompts):
-        sampling = check_sampling(sps[i], engine, limits)
+        prefix = "" if field_names is not None else f"{indexed('sampling_params', i)}."
+        sampling = check_sampling(sps[i], engine, limits, prefix, field_names)
         rid = rids[i]
         if rid is not None and not isinstance(rid, str):
             raise BadRequest(f"rid must be a string, got {rid!r}")
@@ -439,23 +318,20 @@ def parse_generate(
             raise BadRequest("return_logprob / return_routed_experts must be bools")
         # As SGLang's scheduler: each start is checked only when its output is requested.
         lp_start = lp_starts[i] if lps[i] else -1
-        if not _is_int(lp_start) or not -1 <= lp_start <= len(prompt):
-            raise BadRequest(
-                f"logprob_start_len must be -1 or in [0, {len(prompt)}], got {lp_start!r}"
-            )
+        where = indexed(renamed.get("logprob_start_len", "logprob_start_len"), i)
+        int_in(lp_start, f"{where} (the prompt has {len(prompt)} tokens)", -1, len(prompt))
         r_start = r_starts[i] if routed[i] else 0
-        if not _is_int(r_start) or not 0 <= r_start <= len(prompt):
-            raise BadRequest(
-                f"routed_experts_start_len must be in [0, {len(prompt)}] (the prompt length), "
-                f"got {r_start!r}"
-            )
+        where = indexed("routed_experts_start_len", i)
+        int_in(r_start, f"{where} (the prompt has {len(prompt)} tokens)", 0, len(prompt))
         if routed[i] and not engine.config.enable_return_routed_experts:
             raise BadRequest("return_routed_experts needs --enable-return-routed-experts")
         top = tops[i] if lps[i] else 0
-        if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise BadRequest(
-                f"top_logprobs_num must be an int in [0, {MAX_TOP_LOGPROBS}], got {top!r}"
-            )
+        int_in(
+            top,
+            indexed(renamed.get("top_logprobs_num", "top_logprobs_num"), i),
+            0,
+            MAX_TOP_LOGPROBS,
+        )
         reqs.append(
             engine.make_request(
                 rid=rid,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +15,7 @@ import numpy as np
 
 from osworld_jax.contract.sampling import GREEDY_EPS, logprob_temperature
 from osworld_jax.server.images import RequestImages
+from osworld_jax.server.runner import MAX_TOP_LOGPROBS
 
 #: ``top_k`` of a request that keeps every token (SGLang's -1).
 TOP_K_ALL = 1 << 30
@@ -172,8 +173,9 @@ def build_request(
     """A `GenRequest` of already validated wire values (`osworld_jax.server.protocol`).
 
     SGLang's conventions: a temperature below ``GREEDY_EPS`` is greedy (temperature 1, top-k
-    1), ``top_k = -1`` is every token, a ``sampling_seed`` (int64, negatives wrap) fixes the
-    request's key (else ``rng`` draws one), ``max_new_tokens`` is clamped to what fits
+    1), ``top_k = -1`` (or any beyond ``TOP_K_ALL``) is every token, a ``sampling_seed`` (int64,
+    negatives wrap) fixes the request's key (else ``rng`` draws one), ``max_new_tokens`` is
+    clamped to what fits
     ``context_length``. ``tokenizer`` (None: no stop strings are matched) sizes the window of
     output tokens decoded to look for stop strings.
     """
@@ -184,8 +186,7 @@ def build_request(
     )
     if temperature < GREEDY_EPS:  # SGLang: greedy == temperature 1 with top_k 1
         temperature, top_k = 1.0, 1
-    if top_k == -1:
-        top_k = TOP_K_ALL
+    top_k = TOP_K_ALL if top_k == -1 else min(top_k, TOP_K_ALL)  # int32 on the device
     seed = sampling.get("sampling_seed")
     if seed is None:
         key = rng.integers(0, 2**32, size=2, dtype=np.uint32)
@@ -222,3 +223,9 @@ def build_request(
     if stop and tokenizer is not None:
         req.stop_window = 2 + max(len(tokenizer.encode(s).ids) for s in stop)
     return req
+
+
+def num_top(reqs: Sequence[GenRequest | None]) -> int:
+    """Top logprobs a step computes: all of `MAX_TOP_LOGPROBS` if any request asks, else 0."""
+    wants = any(r is not None and r.return_logprob and r.top_logprobs_num for r in reqs)
+    return MAX_TOP_LOGPROBS if wants else 0

@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import signal
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from aiohttp import web
 
@@ -43,9 +44,61 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "false").lower() in ("true", "1")
 
 
+class Number:
+    """An argparse type: an int or a finite float in ``[lo, hi]`` (``(lo, hi]`` if ``lo_open``).
+
+    A malformed or out-of-range value is refused while the flags are parsed (before anything
+    loads), in one line naming the bound it violates.
+    """
+
+    def __init__(self, kind: type, lo: float, hi: float, *, lo_open: bool = False) -> None:
+        self.kind, self.lo, self.hi, self.lo_open = kind, lo, hi, lo_open
+
+    def __call__(self, text: str) -> Any:
+        """The value of ``text``, or `argparse.ArgumentTypeError` saying what is wrong."""
+        try:
+            v = self.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"invalid {self.kind.__name__} value: {text!r}"
+            ) from None
+        if not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if v < self.lo or (self.lo_open and v == self.lo):
+            bound = "greater than" if self.lo_open else "at least"
+            raise argparse.ArgumentTypeError(f"must be {bound} {self.lo}, got {text}")
+        if v > self.hi:
+            raise argparse.ArgumentTypeError(f"must be at most {self.hi}, got {text}")
+        return v
+
+
+def _count(hi: int = 1 << 40) -> Number:
+    return Number(int, 1, hi)
+
+
+#: Every timeout: seconds, finite, above 0 (31 years at most).
+SECONDS = Number(float, 0.0, 1e9, lo_open=True)
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Bad flags end in one line on stderr (``error: --flag: ...``) and exit 2, as argparse."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("argument "):  # "argument --port: ..." -> "--port: ..."
+            flag, _, rest = message[len("argument ") :].partition(": ")
+            message = f"{flag.split('/')[-1]}: {rest}"
+        self.exit(2, f"error: {message}\n")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parses the launch flags."""
-    p = argparse.ArgumentParser(
+    """Parses the launch flags; each numeric one is checked against its range here.
+
+    Raises:
+      SystemExit: 2 after one line on stderr naming the flag, for a malformed, non-finite or
+        out-of-range value (before anything loads).
+    """
+    p = _OneLineParser(
         prog="python -m osworld_jax.server.serve",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -62,13 +115,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="with --model-path tiny: the text or the screenshot model",
     )
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--port", type=Number(int, 0, 65535), default=30000, help="0: any free port")
     p.add_argument("--enable-return-routed-experts", action="store_true")
-    p.add_argument("--max-running-requests", type=int, default=16)
+    p.add_argument("--max-running-requests", type=_count(1 << 16), default=16)
     p.add_argument("--weight-version", default="default")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default="auto")
-    p.add_argument("--context-length", type=int, default=None)
-    p.add_argument("--max-total-tokens", type=int, default=None)
+    p.add_argument(
+        "--context-length",
+        type=Number(int, 2, 1 << 24),
+        default=None,
+        help="tokens per request, prompt + output (a prompt needs room for one output token)",
+    )
+    p.add_argument("--max-total-tokens", type=_count(), default=None)
     p.add_argument(
         "--expert-backend", default=None, help="auto | dense | ragged | pallas_gmm | tokamax"
     )
@@ -85,10 +143,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="layers under lax.scan (faster compiles of deep models); auto: on accelerators",
     )
-    p.add_argument("--random-seed", type=int, default=0)
-    p.add_argument("--min-bucket", type=int, default=DEFAULT_MIN_BUCKET)
-    p.add_argument("--min-decode-batch", type=int, default=1)
-    p.add_argument("--max-prefill-batch", type=int, default=8)
+    p.add_argument("--random-seed", type=Number(int, 0, 2**63 - 1), default=0)
+    p.add_argument("--min-bucket", type=_count(1 << 20), default=DEFAULT_MIN_BUCKET)
+    p.add_argument("--min-decode-batch", type=_count(1 << 16), default=1)
+    p.add_argument("--max-prefill-batch", type=_count(1 << 16), default=8)
     p.add_argument(
         "--return-original-logprob",
         action="store_true",
@@ -110,43 +168,51 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     limits = ServerLimits()
     p.add_argument(
         "--max-request-bytes",
-        type=int,
+        type=_count(),
         default=limits.max_request_bytes,
         help="larger bodies get HTTP 413",
     )
     p.add_argument(
         "--max-json-depth",
-        type=int,
+        type=_count(1024),
         default=limits.max_json_depth,
         help="deeper-nested bodies get HTTP 400",
     )
     p.add_argument(
         "--max-json-values",
-        type=int,
+        type=_count(),
         default=limits.max_json_values,
         help="bodies with more values (numbers, strings) get HTTP 400 before they are parsed",
     )
-    p.add_argument("--max-stop-strings", type=int, default=limits.max_stop_strings)
+    p.add_argument("--max-stop-strings", type=_count(1 << 20), default=limits.max_stop_strings)
     p.add_argument(
         "--max-stop-length",
-        type=int,
+        type=_count(1 << 20),
         default=limits.max_stop_length,
         help="longest stop string in characters",
     )
     p.add_argument(
         "--max-image-pixels",
-        type=int,
+        type=_count(),
         default=limits.max_image_pixels,
         help="largest image (width x height, read from its header before decoding)",
     )
-    p.add_argument("--max-images-per-request", type=int, default=limits.max_images_per_request)
-    p.add_argument("--max-request-image-pixels", type=int, default=limits.max_request_image_pixels)
-    p.add_argument("--max-server-image-pixels", type=int, default=limits.max_server_image_pixels)
-    p.add_argument("--chat-template-timeout-s", type=float, default=limits.chat_template_timeout_s)
-    p.add_argument("--refit-read-timeout-s", type=float, default=limits.refit_read_timeout_s)
-    p.add_argument("--stall-timeout-s", type=float, default=300.0, help="/health 503 after this")
+    p.add_argument(
+        "--max-images-per-request", type=_count(1 << 20), default=limits.max_images_per_request
+    )
+    p.add_argument(
+        "--max-request-image-pixels", type=_count(), default=limits.max_request_image_pixels
+    )
+    p.add_argument(
+        "--max-server-image-pixels", type=_count(), default=limits.max_server_image_pixels
+    )
+    p.add_argument(
+        "--chat-template-timeout-s", type=SECONDS, default=limits.chat_template_timeout_s
+    )
+    p.add_argument("--refit-read-timeout-s", type=SECONDS, default=limits.refit_read_timeout_s)
+    p.add_argument("--stall-timeout-s", type=SECONDS, default=300.0, help="/health 503 after this")
     p.add_argument("--skip-server-warmup", action="store_true", help="accepted for parity")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="info")
     args = p.parse_args(argv)
     try:
         server_limits(args)
@@ -230,7 +296,11 @@ async def serve(
     holder = app[ENGINE_KEY]
     runner = web.AppRunner(app)
     await runner.setup()
-    await web.TCPSite(runner, args.host, args.port).start()
+    try:
+        await web.TCPSite(runner, args.host, args.port).start()
+    except OSError as e:  # taken port, unknown host: one line, as a bad flag
+        await runner.cleanup()
+        raise ListenError(f"--port {args.port}: cannot listen on {args.host}: {e}") from None
     port = runner.addresses[0][1]  # the port bound (``--port 0``: a free one)
     url = f"http://{args.host}:{port}"
     log.info("listening on %s (loading %s)", url, args.model_path)
@@ -266,6 +336,10 @@ class EngineStartError(RuntimeError):
     """The engine failed to load or warm up after the port opened."""
 
 
+class ListenError(RuntimeError):
+    """The port could not be opened (nothing was loaded)."""
+
+
 def model_path_problem(path: str, *, skip_tokenizer_init: bool = False) -> str | None:
     """None when ``path`` is a checkpoint the engine can load, else what is wrong (one line)."""
     p = Path(path).expanduser()
@@ -283,7 +357,11 @@ def model_path_problem(path: str, *, skip_tokenizer_init: bool = False) -> str |
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: 0 after a signal, 1 when the engine fails to start, 2 for a bad flag."""
+    """Entry point: 0 after a signal, 1 when the engine fails to start, 2 for a bad flag.
+
+    A bad flag (malformed, non-finite, out of range, a port that cannot be opened) is one line
+    on stderr, ``error: --flag: ...``, before any model loads.
+    """
     args = parse_args(argv)
     level = args.log_level.upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -303,6 +381,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             asyncio.run(serve(args))
         except EngineStartError:
             return 1
+        except ListenError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -158,9 +158,9 @@ def test_each_distinct_image_is_decoded_once_and_the_pixels_are_budgeted(vl_engi
     seen_images = []
     real_parse = http_base.parse_generate
 
-    def spy(body, engine, limits, tokenized, images):
+    def spy(body, engine, limits, tokenized, images, *rest):
         seen_images.extend(images or [])
-        return real_parse(body, engine, limits, tokenized, images)
+        return real_parse(body, engine, limits, tokenized, images, *rest)
 
     monkeypatch.setattr(http_base, "parse_generate", spy)
     image = b64(png(2, 64, 64))
