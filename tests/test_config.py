@@ -35,7 +35,7 @@ BASES = ["osworld_flash_b8n8_r3.gin", "osworld_flash_b17n16_r3.gin"]
 FRAGMENTS = ["grpo.gin", "dr_grpo.gin", "reinforce_baseline.gin", "flash_reinforce.gin"]
 FRAGMENTS += ["sglang_servers.gin"]  # tests/rl/test_servers.py
 FRAGMENTS += ["text_only.gin"]
-FRAGMENTS += ["gpu_1x_h200.gin"]  # tests/rl/test_gpu_recipe.py
+FRAGMENTS += ["gpu_1x_h200.gin", "gpu_1x_h100.gin"]  # tests/rl/test_gpu_recipe.py
 # Mesh presets (tests/trainer/test_mesh_presets.py: each trains as one device does).
 MESH_PRESETS = [f"mesh_{n}gpu.gin" for n in (1, 2, 4, 8)]
 FRAGMENTS += MESH_PRESETS

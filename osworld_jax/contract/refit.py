@@ -24,7 +24,9 @@ No jax here: the digests are computed by the model room on either side.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -199,3 +201,20 @@ class StreamedWeights:
     def describe(self) -> str:
         """One line for logs and errors."""
         return self.label
+
+
+def update_problem(
+    step: UpdateStep, status: int, text: str, expected_digest: str | None
+) -> str | None:
+    """None when an update request's reply (``status``, body ``text``) says it worked and its
+    weights digest (if any) agrees with ``expected_digest``; else the problem in one line."""  # noqa: D205, D209
+    reply: Any = None
+    with contextlib.suppress(ValueError):
+        reply = json.loads(text)
+    ok = status == 200 and (
+        not step.expect_success or (isinstance(reply, dict) and bool(reply.get("success")))
+    )
+    if not ok:
+        return f"{step.endpoint} answered {status}: {text[:300]}"
+    problem = check_digest(reply, expected_digest) if isinstance(reply, dict) else None
+    return None if problem is None else f"{step.endpoint}: {problem}"

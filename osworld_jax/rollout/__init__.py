@@ -19,7 +19,7 @@ from osworld_jax.contract.errors import (
     ServerUnavailable,
 )
 from osworld_jax.contract.routes import decode_routed_experts, encode_routed_experts
-from osworld_jax.rollout.client import ServerState, SGLangClient
+from osworld_jax.rollout.client import SGLangClient
 from osworld_jax.rollout.config import (
     LoadBalancer,
     RolloutConfig,
@@ -36,6 +36,7 @@ from osworld_jax.rollout.launch import (
     launch_embedded,
     launch_sglang,
 )
+from osworld_jax.rollout.state import ServerState
 from osworld_jax.rollout.wire import Generation, Reply, parse_reply, stitch
 
 __all__ = [

@@ -12,12 +12,10 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-import json
 import logging
 import random
 import uuid
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -35,44 +33,15 @@ from osworld_jax.contract.refit import (
     StreamedWeights,
     UpdateStep,
     Weights,
-    check_digest,
+    update_problem,
 )
 from osworld_jax.rollout.config import RolloutConfig, SamplingParams
+from osworld_jax.rollout.state import ServerState
 from osworld_jax.rollout.wire import Generation, Reply, parse_reply, stitch
 
 log = logging.getLogger(__name__)
 
 _RETRIABLE = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError)
-
-
-@dataclass(kw_only=True)
-class ServerState:
-    """What the client knows about one server.
-
-    Attributes:
-      url: base URL.
-      outstanding: requests in flight to it from this client.
-      healthy: its last ``/health`` probe (or request) succeeded.
-      in_rotation: False after a failed refit (it may hold old weights) until a refit succeeds.
-      weight_version: its last reported weight version (None before the first probe).
-      last_error: the last failure seen, for diagnostics.
-      dispatched: ``/generate`` attempts sent to it (retries included), for load metrics.
-      failed: attempts to it that failed with a connection error, timeout or 5xx.
-    """
-
-    url: str
-    outstanding: int = 0
-    dispatched: int = 0
-    failed: int = 0
-    healthy: bool = True
-    in_rotation: bool = True
-    weight_version: str | None = None
-    last_error: str | None = None
-
-    @property
-    def usable(self) -> bool:
-        """Healthy and in rotation."""
-        return self.healthy and self.in_rotation
 
 
 class _Retriable(Exception):
@@ -104,7 +73,7 @@ class SGLangClient:
     ) -> None:
         if urls is not None:
             urls = (urls,) if isinstance(urls, str) else tuple(urls)
-            config = _replace_urls(config, urls)
+            config = dataclasses.replace(config, urls=urls)
         self.config = config
         self.detokenize = detokenize
         self.media_token_ids = frozenset(int(t) for t in media_token_ids)
@@ -353,13 +322,15 @@ class SGLangClient:
                 break
             if produced >= sampling.max_new_tokens and parts:
                 # Aborted exactly at the length limit: the turn is complete, not truncated.
-                parts[-1] = _with_finish(parts[-1], {"type": "length", "length": produced})
+                parts[-1] = dataclasses.replace(
+                    parts[-1], finish_reason={"type": "length", "length": produced}
+                )
                 break
             media = [t for t in reply.output_ids if t in media_ids]
             if media:
-                parts[-1] = _with_finish(
+                parts[-1] = dataclasses.replace(
                     parts[-1],
-                    {
+                    finish_reason={
                         "type": "stop",
                         "matched": media[0],
                         "message": "aborted after a generated media token: not resubmitted",
@@ -543,17 +514,9 @@ class SGLangClient:
             status, text = await request
         else:
             (status, text), _ = await asyncio.gather(request, asyncio.to_thread(step.during))
-        reply: Any = None
-        with contextlib.suppress(ValueError):
-            reply = json.loads(text)
-        ok = status == 200 and (
-            not step.expect_success or (isinstance(reply, dict) and bool(reply.get("success")))
-        )
-        if not ok:
-            raise RolloutError(f"{step.endpoint} answered {status}: {text[:300]}")
-        problem = check_digest(reply, digest) if isinstance(reply, dict) else None
+        problem = update_problem(step, status, text, digest)
         if problem is not None:
-            raise RolloutError(f"{step.endpoint}: {problem}")
+            raise RolloutError(problem)
 
     async def refit(
         self, weights: Weights | StreamedWeights | str, weight_version: str
@@ -612,11 +575,3 @@ class SGLangClient:
                 assert self._server_ready is not None
                 async with self._server_ready:
                     self._server_ready.notify_all()
-
-
-def _with_finish(reply: Reply, finish: dict[str, Any]) -> Reply:
-    return dataclasses.replace(reply, finish_reason=finish)
-
-
-def _replace_urls(config: RolloutConfig, urls: tuple[str, ...]) -> RolloutConfig:
-    return dataclasses.replace(config, urls=urls)

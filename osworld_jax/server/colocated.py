@@ -7,7 +7,8 @@ hand-over: the trainer casts its parameters to the served dtype on the device an
 (`ColocatedServer.stage`), and the usual refit requests (pause -> flush -> update -> continue)
 name the staged handle in ``/update_weights_from_tensor`` (`STAGED_FORMAT`): the engine swaps
 its parameter tree for the staged one between two steps, no file, no host copy, and no second
-copy where the layouts agree (`ModelRunner.swap_params`). See docs/DESIGN.md "Refit".
+copy where the layouts agree (`EngineWeights.update_weights_from_params`). See docs/DESIGN.md
+"Refit".
 
 It behaves like a `osworld_jax.rollout.launch.ServerProcess` for the run (``spawn``,
 ``wait_ready``, ``stop``, ``url``), so a `ServerGroup` holds it like a subprocess.

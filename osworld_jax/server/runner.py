@@ -337,37 +337,6 @@ class ModelRunner:
                     raise EngineError(f"{model_path}: {group}.{name} {v.shape} != {old.shape}")
         self.params = new
 
-    def check_params(self, params: Any) -> None:
-        """Raises `EngineError` naming the first way ``params`` is not the served tree."""
-        have = jax.tree_util.tree_flatten_with_path(self.params)[0]
-        try:
-            got = jax.tree_util.tree_flatten_with_path(params)[0]
-        except Exception as e:  # not a tree of arrays at all
-            raise EngineError(f"the new weights are not a parameter tree ({e})") from None
-        names = {jax.tree_util.keystr(p): v for p, v in got}
-        for path, old in have:
-            key = jax.tree_util.keystr(path)
-            new = names.pop(key, None)
-            if new is None:
-                raise EngineError(f"the new weights have no {key}")
-            if tuple(new.shape) != tuple(old.shape) or new.dtype != old.dtype:
-                raise EngineError(
-                    f"{key} is {new.dtype}{list(new.shape)}, the served one "
-                    f"{old.dtype}{list(old.shape)}"
-                )
-        if names:
-            raise EngineError(f"the new weights have {sorted(names)[0]}, which the model has not")
-
-    def swap_params(self, params: Any) -> None:
-        """Serves ``params`` (checked by `check_params`), placed as the served ones are.
-
-        ``jax.device_put`` onto each served leaf's sharding: arrays already there (the
-        trainer's cast on the same device) are taken as they are, others are copied or
-        resharded on the devices. The old arrays are dropped (their memory returns to the pool).
-        """
-        shardings = jax.tree.map(lambda x: x.sharding, self.params)
-        self.params = jax.device_put(params, shardings)
-
     # ----------------------------------------------------------------- host API
 
     @staticmethod

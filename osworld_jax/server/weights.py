@@ -13,6 +13,8 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import jax
+
 from osworld_jax.contract.errors import EngineError
 from osworld_jax.model.digest import params_digest
 from osworld_jax.server.refit_check import (
@@ -38,6 +40,28 @@ class Refit(NamedTuple):
     message: str
     num_paused_requests: int = 0
     digest: str | None = None
+
+
+def check_params(served: Any, params: Any) -> None:
+    """Raises `EngineError` naming the first way ``params`` is not the ``served`` tree."""
+    have = jax.tree_util.tree_flatten_with_path(served)[0]
+    try:
+        got = jax.tree_util.tree_flatten_with_path(params)[0]
+    except Exception as e:  # not a tree of arrays at all
+        raise EngineError(f"the new weights are not a parameter tree ({e})") from None
+    names = {jax.tree_util.keystr(p): v for p, v in got}
+    for path, old in have:
+        key = jax.tree_util.keystr(path)
+        new = names.pop(key, None)
+        if new is None:
+            raise EngineError(f"the new weights have no {key}")
+        if tuple(new.shape) != tuple(old.shape) or new.dtype != old.dtype:
+            raise EngineError(
+                f"{key} is {new.dtype}{list(new.shape)}, the served one "
+                f"{old.dtype}{list(old.shape)}"
+            )
+    if names:
+        raise EngineError(f"the new weights have {sorted(names)[0]}, which the model has not")
 
 
 class EngineWeights:
@@ -101,18 +125,21 @@ class EngineWeights:
 
         ``params`` must have the served tree's structure, shapes and dtypes (else refused, the
         first difference named, the served weights kept); they are placed on the served
-        parameters' devices (`ModelRunner.swap_params`: no copy where they already are).
+        parameters' shardings (``jax.device_put``: no copy where they already are).
         """
 
         def run() -> Refit:
             running = sum(r is not None for r in self.slots)
             try:
-                self.runner.check_params(params)
+                check_params(self.runner.params, params)
             except EngineError as e:
                 return Refit(False, f"refused: {e} (still serving the old weights)")
             if abort_all:
                 self._abort_matching(lambda r: True, "aborted by /update_weights_from_tensor")
-            self.runner.swap_params(params)
+            # onto each served leaf's sharding: arrays already there (the trainer's cast on
+            # the same device) are taken as they are; the old ones return to the pool
+            shardings = jax.tree.map(lambda x: x.sharding, self.runner.params)
+            self.runner.params = jax.device_put(params, shardings)
             return self._refitted(weight_version, running)
 
         return self._call(run)

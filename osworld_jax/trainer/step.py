@@ -225,6 +225,23 @@ def merge(trainable: Params, frozen: Params, labels: Params | None) -> Params:
     return jax.tree.map(lambda lab, t, f: t if lab == TRAIN else f, labels, trainable, frozen)
 
 
+def serving_params(params: Params, dtype: Any) -> Params:
+    """``params`` cast to a server's ``dtype`` on the device: the in-memory refit's payload.
+
+    Every leaf is a new buffer (also where the dtype already matches), never one of the train
+    state's own arrays, which the next train step donates; the layout is the parameters'
+    (their shardings), so a server on the same devices takes them without a copy.
+    """
+    dt = jnp.dtype(dtype)
+
+    def cast(p: jax.Array) -> jax.Array:
+        if jnp.issubdtype(p.dtype, jnp.floating) and p.dtype != dt:
+            return p.astype(dt)
+        return jnp.array(p, copy=True)
+
+    return jax.tree.map(cast, params)
+
+
 def score_rows(
     params: Params,
     batch: DeviceBatch,

@@ -41,6 +41,7 @@ from osworld_jax.trainer.checkpoint import Checkpointer
 from osworld_jax.trainer.config import TrainerConfig
 from osworld_jax.trainer.distributed import collective
 from osworld_jax.trainer.images import device_pixel_values
+from osworld_jax.trainer.layout import follow_params, master_dtype_of
 from osworld_jax.trainer.memory import check_step_fits
 from osworld_jax.trainer.optimizer import FROZEN, make_optimizer, make_schedule
 from osworld_jax.trainer.state import NonFiniteError, TrainerError, TrainState
@@ -49,6 +50,7 @@ from osworld_jax.trainer.step import (
     make_gradients,
     make_logprobs,
     make_train_step,
+    serving_params,
 )
 
 Params = Any  # nested dict {group: {name: array}}
@@ -147,7 +149,7 @@ class Trainer:
         # updated), no optimizer state, no gradient (`step.partition`).
         self._abstract_params = jax.tree.map(
             lambda x, lab: jax.ShapeDtypeStruct(
-                x.shape, _master_dtype(x.dtype, None if lab == FROZEN else config.master_dtype)
+                x.shape, master_dtype_of(x.dtype, None if lab == FROZEN else config.master_dtype)
             ),
             self._policy_params,
             labels,
@@ -164,7 +166,7 @@ class Trainer:
         abstract = jax.eval_shape(self._fresh_state, self._abstract_params, 0)
         self.state_shardings = TrainState(
             params=self.param_shardings,
-            opt_state=_follow_params(abstract.opt_state, self.param_shardings, self._replicated),
+            opt_state=follow_params(abstract.opt_state, self.param_shardings, self._replicated),
             step=self._replicated,
             weight_version=self._replicated,
         )
@@ -257,23 +259,8 @@ class Trainer:
         return view
 
     def serving_params(self, state: TrainState, dtype: Any) -> Params:
-        """``state.params`` cast to a server's ``dtype`` on the device: the in-memory refit's
-        payload (`osworld_jax.server.colocated`).
-
-        Every leaf is a new buffer (also where the dtype already matches), never one of the
-        state's own arrays, which the next train step donates; the layout is the parameters'
-        (their shardings), so a server on the same devices takes them without a copy.
-        """  # noqa: D205
-        dt = jnp.dtype(dtype)
-
-        def cast(p: jax.Array) -> jax.Array:
-            if jnp.issubdtype(p.dtype, jnp.floating) and p.dtype != dt:
-                return p.astype(dt)
-            return jnp.array(p, copy=True)
-
-        return jax.tree.map(cast, state.params)
-
-    # ------------------------------------------------------------------ the jitted functions
+        """``state.params`` cast for a server on the device (`step.serving_params`)."""
+        return serving_params(state.params, dtype)
 
     def batch_shardings(self, batch: Batch) -> Batch:
         """A `Batch` of the shardings its fields take (None where the field is None).
@@ -603,31 +590,3 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _master_dtype(dtype: Any, master: str | None) -> Any:
-    """The train-state dtype of a parameter of ``dtype`` (floating parameters only)."""
-    if master is None or not jnp.issubdtype(dtype, jnp.floating):
-        return dtype
-    return jnp.dtype(master)
-
-
-def _follow_params(opt_state: Any, param_shardings: Params, default: NamedSharding) -> Any:
-    """Shardings for an optax state: parameter-shaped leaves follow their parameter.
-
-    A leaf whose key path ends with a parameter's key path (Adam's ``mu``/``nu``) gets that
-    parameter's sharding; everything else (counts, ...) is replicated.
-    """
-    by_path = {
-        tuple(path): sh for path, sh in jax.tree_util.tree_flatten_with_path(param_shardings)[0]
-    }
-    depth = max(len(p) for p in by_path)
-
-    def pick(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> NamedSharding:
-        for k in range(min(depth, len(path)), 0, -1):
-            sh = by_path.get(tuple(path[-k:]))
-            if sh is not None and len(sh.spec) <= leaf.ndim:
-                return sh
-        return default
-
-    return jax.tree_util.tree_map_with_path(pick, opt_state)

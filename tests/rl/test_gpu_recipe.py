@@ -23,6 +23,7 @@ from osworld_jax.rl.servers import (
     MEM_FRACTION_ENV,
     embedded_server_memory,
     memory_shares,
+    process_share,
     server_group,
 )
 from osworld_jax.trainer import TrainerError
@@ -47,6 +48,20 @@ def test_the_gpu_recipe_validates_on_a_cpu_with_both_shares_checked():
     assert "KV cache 2.0) of its 35.0 GiB" in lines[2]  # 0.25 x 139.8 GiB
     assert lines[3].startswith("memory: one train step of 8 rows x 16384 tokens (24480 image")
     assert lines[3].endswith(" of 97.9 GiB per device (of 1)")  # 0.70 x 139.8 GiB
+
+
+def test_the_h100_recipe_colocates_the_server_and_fits_80_gb_by_its_estimate():
+    exp = config.load_experiment(["gpu_1x_h100.gin"])
+    assert exp.server.launch == "colocated" and exp.server.refits_in_memory
+    assert exp.trainer.master_dtype == "float32"  # bf16 masters lose every LR 5e-6 update
+    assert exp.trainer.optimizer.freeze_router and exp.trainer.optimizer.freeze_vision
+    assert process_share(exp.server) == 0.95  # one pool: the server's share is a budget in it
+    lines = _lines(["gpu_1x_h100.gin"])
+    assert lines[0] == "model: a random model the run builds (2 layers, 128 experts)"
+    # Hand-derived: KV = 2 (k, v) x 2 layers x 8 slots x 16,384 tokens x 4 heads x 128 x 2 B
+    assert 2 * 2 * 8 * 16384 * 4 * 128 * 2 / GiB == 0.5
+    assert "KV cache 0.5) of its 15.8 GiB" in lines[2]  # 0.2 x 79.1 GiB
+    assert lines[3].endswith(" of 59.3 GiB per device (of 1)")  # 0.75 x 79.1 GiB
 
 
 def test_after_a_seed_recipe_it_keeps_the_recipes_algorithm_on_one_gpu():
