@@ -50,7 +50,22 @@ def timeline_metrics(launched: Any, timer: Any, producer: Any) -> dict[str, floa
         start, end = timer.spans["train"]
         out["timeline/train_start"], out["timeline/train_end"] = start - t0, end - t0
     out["rollout/in_flight"] = float(producer.in_flight)
+    out.update(device_memory_metrics())
     return out
+
+
+def device_memory_metrics() -> dict[str, float]:
+    """``memory/peak_gib`` and ``memory/in_use_gib`` of this process's first device (the
+    allocator's own figures: the measured side of the memory plan); none on the CPU."""  # noqa: D205, D209
+    import jax
+
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" not in stats:
+        return {}
+    return {
+        "memory/peak_gib": stats["peak_bytes_in_use"] / 2**30,
+        "memory/in_use_gib": stats.get("bytes_in_use", 0) / 2**30,
+    }
 
 
 def step_metrics(
