@@ -5,6 +5,10 @@ the same scalars go to TensorBoard (tensorboardX's event file, written synchrono
 disk fails the step that logs, not a background thread at exit). `StageTimer` measures the
 stages of one step (``time/<stage>`` seconds); the bar shows the last step's reward and stage
 times, and `summary` is printed at the end of the run.
+
+While nothing moves (the first step's rollouts start the desktops and compile the server's
+programs; its train step compiles; on a CPU that is minutes), the bar says what the run is
+doing: `setting_up` during set-up, then `MetricsLogger.stage` with `stage_text` at each stage.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,16 +44,67 @@ STAGES = (
 )
 
 
-class StageTimer:
-    """Wall-clock seconds per named stage of one step."""
+#: What the bar says during a stage (`stage_text`); the first step's words say why it is slow.
+STAGE_WORDS = {
+    "data": "drawing tasks",
+    "rollout": "rollouts",
+    "segments": "segments",
+    "advantages": "advantages",
+    "batch": "packing the batch",
+    "train": "train step",
+    "refit": "refit (weights to the server)",
+    "checkpoint": "checkpoint",
+}
+FIRST_STEP_WORDS = {
+    "rollout": "rollouts (first step: desktops start, sandboxes fork, the server compiles)",
+    "train": "train step (first step: compiling it)",
+}
+#: The set-up line (`setting_up`).
+SETUP_TEXT = "setting up: model, preflight, rollout server, sandboxes, trainer"
 
-    def __init__(self) -> None:
+
+def stage_text(step: int, name: str, *, first: bool) -> str:
+    """What the bar says while stage ``name`` of ``step`` runs (``first``: this process's
+    first step, where the compiles happen).
+
+    >>> stage_text(1, "train", first=True)
+    'step 1: train step (first step: compiling it)'
+    """  # noqa: D205
+    words = (FIRST_STEP_WORDS if first else {}).get(name) or STAGE_WORDS.get(name, name)
+    return f"step {step}: {words}"
+
+
+@contextlib.contextmanager
+def setting_up(enabled: bool = True) -> Iterator[None]:
+    """A status line (`SETUP_TEXT` and the time spent) while a run sets up; cleared after."""
+    with tqdm.tqdm(
+        total=None,
+        bar_format="{desc} [{elapsed}]",
+        desc=SETUP_TEXT,
+        leave=False,
+        disable=not enabled,
+    ) as line:
+        line.refresh()
+        yield
+
+
+class StageTimer:
+    """Wall-clock seconds per named stage of one step.
+
+    Args:
+      on_stage: called with each stage's name as it starts (the progress line).
+    """
+
+    def __init__(self, on_stage: Callable[[str], None] | None = None) -> None:
         self.seconds: dict[str, float] = {}
         self.spans: dict[str, tuple[float, float]] = {}  # name -> first start, last end
+        self._on_stage = on_stage
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[None]:
         """Times the ``with`` body, adding to ``seconds[name]`` (and its ``spans`` entry)."""
+        if self._on_stage is not None:
+            self._on_stage(name)
         t0 = time.perf_counter()
         try:
             yield
@@ -131,6 +186,10 @@ class MetricsLogger:
         self._bar.set_postfix_str(_postfix(record), refresh=False)
         self._bar.update(1)
 
+    def stage(self, text: str) -> None:
+        """Shows ``text`` (what the run does now, `stage_text`) before the bar."""
+        self._bar.set_description_str(text)
+
     def summary(self) -> str:
         """A few lines: steps run, first/last reward, pass rate, mean stage times."""
         if not self.history:
@@ -157,6 +216,8 @@ class MetricsLogger:
 
     def close(self) -> None:
         """Flushes and closes every writer (idempotent; each is closed even if another fails)."""
+        if not self._bar.disable:
+            self._bar.set_description_str("", refresh=False)
         self._bar.close()
         try:
             if not self._tb_closed:
