@@ -544,18 +544,19 @@ def _failed(request: RunRequest, created: Path | None, watch: StartWatch, e: Exc
         if hint is not None:
             print(hint, file=sys.stderr)
         return 2
-    line = failure_line(e, run_dir)
-    if line is None and isinstance(e, OsworldJaxError):  # its message says what (line 1)
+    line = failure_line(e, run_dir)  # complete: it says what to do
+    if line is not None:
+        write_error(run_dir, line, e)
+        print(line, file=sys.stderr)
+        return 1
+    if isinstance(e, OsworldJaxError):  # its message says what (its first line here)
         lines = str(e).strip().splitlines() or [type(e).__name__]
         line = f"error: {lines[0]}" + (
             f" (+{len(lines) - 1} lines in error.txt)" if lines[1:] else ""
         )
-    if line is None:  # a bug: its traceback first
+    else:  # a bug: its traceback first
         traceback.print_exception(e)
-        first = (str(e).strip().splitlines() or [""])[0]
-        line = f"error: {type(e).__name__}: {first}"
+        line = f"error: {_first_line(e)}"
     write_error(run_dir, line, e)
-    if storage_error(e) is None and "; logs in " not in line:
-        line += f" (logs in {_where_logs(run_dir)})"
-    print(line, file=sys.stderr)
+    print(f"{line} (logs in {_where_logs(run_dir)})", file=sys.stderr)
     return 1
