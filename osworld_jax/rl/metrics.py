@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -56,8 +57,8 @@ STAGE_WORDS = {
     "checkpoint": "checkpoint",
 }
 FIRST_STEP_WORDS = {
-    "rollout": "rollouts (first step: desktops start, sandboxes fork, the server compiles)",
-    "train": "train step (first step: compiling it)",
+    "rollout": "rollouts (desktops start + fork, the server compiles)",
+    "train": "train step (compiling it)",
 }
 #: The set-up line (`setting_up`).
 SETUP_TEXT = "setting up: model, preflight, rollout server, sandboxes, trainer"
@@ -68,10 +69,33 @@ def stage_text(step: int, name: str, *, first: bool) -> str:
     first step, where the compiles happen).
 
     >>> stage_text(1, "train", first=True)
-    'step 1: train step (first step: compiling it)'
+    'step 1: train step (compiling it)'
     """  # noqa: D205
     words = (FIRST_STEP_WORDS if first else {}).get(name) or STAGE_WORDS.get(name, name)
     return f"step {step}: {words}"
+
+
+class _Ticker:
+    """Redraws a bar every ``every`` seconds from a daemon thread, so its elapsed time moves
+    while a stage blocks (tqdm redraws only on updates; its redraw takes tqdm's lock)."""  # noqa: D205, D209
+
+    def __init__(self, bar: tqdm.tqdm, every: float = 1.0) -> None:
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if not bar.disable:
+            self._thread = threading.Thread(target=self._run, args=(bar, every), daemon=True)
+            self._thread.start()
+
+    def _run(self, bar: tqdm.tqdm, every: float) -> None:
+        while not self._stop.wait(every):
+            bar.refresh()
+
+    def stop(self) -> None:
+        """Stops the redraws (idempotent)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
 
 @contextlib.contextmanager
@@ -84,8 +108,12 @@ def setting_up(enabled: bool = True) -> Iterator[None]:
         leave=False,
         disable=not enabled,
     ) as line:
-        line.refresh()
-        yield
+        ticker = _Ticker(line)
+        try:
+            line.refresh()
+            yield
+        finally:
+            ticker.stop()
 
 
 class StageTimer:
@@ -165,6 +193,7 @@ class MetricsLogger:
             unit="step",
             dynamic_ncols=True,
         )
+        self._ticker = _Ticker(self._bar)
         self.history: list[dict[str, Any]] = []
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -216,6 +245,7 @@ class MetricsLogger:
 
     def close(self) -> None:
         """Flushes and closes every writer (idempotent; each is closed even if another fails)."""
+        self._ticker.stop()
         if not self._bar.disable:
             self._bar.set_description_str("", refresh=False)
         self._bar.close()

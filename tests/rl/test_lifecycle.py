@@ -271,12 +271,12 @@ def test_the_progress_line_says_each_stage_as_it_starts(tmp_path, capsys):
             assert said[-1] == name  # before the body runs
     assert set(t.seconds) == {"data", "rollout", "train"}
     assert stage_text(1, "rollout", first=True) == (
-        "step 1: rollouts (first step: desktops start, sandboxes fork, the server compiles)"
+        "step 1: rollouts (desktops start + fork, the server compiles)"
     )
     assert stage_text(4, "train", first=False) == "step 4: train step"
     with MetricsLogger(tmp_path, total_steps=3, progress_bar=True) as log:
         log.stage(stage_text(1, "train", first=True))
-    assert "step 1: train step (first step: compiling it)" in capsys.readouterr().err
+    assert "step 1: train step (compiling it)" in capsys.readouterr().err
 
 
 def test_the_notebook_finds_the_run_from_any_directory(tmp_path):
