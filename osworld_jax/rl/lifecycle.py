@@ -44,7 +44,7 @@ from osworld_jax.rl.rundir import (
     storage_error,
 )
 from osworld_jax.rl.stages import RolloutStepError, SkippedStepsError
-from osworld_jax.rollout.errors import EngineError, RefitError
+from osworld_jax.rollout.errors import EngineError, RefitError, RolloutError
 from osworld_jax.trainer.checkpoint import CorruptCheckpointError
 from osworld_jax.trainer.distributed import DistributedError
 from osworld_jax.trainer.state import TrainerError
@@ -253,10 +253,11 @@ def _server_logs(run_dir: Path) -> list[Path]:
     return sorted(p for p in (*run_dir.glob("server.log"), *run_dir.glob("sglang_*.log")))
 
 
-def _log_tail(path: Path, size: int = 1 << 16) -> str:
+def _log_tail(path: Path, since: int = 0, size: int = 1 << 16) -> str:
+    """The last ``size`` bytes of ``path`` written after offset ``since`` (this run's part)."""
     try:
         with open(path, "rb") as f:
-            f.seek(max(0, path.stat().st_size - size))
+            f.seek(max(since, path.stat().st_size - size))
             return f.read().decode(errors="replace")
     except OSError:
         return ""
@@ -297,11 +298,14 @@ def _resume_hint(run_dir: Path) -> str:
     return "rerun the same command to start again (no checkpoint yet)"
 
 
-def failure_line(e: BaseException, run_dir: Path) -> str | None:
+def failure_line(
+    e: BaseException, run_dir: Path, log_offsets: dict[Path, int] | None = None
+) -> str | None:
     """One line for a failure that is not a bug of this code (None: show the traceback).
 
     Storage (`rundir.storage_error`), a damaged checkpoint, a lost process of a multi-host job,
-    an out of device memory (here or in a rollout server's log), a rollout server that died.
+    an out of device memory (in the trainer, or in a rollout server's log after its offset in
+    ``log_offsets``: this run's part), a rollout server that died.
     """
     if isinstance(e, (DistributedError, CorruptCheckpointError)):
         return f"error: {e}"
@@ -315,12 +319,15 @@ def failure_line(e: BaseException, run_dir: Path) -> str | None:
     oom = out_of_memory_line(text, where=where, in_server=False)
     if oom is not None:
         return oom
-    server = _server_failure(e)
-    if server is not None:  # out of memory in the server, or its process gone
+    rollouts = (RolloutError, SkippedStepsError, RolloutStepError)
+    if any(isinstance(x, rollouts) for x in _chain(e)):  # the servers' side: their logs
         for log in _server_logs(run_dir):
-            oom = out_of_memory_line(_log_tail(log), where=where, in_server=True)
+            since = (log_offsets or {}).get(log, 0)
+            oom = out_of_memory_line(_log_tail(log, since), where=where, in_server=True)
             if oom is not None:
                 return oom
+    server = _server_failure(e)
+    if server is not None:  # its process gone, or not answering
         return (
             f"error: the rollout server stopped answering ({_first_line(server)}); "
             f"{_resume_hint(run_dir)}; logs in {where}"
@@ -389,6 +396,8 @@ class StartWatch:
     def __init__(self, run_dir: Path, metrics_dir: str = ".") -> None:
         self.run_dir, self.metrics_dir = run_dir, metrics_dir
         self.before = _markers(run_dir, metrics_dir)
+        #: each server log's size at the start: what a failure reads is this run's part
+        self.log_offsets = {p: p.stat().st_size for p in _server_logs(run_dir)}
 
     def started(self) -> bool:
         """Whether anything of `STARTED` was written since."""
@@ -544,7 +553,7 @@ def _failed(request: RunRequest, created: Path | None, watch: StartWatch, e: Exc
         if hint is not None:
             print(hint, file=sys.stderr)
         return 2
-    line = failure_line(e, run_dir)  # complete: it says what to do
+    line = failure_line(e, run_dir, watch.log_offsets)  # complete: it says what to do
     if line is not None:
         write_error(run_dir, line, e)
         print(line, file=sys.stderr)

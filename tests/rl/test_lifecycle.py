@@ -29,6 +29,7 @@ from osworld_jax.rl.lifecycle import (
 from osworld_jax.rl.loop import TrainResult
 from osworld_jax.rl.metrics import MetricsLogger, StageTimer, stage_text
 from osworld_jax.rl.rundir import write_run_config
+from osworld_jax.rl.stages import SkippedStepsError
 from osworld_jax.rollout.errors import RefitError
 
 
@@ -292,3 +293,39 @@ def test_the_notebook_finds_the_run_from_any_directory(tmp_path):
     assert find_run_dir(env, clone / "notebooks") == run.resolve()
     with pytest.raises(FileNotFoundError, match="OSWORLD_RUN_DIR=runs/nope: not a run"):
         find_run_dir({"OSWORLD_RUN_DIR": "runs/nope"}, clone / "notebooks")
+
+
+def test_an_out_of_memory_in_the_server_is_read_from_this_runs_part_of_its_log(
+    tmp_path, default, monkeypatch, capsys
+):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    oom = (
+        "E external/xla/...: RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+        "13110307717 bytes. ... jit__prefill\n"
+    )
+    (run_dir / "server.log").write_text(oom)  # an earlier run's: not this one's
+
+    def skipped(run_dir):
+        with open(run_dir / "server.log", "a") as f:
+            f.write("INFO listening\n")
+        raise SkippedStepsError("3 steps skipped in a row: RolloutStepError: no healthy server")
+
+    _fake_train(monkeypatch, skipped)
+    assert launch(RunRequest(experiment=default, run_dir=run_dir)) == 1
+    assert _one_line(capsys.readouterr().err).startswith(
+        "error: the rollout server stopped answering (SkippedStepsError: 3 steps skipped"
+    )
+
+    def out_of_memory(run_dir):
+        with open(run_dir / "server.log", "a") as f:
+            f.write(oom)
+        raise SkippedStepsError("3 steps skipped in a row: RolloutStepError: 4/4 owners failed")
+
+    _fake_train(monkeypatch, out_of_memory)
+    assert launch(RunRequest(experiment=default, run_dir=run_dir)) == 1
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith(
+        "error: out of device memory in jit__prefill (tried to allocate 12.21 GiB): give the "
+        "server more of the device (ServerConfig.device_memory_fraction)"
+    ), line
