@@ -20,16 +20,15 @@
 # rates, the per-stage time breakdown, and for one owner the screenshots the model saw next to
 # the actions it took (`episodes/`, written for the first `RLConfig.episode_owners` owners).
 #
-# Run it with `python scripts/analyze.py RUN_DIR` (writes `RUN_DIR/analysis.ipynb`; needs
-# `pip install -e '.[analysis]'`), or open it in a notebook with `OSWORLD_RUN_DIR` set. Without
-# it the notebook reads `runs/latest` (which `scripts/train.py` points at its newest run), else
-# the newest run under `runs/`. The loaders live in `osworld_jax.rl.analysis`.
+# Run it with `python scripts/analyze.py RUN_DIR` (writes `RUN_DIR/analysis.ipynb`), or from
+# any directory with `jupyter execute notebooks/analysis.ipynb` or in a notebook, with
+# `OSWORLD_RUN_DIR` set. Without it the notebook reads `runs/latest` (which `scripts/train.py`
+# points at its newest run), else the newest run under `runs/`, wherever it is started
+# (`analysis.find_run_dir`). The loaders live in `osworld_jax.rl.analysis`.
 
 # %%
 import json
-import os
 import textwrap
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -37,15 +36,7 @@ import numpy as np
 from osworld_jax.env.actions import parse_action
 from osworld_jax.rl import analysis
 
-if "OSWORLD_RUN_DIR" in os.environ:
-    RUN_DIR = Path(os.environ["OSWORLD_RUN_DIR"])
-elif Path("runs/latest/metrics.jsonl").is_file():
-    RUN_DIR = Path("runs/latest")
-else:  # the newest run directory (by its metrics file)
-    found = sorted(Path("runs").glob("*/metrics.jsonl"), key=lambda p: p.stat().st_mtime)
-    if not found:
-        raise FileNotFoundError("no run under runs/: train one, or set OSWORLD_RUN_DIR")
-    RUN_DIR = found[-1].parent
+RUN_DIR = analysis.find_run_dir()
 metrics = analysis.load_metrics(RUN_DIR)
 rollouts = analysis.load_rollouts(RUN_DIR)
 steps = metrics["step"]

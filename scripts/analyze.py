@@ -6,7 +6,7 @@ Examples:
   python scripts/analyze.py runs/latest        # the newest run of scripts/train.py
   python scripts/analyze.py runs/20261203-101500 --out=report.ipynb
 
-Needs the notebook tools: ``pip install -e '.[analysis]'`` (``setup.sh --dev`` installs them).
+Needs the notebook tools (the ``[analysis]`` extra, which ``scripts/setup.sh`` installs).
 Open the result with any notebook viewer (VS Code, ``jupyter lab``), or edit the source,
 ``notebooks/analysis.py`` (jupytext percent format), with ``OSWORLD_RUN_DIR`` set.
 """
@@ -19,17 +19,21 @@ import sys
 import tempfile
 from pathlib import Path
 
+from osworld_jax import cliargs
+
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO / "notebooks" / "analysis.py"
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = cliargs.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("run_dir", help="a run directory of scripts/train.py (e.g. runs/latest)")
-    p.add_argument("--out", default=None, help="default <run_dir>/analysis.ipynb")
-    p.add_argument("--timeout", type=int, default=600, help="seconds per cell")
+    p.add_argument(
+        "--out", type=cliargs.output_file, default=None, help="default <run_dir>/analysis.ipynb"
+    )
+    p.add_argument("--timeout", type=cliargs.positive_int, default=600, help="seconds per cell")
     args = p.parse_args(argv)
     run_dir = Path(args.run_dir).resolve()
     if not (run_dir / "metrics.jsonl").is_file():

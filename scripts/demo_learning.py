@@ -23,7 +23,7 @@ import time
 import warnings
 from pathlib import Path
 
-from osworld_jax import config
+from osworld_jax import cliargs, config
 from osworld_jax.demo import learnable
 from osworld_jax.errors import ConfigError
 
@@ -31,10 +31,12 @@ warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=R
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = cliargs.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--run_dir", default=None, help="run directory (default runs/demo-<UTC time>)")
+    p.add_argument(
+        "--run_dir", type=cliargs.run_dir, default=None, help="default runs/demo-<UTC time>"
+    )
     p.add_argument(
         "--gin_param", action="append", default=[], help="extra binding (after the demo's)"
     )

@@ -18,7 +18,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from osworld_jax import config
+from osworld_jax import cliargs, config
 from osworld_jax.errors import ConfigError
 
 # Sandboxes and the embedded server are started with subprocess (fork + exec: the child runs no
@@ -27,22 +27,32 @@ warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=R
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = cliargs.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--gin_file", action="append", default=[], help="gin file (repeatable)")
     p.add_argument("--gin_param", action="append", default=[], help="gin binding (repeatable)")
-    p.add_argument("--model_path", default=None, help="HF checkpoint to serve embedded")
+    p.add_argument(
+        "--model_path",
+        type=cliargs.model_dir,
+        default=None,
+        help="HF checkpoint (served embedded unless --server_url)",
+    )
     p.add_argument(
         "--server_url",
         action="append",
+        type=cliargs.http_url,
         default=[],
         help="evaluate these running servers instead (repeatable)",
     )
     p.add_argument("--task_set", default=None, help="task set (default: the config's)")
-    p.add_argument("--reps", type=int, required=True, help="attempts per task (N of pass@N)")
-    p.add_argument("--out", required=True, help="calibration JSONL to write")
-    p.add_argument("--run_dir", default=None, help="scratch dir (default runs/eval-<timestamp>)")
+    p.add_argument(
+        "--reps", type=cliargs.positive_int, required=True, help="attempts per task (N of pass@N)"
+    )
+    p.add_argument("--out", type=cliargs.output_file, required=True, help="calibration JSONL")
+    p.add_argument(
+        "--run_dir", type=cliargs.run_dir, default=None, help="default runs/eval-<timestamp>"
+    )
     a = p.parse_args(argv)
     params = list(a.gin_param)
     if a.model_path:

@@ -14,22 +14,49 @@ import argparse
 import json
 import sys
 
+from osworld_jax import cliargs
 from osworld_jax.data import freeze_band
 from osworld_jax.errors import OsworldJaxError
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = cliargs.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--calibration", required=True, help="JSONL of {task_id, reps, passes}")
-    p.add_argument("--task_dir", required=True, help="the task set the calibration ran on")
-    p.add_argument("--out_dir", required=True, help="dataset directory to publish (must not exist)")
-    p.add_argument("--reps", type=int, default=None, help="require this many attempts per task")
-    p.add_argument("--low", type=int, default=0, help="admit iff passes > low")
-    p.add_argument("--high", type=int, default=None, help="admit iff passes < high (default reps)")
-    p.add_argument("--num_repeats", type=int, default=1, help="repeats of each task in train.jsonl")
+    p.add_argument(
+        "--calibration",
+        type=cliargs.existing_file,
+        required=True,
+        help="JSONL of {task_id, reps, passes}",
+    )
+    p.add_argument(
+        "--task_dir",
+        type=cliargs.existing_dir,
+        required=True,
+        help="the task set the calibration ran on",
+    )
+    p.add_argument(
+        "--out_dir", type=cliargs.new_dir, required=True, help="dataset directory to publish"
+    )
+    p.add_argument(
+        "--reps", type=cliargs.positive_int, default=None, help="require this many attempts"
+    )
+    p.add_argument("--low", type=cliargs.non_negative_int, default=0, help="admit iff passes > low")
+    p.add_argument(
+        "--high",
+        type=cliargs.positive_int,
+        default=None,
+        help="admit iff passes < high (default reps)",
+    )
+    p.add_argument(
+        "--num_repeats",
+        type=cliargs.positive_int,
+        default=1,
+        help="repeats of each task in train.jsonl",
+    )
     a = p.parse_args(argv)
+    if a.high is not None and a.high <= a.low:
+        p.error(f"--high {a.high} must be above --low {a.low} (admit iff low < passes < high)")
     try:
         out = freeze_band(
             a.calibration,

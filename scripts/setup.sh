@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up osworld_jax on a fresh Debian machine: system packages, then a virtualenv in .venv with
-# the package and (with --dev) its test tools. Idempotent; safe to re-run.
+# the package, the analysis tools the run's printed commands use (the [analysis] extra:
+# TensorBoard, the notebook runner) and (with --dev) its test tools. Idempotent; safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -59,7 +60,7 @@ export PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}ignore:Editable instal
 # --no-compile: pip would byte-compile every module of torch, transformers and jax (tens of
 # thousands of files; most of a fresh set-up's CPU time); Python compiles the ones used on import.
 if [ "$DEV" -eq 1 ]; then
-  .venv/bin/python -m pip install -q --no-compile -e ".[dev]" 2>&1 | grep -v "is ignored" || true
+  .venv/bin/python -m pip install -q --no-compile -e ".[dev,analysis]" 2>&1 | grep -v "is ignored" || true
   # Upstream OSWorld's own controllers (desktop_env/controllers/python.py) drive the local
   # sandbox in tests/env/local/test_upstream_client.py: the wheel is kept, not installed.
   UPSTREAM=.venv/share/osworld-upstream
@@ -67,6 +68,12 @@ if [ "$DEV" -eq 1 ]; then
     .venv/bin/python -m pip download -q --no-deps desktop-env==1.0.2 -d "$UPSTREAM" 2>&1 \
       | grep -v "is ignored" || true
 else
-  .venv/bin/python -m pip install -q --no-compile -e . 2>&1 | grep -v "is ignored" || true
+  # [analysis]: what the run's printed commands need (tensorboard, scripts/analyze.py, jupyter
+  # execute), a few small wheels beside jax's.
+  .venv/bin/python -m pip install -q --no-compile -e ".[analysis]" 2>&1 | grep -v "is ignored" || true
 fi
 .venv/bin/python -c "import osworld_jax, jax; print('osworld_jax ready: jax', jax.__version__)"
+[ -x .venv/bin/tensorboard ] && [ -x .venv/bin/jupyter-execute ] || {
+  echo "setup.sh: the analysis tools did not install (.venv/bin/tensorboard, jupyter-execute)" >&2
+  exit 1
+}

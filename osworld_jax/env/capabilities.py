@@ -11,7 +11,6 @@ tasks a backend can run here and why the others cannot (``runnable DIR`` lists t
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import functools
@@ -25,6 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from osworld_jax import cliargs
 from osworld_jax.env import cache
 from osworld_jax.env.backends import BACKENDS
 from osworld_jax.env.evaluators.registry import GETTERS, METRICS, option_checker
@@ -444,25 +444,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     per-domain table; ``runnable`` prints ``domain/id`` of each task the backend can run here,
     one per line.
     """
-    parser = argparse.ArgumentParser(prog="python -m osworld_jax.env")
+    parser = cliargs.ArgumentParser(prog="python -m osworld_jax.env")
     sub = parser.add_subparsers(dest="cmd", required=True)
     for name, text in (
         ("report", "per-domain runnable counts and reasons"),
         ("runnable", "list the tasks the backend can run here"),
     ):
         p = sub.add_parser(name, help=text)
-        p.add_argument("dir", help="a directory of task JSON files (<domain>/<id>.json)")
-        p.add_argument("--backend", default="local", help="backend name (default: local)")
-        p.add_argument("--cache-dir", default=None, help="local file cache directory")
+        p.add_argument(
+            "dir",
+            type=cliargs.existing_dir,
+            help="a directory of task JSON files (<domain>/<id>.json)",
+        )
+        p.add_argument(
+            "--backend", default="local", choices=BACKENDS.names(), help="default: local"
+        )
+        p.add_argument(
+            "--cache-dir", type=cliargs.existing_dir, default=None, help="local file cache"
+        )
         p.add_argument(
             "--assume-cached",
             action="store_true",
             help="count every remote file as cached (what a full cache would allow)",
         )
     args = parser.parse_args(argv)
-    if not Path(args.dir).is_dir():
-        print(f"error: {args.dir} is not a directory of task files", file=sys.stderr)
-        return 2
     try:
         if args.cmd == "runnable":
             for t in runnable_tasks(

@@ -9,7 +9,9 @@ in the notebook.
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,48 @@ from osworld_jax.rl.metrics import STAGES, read_metrics
 
 ROLLOUTS_FILE = "rollouts.jsonl"
 EPISODES_DIR = "episodes"
+
+
+RUN_DIR_ENV = "OSWORLD_RUN_DIR"
+_CLONE = Path(__file__).resolve().parents[2]  # where scripts/train.py is run: runs/ beside it
+
+
+def _is_run(path: Path) -> bool:
+    return (path / "experiment.json").is_file() or (path / "metrics.jsonl").is_file()
+
+
+def find_run_dir(environ: Mapping[str, str] | None = None, cwd: Path | None = None) -> Path:
+    """The run a notebook reads, from any working directory.
+
+    ``$OSWORLD_RUN_DIR`` if set (relative: to the working directory or one above it, else to
+    the clone's root); else ``runs/latest`` (``scripts/train.py`` points it at its newest run),
+    else the newest run under ``runs/``, looking for ``runs/`` in the working directory, then
+    each directory above it, then the clone's root (``notebooks/`` is one level down).
+
+    Raises:
+      FileNotFoundError: no run directory (naming where it looked).
+    """
+    environ = os.environ if environ is None else environ
+    cwd = Path.cwd() if cwd is None else cwd
+    roots = list(dict.fromkeys([cwd, *cwd.parents, _CLONE]))
+    given = environ.get(RUN_DIR_ENV)
+    if given:
+        path = Path(given).expanduser()
+        for base in [Path("/")] if path.is_absolute() else roots:
+            if _is_run(base / path):
+                return (base / path).resolve()
+        raise FileNotFoundError(f"{RUN_DIR_ENV}={given}: not a run directory (no experiment.json)")
+    for root in roots:
+        runs = root / "runs"
+        if _is_run(runs / "latest"):
+            return runs / "latest"
+        found = sorted((p for p in runs.glob("*") if _is_run(p)), key=lambda p: p.stat().st_mtime)
+        if found:
+            return found[-1]
+    raise FileNotFoundError(
+        f"no run under runs/ in {cwd}, its parents or {_CLONE}: train one (scripts/train.py), "
+        f"or set {RUN_DIR_ENV}"
+    )
 
 
 def metrics_dir(run_dir: str | Path) -> Path:

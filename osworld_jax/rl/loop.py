@@ -20,14 +20,16 @@ on; ``RLConfig.max_consecutive_skipped_steps`` in a row at most). Set-up and tea
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from osworld_jax.agent import pack_batch, select_groups, split_selection
 from osworld_jax.rl import stages
 from osworld_jax.rl.config import ExperimentConfig
-from osworld_jax.rl.metrics import StageTimer
+from osworld_jax.rl.metrics import MetricsLogger, StageTimer, setting_up, stage_text
 from osworld_jax.rl.producer import RolloutProducer
 from osworld_jax.rl.run import RunResources
 from osworld_jax.trainer.distributed import broadcast_host_batches
@@ -72,9 +74,13 @@ def train(
     minibatches = experiment.trainer.num_minibatches
     run = RunResources(experiment, Path(run_dir), operative_gin)
     skips = stages.StepSkips(rl.max_consecutive_skipped_steps)
-    with run, run.metrics_logger(last_step) as log, _producer(run, last_step) as producer:
+    with contextlib.ExitStack() as stack:
+        with setting_up(rl.progress_bar):  # a status line while nothing moves yet
+            stack.enter_context(run)
+        log = stack.enter_context(run.metrics_logger(last_step))
+        producer = stack.enter_context(_producer(run, last_step))
         for step in range(run.start_step + 1, last_step + 1):
-            t, batches, skip = StageTimer(), None, None
+            t, batches, skip = StageTimer(_say(log, step, step == run.start_step + 1)), None, None
             with t.stage("data"):  # every process draws: one checkpointed position
                 producer.launch_through(step, weights_step=step - 1)
             if run.rolls_out:  # process 0 of a multi-host job; the only process otherwise
@@ -120,6 +126,13 @@ def train(
                 run.write_episodes(step, raw, rollouts)
         history, summary = (log.history, log.summary()) if log is not None else ([], "")
     return TrainResult(Path(run_dir), run.start_step + 1, last_step, history, summary)
+
+
+def _say(log: MetricsLogger | None, step: int, first: bool) -> Callable[[str], None] | None:
+    """What the progress line says as each stage of ``step`` starts (None: no line here)."""
+    if log is None:
+        return None
+    return lambda name: log.stage(stage_text(step, name, first=first))
 
 
 def _producer(run: RunResources, last_step: int) -> RolloutProducer:

@@ -5,6 +5,10 @@ the same scalars go to TensorBoard (tensorboardX's event file, written synchrono
 disk fails the step that logs, not a background thread at exit). `StageTimer` measures the
 stages of one step (``time/<stage>`` seconds); the bar shows the last step's reward and stage
 times, and `summary` is printed at the end of the run.
+
+While nothing moves (the first step's rollouts start the desktops and compile the server's
+programs; its train step compiles; on a CPU that is minutes), the bar says what the run is
+doing: `setting_up` during set-up, then `MetricsLogger.stage` with `stage_text` at each stage.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ import contextlib
 import json
 import logging
 import math
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,16 +48,94 @@ STAGES = (
 )
 
 
-class StageTimer:
-    """Wall-clock seconds per named stage of one step."""
+#: What the bar says during a stage (`stage_text`); the first step's words say why it is slow.
+STAGE_WORDS = {
+    "data": "drawing tasks",
+    "rollout": "rollouts",
+    "segments": "segments",
+    "advantages": "advantages",
+    "batch": "packing the batch",
+    "train": "train step",
+    "refit": "refit (weights to the server)",
+    "checkpoint": "checkpoint",
+}
+FIRST_STEP_WORDS = {
+    "rollout": "rollouts (desktops start + fork, the server compiles)",
+    "train": "train step (compiling it)",
+}
+#: The set-up line (`setting_up`).
+SETUP_TEXT = "setting up: model, preflight, rollout server, sandboxes, trainer"
 
-    def __init__(self) -> None:
+
+def stage_text(step: int, name: str, *, first: bool) -> str:
+    """What the bar says while stage ``name`` of ``step`` runs (``first``: this process's
+    first step, where the compiles happen).
+
+    >>> stage_text(1, "train", first=True)
+    'step 1: train step (compiling it)'
+    """  # noqa: D205
+    words = (FIRST_STEP_WORDS if first else {}).get(name) or STAGE_WORDS.get(name, name)
+    return f"step {step}: {words}"
+
+
+class _Ticker:
+    """Redraws a bar every ``every`` seconds from a daemon thread, so its elapsed time moves
+    while a stage blocks (tqdm redraws only on updates; its redraw takes tqdm's lock)."""  # noqa: D205, D209
+
+    def __init__(self, bar: tqdm.tqdm, every: float = 1.0) -> None:
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if not bar.disable:
+            self._thread = threading.Thread(target=self._run, args=(bar, every), daemon=True)
+            self._thread.start()
+
+    def _run(self, bar: tqdm.tqdm, every: float) -> None:
+        while not self._stop.wait(every):
+            bar.refresh()
+
+    def stop(self) -> None:
+        """Stops the redraws (idempotent)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+@contextlib.contextmanager
+def setting_up(enabled: bool = True) -> Iterator[None]:
+    """A status line (`SETUP_TEXT` and the time spent) while a run sets up; cleared after."""
+    with tqdm.tqdm(
+        total=None,
+        bar_format="{desc} [{elapsed}]",
+        desc=SETUP_TEXT,
+        leave=False,
+        disable=not enabled,
+    ) as line:
+        ticker = _Ticker(line)
+        try:
+            line.refresh()
+            yield
+        finally:
+            ticker.stop()
+
+
+class StageTimer:
+    """Wall-clock seconds per named stage of one step.
+
+    Args:
+      on_stage: called with each stage's name as it starts (the progress line).
+    """
+
+    def __init__(self, on_stage: Callable[[str], None] | None = None) -> None:
         self.seconds: dict[str, float] = {}
         self.spans: dict[str, tuple[float, float]] = {}  # name -> first start, last end
+        self._on_stage = on_stage
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[None]:
         """Times the ``with`` body, adding to ``seconds[name]`` (and its ``spans`` entry)."""
+        if self._on_stage is not None:
+            self._on_stage(name)
         t0 = time.perf_counter()
         try:
             yield
@@ -113,6 +196,7 @@ class MetricsLogger:
             unit="step",
             dynamic_ncols=True,
         )
+        self._ticker = _Ticker(self._bar)
         self.history: list[dict[str, Any]] = []
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -133,6 +217,10 @@ class MetricsLogger:
         self.history.append(record)
         self._bar.set_postfix_str(_postfix(record), refresh=False)
         self._bar.update(1)
+
+    def stage(self, text: str) -> None:
+        """Shows ``text`` (what the run does now, `stage_text`) before the bar."""
+        self._bar.set_description_str(text)
 
     def summary(self) -> str:
         """A few lines: steps run, first/last reward, pass rate, mean stage times."""
@@ -160,6 +248,9 @@ class MetricsLogger:
 
     def close(self) -> None:
         """Flushes and closes every writer (idempotent; each is closed even if another fails)."""
+        self._ticker.stop()
+        if not self._bar.disable:
+            self._bar.set_description_str("", refresh=False)
         self._bar.close()
         try:
             if not self._tb_closed:

@@ -27,7 +27,8 @@ def check_model_path(path: str | Path, *, weights: bool = True) -> str | None:
     problem."""  # noqa: D205, D209
     p = Path(path)
     if not p.is_dir():
-        return f"model path {str(path)!r} does not exist (ModelSourceConfig.path)"
+        what = "is not a directory" if p.exists() else "does not exist"
+        return f"model path {str(path)!r} {what} (ModelSourceConfig.path)"
     if not (p / "config.json").is_file():
         return f"model path {str(path)!r} has no config.json (not an HF checkpoint)"
     if weights and not any(p.glob("*.safetensors")):

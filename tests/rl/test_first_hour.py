@@ -5,9 +5,15 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 from osworld_jax import config
 from osworld_jax.rl.rundir import (
@@ -16,7 +22,14 @@ from osworld_jax.rl.rundir import (
     point_latest_at,
     write_run_config,
 )
-from tests.rl.runs import REPO, quick_args, quick_tasks
+from tests.rl.runs import (
+    REPO,
+    live_processes_mentioning,
+    quick_args,
+    quick_tasks,
+    run_env,
+    train_cmd,
+)
 
 
 def _train_module():
@@ -100,3 +113,123 @@ def test_validate_only_checks_without_writing(tmp_path):
         "valid: nothing was run or written (drop --validate_only to train)",
     ]
     assert not run_dir.exists() and not (tmp_path / "runs").exists()
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def _env_cli(argv):
+    from osworld_jax.env.capabilities import main
+
+    return main(argv)
+
+
+@pytest.mark.parametrize(
+    ("cli", "argv", "says"),
+    [
+        ("env", ["report", "{bundled}", "--backend", "loacl"], "invalid choice: 'loacl'"),
+        ("env", ["runnable", "{tmp}/nope"], "nope does not exist"),
+        ("env", ["report", "{bundled}", "--cache-dir", "{file}"], "is not a directory"),
+        ("train", ["--steps=0"], "argument --steps: must be a positive integer, got '0'"),
+        ("train", ["--run_dir={file}"], "is a file, not a run directory"),
+        ("evaluate", ["--reps=x", "--out={tmp}/c.jsonl"], "must be a positive integer"),
+        ("evaluate", ["--reps=2", "--out={tmp}/no/c.jsonl"], "its directory"),
+        ("evaluate", ["--reps=2", "--out={tmp}/c.jsonl", "--server_url=sglang-0:30000"], "URL"),
+        ("evaluate", ["--reps=2", "--out={tmp}/c.jsonl", "--model_path={tmp}/no"], "not a dir"),
+        ("freeze_band", ["--calibration={tmp}/no", "--task_dir={tmp}", "--out_dir={tmp}/b"],
+         "no does not exist"),
+        ("freeze_band", ["--calibration={file}", "--task_dir={tmp}", "--out_dir={tmp}"],
+         "already exists"),
+        ("freeze_band", ["--calibration={file}", "--task_dir={tmp}", "--out_dir={tmp}/b",
+                         "--low=3", "--high=2"], "--high 2 must be above --low 3"),
+        ("demo_learning", ["--run_dir={file}"], "is a file"),
+        ("analyze", ["{tmp}", "--timeout=-1"], "must be a positive integer"),
+    ],
+)  # fmt: skip
+def test_every_cli_refuses_a_wrong_value_in_one_line(cli, argv, says, tmp_path, capsys):
+    """Issue 45 item 4: exit 2 and one line naming the argument, before anything starts."""
+    file = tmp_path / "a-file"
+    file.write_text("{}\n")
+    bundled = REPO / "osworld_jax" / "env" / "bundled"
+    argv = [a.format(tmp=tmp_path, file=file, bundled=bundled) for a in argv]
+    main = _env_cli if cli == "env" else _script(cli)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert ": error: " in err and says in err and err.endswith("--help)\n"), err
+
+
+SEED_CONFIG = REPO / "osworld_jax" / "model" / "assets" / "qwen3_vl_30b_a3b_instruct"
+
+
+def test_validate_only_estimates_a_seed_recipe_from_config_json_alone(tmp_path, capsys):
+    """Issue 45 item 7: no weights on disk, only config.json (a dir, or the file itself)."""
+    from osworld_jax.rl.lifecycle import validate_only
+
+    shapes = tmp_path / "model"
+    shapes.mkdir()
+    shutil.copyfile(SEED_CONFIG / "config.json", shapes / "config.json")
+    outs = []
+    for path in (shapes, shapes / "config.json"):
+        exp = config.load_experiment(
+            ["osworld_flash_b8n8_r3_dr_grpo.gin"],
+            [f"ModelSourceConfig.path = '{path}'", "RolloutConfig.urls = ('http://127.0.0.1:9',)",
+             "ExperimentConfig.sandbox = 'memory'"],
+        )  # fmt: skip
+        assert validate_only(exp) == 2
+        outs.append(capsys.readouterr())
+    for (out, err), path in zip(outs, (shapes, shapes / "config.json"), strict=True):
+        assert out.splitlines() == [
+            "config: ok",
+            f"model: {path} (48 layers, 128 experts; shapes from config.json, no weights)",
+            # 3 screenshots of 1920x1080 at Qwen3-VL's published processor: 3 x 8160 patches
+            "memory: one train step of 64 rows x 32768 tokens (24480 image patches per row) "
+            "needs ~245.2 GiB per device (of 8)",
+        ]
+        assert "weights" in err or "is not a directory" in err
+        assert "rollout server http://127.0.0.1:9 is unreachable" in err
+        assert err.splitlines()[-1].startswith("hint: ") and "configs/gpu_1x_h100.gin" in err
+
+
+@pytest.mark.slow
+def test_a_run_whose_server_dies_keeps_its_directory_and_says_so_in_a_few_lines(tmp_path):
+    """Issue 40: the embedded server killed when the first rollout starts: the run dir stays
+    (server.log, the error in error.txt), stderr is a few lines and no traceback."""
+    tasks, run_dir = quick_tasks(tmp_path), tmp_path / "new" / "run"
+    proc = subprocess.Popen(
+        train_cmd(run_dir, *quick_args(tasks), steps=2),
+        cwd=REPO,
+        env=run_env(run_dir),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    log, killed = run_dir / "server.log", []
+    while not killed and proc.poll() is None:  # the first /generate: the first rollout
+        if log.is_file() and "POST /generate" in log.read_text(errors="replace"):
+            for pid, cmd in live_processes_mentioning(str(run_dir)):
+                if "osworld_jax.server.serve" in cmd:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+        time.sleep(0.05)
+    out, err = (x.decode() for x in proc.communicate(timeout=600))
+    assert killed and proc.returncode == 1, out[-2000:] + err[-3000:]
+    lines = err.strip().splitlines()
+    print(err)
+    assert "Traceback" not in err and len(lines) <= 10, err
+    assert lines[-1].startswith("error: the rollout server stopped answering ("), lines[-1]
+    assert lines[-1].endswith(
+        "rerun the same command to start again (no checkpoint yet); "
+        f"logs in {run_dir} (server.log, run.log, error.txt)"
+    ), lines[-1]
+    assert (run_dir / "server.log").is_file()
+    assert (run_dir / "error.txt").read_text().startswith(lines[-1] + "\n")
+    kept = (run_dir / "run.log").read_text()  # what stderr showed of the loggers, kept
+    shown = [x.split(":", 2)[2] for x in lines[:-1] if x.startswith(("WARNING:", "ERROR:"))]
+    assert shown and all(x in kept for x in shown), (shown, kept)
+    assert not live_processes_mentioning(str(run_dir))
