@@ -32,6 +32,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from osworld_jax.contract.errors import EngineError, RefitError, RolloutError
 from osworld_jax.errors import ConfigError, OsworldJaxError, PreflightError
 from osworld_jax.rl.config import ExperimentConfig
 from osworld_jax.rl.loop import TrainResult, train
@@ -44,7 +45,6 @@ from osworld_jax.rl.rundir import (
     storage_error,
 )
 from osworld_jax.rl.stages import RolloutStepError, SkippedStepsError
-from osworld_jax.rollout.errors import EngineError, RefitError, RolloutError
 from osworld_jax.trainer.checkpoint import CorruptCheckpointError
 from osworld_jax.trainer.distributed import DistributedError
 from osworld_jax.trainer.state import TrainerError

@@ -110,6 +110,8 @@ def test_validate_only_checks_without_writing(tmp_path):
         "model: the tiny model (3 layers, 8 experts)",
         f"preflight: ok (sandbox backend 'memory', task set '{tasks}')",
         "memory: one train step of 4 rows x 128 tokens needs ~19 MiB per device (of 1)",
+        "memory plan: the compiled programs' plan needs the run's accelerator (this machine "
+        "runs jax on cpu): the figures above are the analytic estimate",
         "valid: nothing was run or written (drop --validate_only to train)",
     ]
     assert not run_dir.exists() and not (tmp_path / "runs").exists()
@@ -188,9 +190,10 @@ def test_validate_only_estimates_a_seed_recipe_from_config_json_alone(tmp_path, 
         assert out.splitlines() == [
             "config: ok",
             f"model: {path} (48 layers, 128 experts; shapes from config.json, no weights)",
-            # 3 screenshots of 1920x1080 at Qwen3-VL's published processor: 3 x 8160 patches
-            "memory: one train step of 64 rows x 32768 tokens (24480 image patches per row) "
-            "needs ~245.2 GiB per device (of 8)",
+            # the seed's window: 2 screenshots of 1920x1080 at Qwen3-VL's published
+            # processor (2 x 8160 patches) in 49,152-token rows
+            "memory: one train step of 64 rows x 49152 tokens (16320 image patches per row) "
+            "needs ~259.4 GiB per device (of 8)",
         ]
         assert "weights" in err or "is not a directory" in err
         assert "rollout server http://127.0.0.1:9 is unreachable" in err

@@ -13,6 +13,7 @@ import json
 import pytest
 
 from osworld_jax import config
+from osworld_jax.contract.errors import RefitError
 from osworld_jax.errors import ConfigError, PreflightError
 from osworld_jax.rl import lifecycle
 from osworld_jax.rl.analysis import find_run_dir
@@ -30,7 +31,6 @@ from osworld_jax.rl.loop import TrainResult
 from osworld_jax.rl.metrics import MetricsLogger, StageTimer, stage_text
 from osworld_jax.rl.rundir import write_run_config
 from osworld_jax.rl.stages import SkippedStepsError
-from osworld_jax.rollout.errors import RefitError
 
 
 @pytest.fixture(scope="module")
