@@ -28,7 +28,7 @@ timeout -s KILL ${LOOP_S:-540} python3 scripts/train.py --run_dir=/tmp/rl/k$K --
 train=$!
 # copy the run's logs to $OUT while it runs (a killed call still brings them back)
 while kill -0 $train 2>/dev/null; do
-  sleep 10; cp /tmp/rl/k$K/metrics.jsonl $OUT/metrics_k$K.jsonl 2>/dev/null; cp /tmp/rl/k$K/server.log $OUT/server_k$K.log 2>/dev/null
+  sleep 10; cp /tmp/rl/k$K/metrics.jsonl $OUT/metrics_k$K.jsonl 2>/dev/null; cp /tmp/rl/k$K/server.log $OUT/server_k$K.log 2>/dev/null; cp /tmp/rl/k$K/memory_plan.txt $OUT/plan_k$K.txt 2>/dev/null
 done
 wait $train; rc=$?
 kill $sampler 2>/dev/null

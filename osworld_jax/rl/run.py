@@ -54,6 +54,8 @@ from osworld_jax.trainer.overlap import apply_overlap
 log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
+#: The compiled memory plan's table, written at start on an accelerator.
+MEMORY_PLAN_FILE = "memory_plan.txt"
 WEIGHTS = "weights"
 
 
@@ -172,7 +174,10 @@ class RolloutResources(contextlib.ExitStack):
             device_bytes=total * 2**30 if total is not None else device_total(),
             patch_buckets=vision.patch_buckets if vision is not None else (),
         )
-        log.info("memory plan (GiB per device):\n%s", "\n".join(plan.table()))
+        table = "\n".join(["memory plan (compiled programs, GiB per device):", *plan.table()])
+        log.info("%s", table)
+        with writing(self.run_dir / MEMORY_PLAN_FILE):  # beside the measured memory/peak_gib
+            (self.run_dir / MEMORY_PLAN_FILE).write_text(table + "\n")
         plan.check()  # MemoryPlanError (a ConfigError): one line, nothing started yet
 
     def _sandbox(self) -> SandboxConfig:
