@@ -162,9 +162,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         fmt = body.get("load_format")
         if fmt not in (None, "auto", "safetensors"):
             raise BadRequest(f"load_format {fmt!r} is not supported (auto | safetensors)")
-        version = body.get("weight_version")
-        if version is not None and not isinstance(version, str):
-            raise BadRequest("weight_version must be a string")
+        version = _weight_version(body)
     except TooLarge as e:
         return too_large(request, e.args[0])
     except BadRequest as e:
@@ -183,6 +181,14 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
         engine.update_weights(path, version, bool(body.get("abort_all_requests", False)), signature)
     )
     return _refit_response(refit)
+
+
+def _weight_version(body: dict[str, Any]) -> str | None:
+    """A refit body's ``weight_version`` (None: keep the served one); `BadRequest` if not a str."""
+    version = body.get("weight_version")
+    if version is not None and not isinstance(version, str):
+        raise BadRequest("weight_version must be a string")
+    return version
 
 
 def _refit_response(refit: Refit) -> web.Response:
@@ -222,9 +228,7 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         payloads = body.get("serialized_named_tensors")
         if not isinstance(payloads, list) or len(payloads) != 1 or not isinstance(payloads[0], str):
             raise BadRequest("serialized_named_tensors must be a list of one handle (a string)")
-        version = body.get("weight_version")
-        if version is not None and not isinstance(version, str):
-            raise BadRequest("weight_version must be a string")
+        version = _weight_version(body)
     except TooLarge as e:
         return too_large(request, e.args[0])
     except BadRequest as e:
