@@ -5,8 +5,8 @@ path *inside its filesystem*: a jail whose ``/usr`` is bound from ``/data/bundle
 host's disk shows ``/data/bundle/root/usr``, whatever staging path the bind went through. A
 directory that is the root of a filesystem of its own shows ``/`` there (and its ``usr`` shows
 ``/usr``): so the jail's system is bound from a copy of the root on a private tmpfs, mounted once
-per backend at ``/tmp/osworld_jax-sysroot-XXXX`` (its source field ``osworld_jax-sysroot-<pid>``,
-no path), read-only once copied. The jail then sees only its own paths.
+per backend at ``/tmp/osworld_jax-sysmount-<pid>-XXXX`` (its source field ``osworld_jax-sysroot``:
+no path, no pid), read-only once copied. The jail then sees only its own paths.
 
 - Cost: once per backend, at its first desktop, a ``cp -a`` of the root into RAM (137 MiB root:
   ~0.3 s, 137 MiB of memory held until ``aclose``; the jails' binds keep it until the last
@@ -37,8 +37,9 @@ from osworld_jax.env.local.sysroot import SystemRoot
 
 __all__ = ["RootMount", "filesystem_root", "mountinfo", "unavailable"]
 
-#: The tmpfs's source field (then ``-<pid>`` of the process that mounted it) and its dir prefix.
+#: The tmpfs's source field, and its directory: ``<tmp>/PREFIX-<pid of the mounting process>-XXXX``.
 SOURCE = "osworld_jax-sysroot"
+PREFIX = "osworld_jax-sysmount"
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_PRIVATE = 1, 2, 4, 32, 1 << 18
 _MNT_DETACH = 2
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -87,7 +88,7 @@ def unavailable() -> str | None:
     """
     if os.geteuid() != 0:
         return f"not root (uid {os.geteuid()}): mounting a tmpfs needs CAP_SYS_ADMIN"
-    probe = Path(tempfile.mkdtemp(prefix=f"{SOURCE}-probe-"))
+    probe = Path(tempfile.mkdtemp(prefix=f"{PREFIX}-probe-"))  # never swept: no pid
     try:
         _mount(SOURCE, probe, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=4k,mode=0755")
         _detach(probe)
@@ -103,8 +104,8 @@ def sweep_stale() -> list[Path]:
     """Detaches and removes the tmpfs copies of processes that died without closing them."""
     removed = []
     for _, point, source in mountinfo():
-        pid = source.removeprefix(f"{SOURCE}-")
-        if source == pid or not pid.isdigit() or Path(f"/proc/{pid}").exists():
+        pid = Path(point).name.removeprefix(f"{PREFIX}-").split("-")[0]
+        if source != SOURCE or not pid.isdigit() or Path(f"/proc/{pid}").exists():
             continue
         with contextlib.suppress(OSError):
             _detach(Path(point))
@@ -140,11 +141,11 @@ class RootMount:
         if self.dir is not None or self.system.path is None:
             return self.dir
         sweep_stale()
-        target = Path(tempfile.mkdtemp(prefix=f"{SOURCE}-"))
+        target = Path(tempfile.mkdtemp(prefix=f"{PREFIX}-{os.getpid()}-"))
         try:
             target.chmod(0o755)  # the jails' unprivileged host uid reaches it
             flags = _MS_NOSUID | _MS_NODEV
-            _mount(f"{SOURCE}-{os.getpid()}", target, "tmpfs", flags, "mode=0755")
+            _mount(SOURCE, target, "tmpfs", flags, "mode=0755")
             self._finalizer = weakref.finalize(self, _close, target)
             _mount(None, target, None, _MS_PRIVATE, "")  # no copy of it propagates elsewhere
             res = subprocess.run(
