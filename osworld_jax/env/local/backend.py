@@ -29,6 +29,7 @@ import os
 import random
 import resource
 import tempfile
+import threading
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -77,7 +78,7 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
         self._pool: list[LocalDesktop] = []
         self._pool_tasks: set[asyncio.Task[None]] = set()
         self._sysmount = sysmount.RootMount(self.system)
-        self._sysmount_lock = asyncio.Lock()
+        self._sysmount_lock = threading.Lock()
         self._system_dir: Path | None = None  # where the jails' system binds come from
         self._sysmount_warned = False
 
@@ -185,22 +186,27 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
 
     async def _system_source(self) -> Path | None:
         """The directory the jails' system binds come from: a tmpfs copy of the system root,
-        made at the first desktop (``sysmount.RootMount``); None: the root (or host) itself."""  # noqa: D205, D209
-        async with self._sysmount_lock:
-            if self._system_dir is not None or self.system.path is None:
+        made at the first desktop (``sysmount.RootMount``); None: the host's own system."""  # noqa: D205, D209
+        if self._system_dir is not None or self.system.path is None:
+            return self._system_dir
+        return await asyncio.to_thread(self._system_source_once)
+
+    def _system_source_once(self) -> Path:
+        """``_system_source`` under a thread lock (desktops start concurrently; no loop bound)."""
+        assert self.system.path is not None
+        with self._sysmount_lock:
+            if self._system_dir is not None:
                 return self._system_dir
-            if sysmount.filesystem_root(self.system.path):
-                self._system_dir = self.system.path
-                return self._system_dir
-            if await asyncio.to_thread(self._warn_system_mount):
-                self._system_dir = self.system.path
+            if sysmount.filesystem_root(self.system.path) or self._warn_system_mount():
+                self._system_dir = self.system.path  # bound as it is
                 return self._system_dir
             try:
-                self._system_dir = await asyncio.to_thread(self._sysmount.open)
+                self._system_dir = self._sysmount.open()
             except OSError as e:
                 raise SandboxCreateError(
                     f"system root {self.system.path}: cannot copy it to a private tmpfs: {e}"
                 ) from e
+            assert self._system_dir is not None
             return self._system_dir
 
     def _check_apps(self, tasks: Sequence[Task] | None) -> None:

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 
 from osworld_jax.env.local import LocalBackend, LocalBackendConfig, sysmount
-from osworld_jax.env.local.sysroot import SystemRoot
 from tests.env.local.test_system_root import SIZES
 
 HOST_LOADER = "/lib64/ld-linux-x86-64.so.2"
@@ -29,7 +28,9 @@ HOST_LOADER = "/lib64/ld-linux-x86-64.so.2"
 
 def _libraries(program: str) -> list[str]:
     res = subprocess.run([HOST_LOADER, "--list", program], capture_output=True, text=True)
-    return [ln.split("=>")[1].split(" (")[0].strip() for ln in res.stdout.splitlines() if "=>" in ln]
+    return [
+        ln.split("=>")[1].split(" (")[0].strip() for ln in res.stdout.splitlines() if "=>" in ln
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +134,9 @@ def test_without_the_mechanism_the_jail_runs_from_the_root_with_one_warning(
     assert f"{small_root}/usr /usr " in _jail_mountinfo(backend, small_root)  # still a jail
     # A root that is a filesystem of its own already is bound as it is: no copy, no warning.
     monkeypatch.setattr(sysmount, "filesystem_root", lambda path: True)
-    assert LocalBackend(LocalBackendConfig(system_root=str(small_root)))._warn_system_mount() is False
+    assert (
+        LocalBackend(LocalBackendConfig(system_root=str(small_root)))._warn_system_mount() is False
+    )
     asyncio.run(backend.aclose())
 
 
