@@ -29,6 +29,7 @@ import os
 import random
 import resource
 import tempfile
+import threading
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,7 +42,7 @@ from osworld_jax.env.backend import (
     SandboxError,
     SandboxTimeout,
 )
-from osworld_jax.env.local import apps, limits, preflight, snapshot
+from osworld_jax.env.local import apps, limits, preflight, snapshot, sysmount
 from osworld_jax.env.local.config import DEFAULT_OPENERS, LocalBackendConfig
 from osworld_jax.env.local.desktop import LocalDesktop
 from osworld_jax.env.local.jail import JailSpec
@@ -76,6 +77,10 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
         self._desktops: dict[str, LocalDesktop] = {}
         self._pool: list[LocalDesktop] = []
         self._pool_tasks: set[asyncio.Task[None]] = set()
+        self._sysmount = sysmount.RootMount(self.system)
+        self._sysmount_lock = threading.Lock()
+        self._system_dir: Path | None = None  # where the jails' system binds come from
+        self._sysmount_warned = False
 
     # -- capabilities and preflight ---------------------------------------------------------
 
@@ -145,6 +150,7 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
                 "local sandbox backend cannot run here: " + "; ".join(problems) + f" ({fix})"
             )
         mechanisms = self.limit_mechanisms()
+        self._warn_system_mount()
         self._check_apps(tasks)
         fallbacks = {k: v for k, v in mechanisms.items() if "RLIMIT" in v}
         if fallbacks:
@@ -154,6 +160,54 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
                 self._limit_support().reason,
                 fallbacks,
             )
+
+    def _system_mount_unavailable(self) -> str | None:
+        """Why the jails' system cannot come from a filesystem of its own (``sysmount``), in
+        one line, or None (no system root, the root is one already, or a tmpfs copy can be
+        mounted here)."""  # noqa: D205, D209
+        root = self.system.path
+        if root is None or sysmount.filesystem_root(root):
+            return None
+        why = sysmount.unavailable()
+        if why is None:
+            return None
+        return (
+            f"local backend: system root {root}: {why}; the jails run, but their "
+            f"/proc/self/mountinfo shows its host path (run as root to hide it, docs/SECURITY.md)"
+        )
+
+    def _warn_system_mount(self) -> bool:
+        """Logs ``_system_mount_unavailable`` once per backend; whether there was a reason."""
+        why = self._system_mount_unavailable()
+        if why and not self._sysmount_warned:
+            _log.warning("%s", why)
+            self._sysmount_warned = True
+        return why is not None
+
+    async def _system_source(self) -> Path | None:
+        """The directory the jails' system binds come from: a tmpfs copy of the system root,
+        made at the first desktop (``sysmount.RootMount``); None: the host's own system."""  # noqa: D205, D209
+        if self._system_dir is not None or self.system.path is None:
+            return self._system_dir
+        return await asyncio.to_thread(self._system_source_once)
+
+    def _system_source_once(self) -> Path:
+        """``_system_source`` under a thread lock (desktops start concurrently; no loop bound)."""
+        assert self.system.path is not None
+        with self._sysmount_lock:
+            if self._system_dir is not None:
+                return self._system_dir
+            if sysmount.filesystem_root(self.system.path) or self._warn_system_mount():
+                self._system_dir = self.system.path  # bound as it is
+                return self._system_dir
+            try:
+                self._system_dir = self._sysmount.open()
+            except OSError as e:
+                raise SandboxCreateError(
+                    f"system root {self.system.path}: cannot copy it to a private tmpfs: {e}"
+                ) from e
+            assert self._system_dir is not None
+            return self._system_dir
 
     def _check_apps(self, tasks: Sequence[Task] | None) -> None:
         needed = preflight.check_installed(tasks, lambda a: self.has_app(a, self.config))
@@ -203,7 +257,7 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
         self._root.chmod(0o700)  # the jails never mount anything of it
         return self._root
 
-    def _spec(self) -> JailSpec:
+    def _spec(self, system_dir: Path | None = None) -> JailSpec:
         cfg = self.config
         return JailSpec(
             width=cfg.screen_width,
@@ -220,6 +274,7 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
             max_file_bytes=cfg.max_file_bytes,
             extra_ro_binds=cfg.extra_ro_binds,
             system_root=cfg.system_root,
+            system_dir=None if system_dir is None else str(system_dir),
         )
 
     async def _start_desktop(
@@ -250,6 +305,7 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
     async def _launch(self, pooled: bool) -> LocalDesktop:
         cfg = self.config
         mechanisms = self.limit_mechanisms()
+        system_dir = await self._system_source()
         root = self._ensure_root()
         sid = f"local-{uuid.uuid4().hex[:12]}"
         sdir = root / sid
@@ -275,7 +331,7 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
                     memory_bytes=cfg.memory_bytes,
                 )
             await desktop.start(
-                self._spec(),
+                self._spec(system_dir),
                 host_uid=host_uid,
                 start_timeout_s=cfg.start_timeout_s,
                 rpc_timeout_s=cfg.rpc_timeout_s,
@@ -409,6 +465,8 @@ class LocalBackend(SandboxBackend[LocalSandbox]):
         if self._own_root and self._root is not None:
             await asyncio.to_thread(limits.remove_tree, self._root)
             self._root = None
+        self._sysmount.close()
+        self._system_dir = None
 
 
 def _system(config: LocalBackendConfig | None) -> SystemRoot:

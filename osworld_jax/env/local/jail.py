@@ -19,7 +19,8 @@ The jail (``bwrap --unshare-all --die-with-parent --new-session``; threat model 
   ``/proc/self/mountinfo`` hold no host path and no host variable. Programs in the jail get only
   the allow-listed variables of ``JAIL_ENV``.
 - filesystem: ``/usr`` and ``/etc`` read-only from the host, or from the Debian root of
-  ``LocalBackendConfig.system_root`` (``sysroot.py``) (``/etc/passwd``, ``/etc/group``,
+  ``LocalBackendConfig.system_root`` (``sysroot.py``; bound from a private tmpfs copy of it,
+  ``sysmount.py``, so mountinfo shows none of its host path) (``/etc/passwd``, ``/etc/group``,
   ``/etc/hosts``, ``/etc/hostname`` replaced); a fresh ``/proc`` of the pid namespace, a minimal
   ``/dev``. Writable, and only these, each a size-capped tmpfs (``LocalBackendConfig``):
   ``/home/user``, ``/tmp``, ``/dev/shm``, ``/var/tmp`` and ``XDG_RUNTIME_DIR``; the jail's root
@@ -136,6 +137,10 @@ class JailSpec:
       command: the command after ``--`` (no host path in it).
       files: jail path -> content, handed over as ``--ro-bind-data`` descriptors.
       system: where the jail's ``/usr``, ``/etc`` and top-level links come from.
+
+    ``system_dir``: a copy of ``system_root`` on a filesystem of its own (``sysmount``) that the
+    jail's system binds come from instead of the root itself, so that the jail's
+    ``/proc/self/mountinfo`` shows no host path.
     """
 
     def __init__(
@@ -155,15 +160,16 @@ class JailSpec:
         max_file_bytes: int,
         extra_ro_binds: tuple[str, ...] = (),
         system_root: str | None = None,
+        system_dir: str | None = None,
     ) -> None:
         self.system = SystemRoot(system_root)
-        root = self.system.dir
+        root = Path(system_dir) if system_dir else self.system.dir
         a = ["--unshare-all", "--die-with-parent", "--new-session"]
         a += ["--uid", str(JAIL_UID), "--gid", str(JAIL_UID), "--hostname", "sandbox"]
-        a += self.system.system_binds()
+        a += self.system.system_binds(src=root)
         a += ["--ro-bind", str(root / "etc"), "/etc"]
         for path in ("/var/cache/fontconfig", "/var/lib/dbus"):
-            a += ["--ro-bind-try", str(root) + path if self.system.path else path, path]
+            a += ["--ro-bind-try", str(root) + path if root != Path("/") else path, path]
         for path in extra_ro_binds:  # host paths, whatever the system
             a += ["--ro-bind-try", path, path]
         a += ["--proc", "/proc", "--dev", "/dev"]

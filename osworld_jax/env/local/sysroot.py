@@ -78,12 +78,14 @@ class SystemRoot:
         """The working directory ``argv`` commands need (the root; None: any)."""
         return None if self.path is None else str(self.path)
 
-    def system_binds(self, tops: tuple[str, ...] = TOP_LEVEL) -> list[str]:
+    def system_binds(self, tops: tuple[str, ...] = TOP_LEVEL, src: Path | None = None) -> list[str]:
         """Bwrap options mounting this system's ``/usr`` and top-level dirs ``tops`` read-only
-        (a usrmerge link becomes the same link; a missing one is left out)."""  # noqa: D205, D209
-        args = ["--ro-bind", str(self.dir / "usr"), "/usr"]
+        (a usrmerge link becomes the same link; a missing one is left out); ``src``: a copy of
+        the root to bind them from instead (``sysmount.RootMount``)."""  # noqa: D205, D209
+        src = self.dir if src is None else src
+        args = ["--ro-bind", str(src / "usr"), "/usr"]
         for top in tops:
-            host = self.dir / top
+            host = src / top
             if host.is_symlink():
                 args += ["--symlink", os.readlink(host), f"/{top}"]
             elif host.is_dir():
@@ -186,6 +188,7 @@ class SystemRoot:
             except OSError:
                 return  # missing: preflight names what the root lacks
             writable = st.st_mode & 0o022 and not (sticky_ok and st.st_mode & stat.S_ISVTX)
+            writable = writable and not stat.S_ISLNK(st.st_mode)  # a link's mode is always 0777
             if st.st_uid not in (0, me) or writable:
                 bad.append(f"{path} (owner uid {st.st_uid}, mode {oct(st.st_mode & 0o7777)})")
 

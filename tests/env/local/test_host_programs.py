@@ -71,6 +71,9 @@ def test_a_root_another_user_could_change_is_refused_before_it_runs(tmp_path, mo
     root = fake_root(tmp_path, programs=("sh", "prlimit", "bwrap", "tar", "cp", "find"))
     system = SystemRoot(root)
     programs = ("/bin/sh", "/usr/bin/prlimit", "/usr/bin/bwrap", "tar", "cp", "find")
+    lib = root / "usr/lib/x86_64-linux-gnu"
+    (lib / "libz.so.1.2.13").write_bytes(b"")
+    (lib / "libz.so.1").symlink_to("libz.so.1.2.13")  # a link's own mode is 0777: not a write bit
     assert system.untrusted_paths(programs) == []  # all ours, none group/other-writable
     ran: list[object] = []
     monkeypatch.setattr(subprocess, "run", lambda *a, **kw: ran.append(a))

@@ -21,7 +21,7 @@ import pytest
 
 from osworld_jax.env.backend import PreflightError
 from osworld_jax.env.capabilities import APP, capabilities
-from osworld_jax.env.local import LocalBackend, LocalBackendConfig
+from osworld_jax.env.local import LocalBackend, LocalBackendConfig, sysmount
 from osworld_jax.env.local.desktop import gate_argv
 from osworld_jax.env.local.jail import JailSpec, jail_files
 from osworld_jax.env.local.sysroot import HOST, SystemRoot
@@ -224,11 +224,21 @@ def test_a_desktop_runs_from_a_built_root_and_loads_nothing_of_the_host():
             code += "print(tuple(pyautogui.position()))"
             res = await d.client.execute(["python", "-c", code])
             assert res["returncode"] == 0 and res["output"].strip() == "(410, 320)", res
-            # The jail's /usr is the root's: same inode as the root's bwrap, not the host's.
+            # The jail's /usr is the root's, bound from its tmpfs copy (sysmount) when this
+            # process can mount one: same inode as the copy's bwrap, not the host's.
+            source = backend._system_dir
+            assert source is not None and (source != root) == (sysmount.unavailable() is None)
             res = await d.client.execute(["stat", "-L", "-c", "%i", "/usr/bin/bwrap"])
-            assert int(res["output"]) == (root / "usr/bin/bwrap").stat().st_ino
+            assert int(res["output"]) == (source / "usr/bin/bwrap").stat().st_ino
             if Path("/usr/bin/bwrap").exists():
                 assert int(res["output"]) != Path("/usr/bin/bwrap").stat().st_ino
+            assert (source / "usr/bin/bwrap").read_bytes() == (root / "usr/bin/bwrap").read_bytes()
+            # The agent's mountinfo names no host path of the root (issue 43 item 11).
+            res = await d.client.execute(["cat", "/proc/self/mountinfo"])
+            usr = [ln.split() for ln in res["output"].splitlines() if ln.split()[4:5] == ["/usr"]]
+            if source != root:
+                assert usr and all(u[3] == "/usr" for u in usr), res
+                assert str(root) not in res["output"] and str(source) not in res["output"]
             # The outer bwrap (and its namespace's first process) run the root's loader and map
             # only files of the root; its command line names no host path.
             for pid in d.host_pids()[:2]:  # the outer bwrap, then its namespace's pid 1
