@@ -6,8 +6,9 @@ prompts padded to a length bucket ``S`` over their slots' first ``S`` cache rows
 runs the first ``b`` slots (``b`` a batch bucket covering every live slot) over the first ``Lb``
 cache rows (``Lb`` a length bucket covering every live position). The length buckets are the
 slot length and the powers of two below it, at most `LENGTH_LEVELS` of them; the batch buckets
-the slot count and at most `BATCH_LEVELS` - 1 halvings. Each (rows, S) and (b, Lb) compiles
-once. Parameters are a jit *argument*, so a refit swaps them without recompiling.
+the slot count and at most `BATCH_LEVELS` - 1 halvings; a prefill after a kept prefix
+attends over one of the `WINDOW_LEVELS` largest length buckets. Each (rows, S, window) and
+(b, Lb) compiles once. Parameters are a jit *argument*, so a refit swaps them without recompiling.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ PREFILL_BATCH_TOKENS = 8192
 LENGTH_LEVELS = 4
 #: Most decode batch buckets: the slot count and the powers of two below it.
 BATCH_LEVELS = 2
+#: Most attention windows of a prefill after a kept prefix (the largest length buckets): its
+#: programs are (suffix bucket, window) pairs, so the windows are few.
+WINDOW_LEVELS = 2
 
 
 def _ladder(top: int, floor: int, levels: int) -> tuple[int, ...]:
@@ -84,6 +88,10 @@ class ServingBuckets:
     def length(self, n: int) -> int:
         """The length bucket of ``n`` tokens (a power of two past the slot length)."""
         return _smallest(self.lengths, max(n, 1))
+
+    def window(self, n: int) -> int:
+        """The attention window of a prefill after a kept prefix, ``n`` tokens in all."""
+        return _smallest(self.lengths[-WINDOW_LEVELS:], max(n, 1))
 
     def batch(self, n: int) -> int:
         """The decode batch bucket covering slots ``[0, n)``."""
@@ -518,13 +526,13 @@ class ModelRunner:
     def attention_bucket(self, prompts: Sequence[Sequence[int]], starts: Sequence[int]) -> int:
         """The attention window (cache rows) of a prefill.
 
-        Its suffix bucket when nothing is reused, else the length bucket covering every row's
-        whole sequence.
+        Its suffix bucket when nothing is reused, else the window covering every row's whole
+        sequence (`ServingBuckets.window`: one of the two largest length buckets).
         """
         s = self.prefill_bucket(max(len(q) - a for q, a in zip(prompts, starts, strict=True)))
         if not any(starts):
             return s
-        return max(s, self.prefill_bucket(max(len(q) for q in prompts)))
+        return max(s, self.buckets.window(max(len(q) for q in prompts)))
 
     def _vision_inputs(
         self,

@@ -463,6 +463,8 @@ def test_bucket_set_is_small_fixed_and_the_memory_plans_it(engine):
     assert default.lengths == (512, 1024, 2048, 4096) and default.batches == (4, 8)
     assert {default.length(n) for n in range(1, 4097)} == set(default.lengths)
     assert {default.batch(n) for n in range(1, 9)} == set(default.batches)
+    # A prefill after a kept prefix: (suffix bucket, window) pairs, the windows the two largest.
+    assert {default.window(n) for n in range(1, 4097)} == {2048, 4096}
     assert [default.prefill_rows(s) for s in default.lengths] == [8, 8, 4, 2]
     # The engine's set is the one the memory plan compiles (one function).
     r = engine.runner
