@@ -255,8 +255,9 @@ class VisionPacking:
       patch_buckets: allowed per-row patch counts, ascending (the train step compiles once per
         bucket): the smallest that holds a batch's largest row is used; beyond the largest,
         the next power of two. Empty: powers of two (at least ``merge_size^2``).
-      image_slots: the least number of image slots per row (the ``m`` of ``image_grid_thw
-        [R, m, 3]``); more images in a row round it up to a power of two.
+      image_slots: the image slots per row (the ``m`` of ``image_grid_thw [R, m, 3]``) of
+        every batch whose rows hold at most this many images; more images in a row round it
+        up to a power of two.
     """
 
     processor: ImageProcessor
@@ -318,7 +319,9 @@ def _row_vision(
     if not ids:
         return None
     most = max(len(x) for x in per_row)
-    slots = max(vision.image_slots, 1 << max(most - 1, 0).bit_length())
+    # image_slots holds every row of a run (its most screenshots per segment), so the step
+    # compiles one m; only a row beyond it rounds up to a power of two.
+    slots = vision.image_slots if most <= vision.image_slots else 1 << (most - 1).bit_length()
     sizes = [int(np.prod(g)) for g in grids]
     patches = vision.patch_bucket(max(sum(sizes[i] for i in x) for x in per_row))
     index = np.full((len(rows), slots), -1, np.int32)

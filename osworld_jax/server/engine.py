@@ -37,17 +37,12 @@ from osworld_jax.server.runner import (
     MAX_TOP_LOGPROBS,
     ModelRunner,
     SlotSampling,
-    next_pow2,
 )
 from osworld_jax.server.weights import EngineWeights
 
 __all__ = ["Engine", "EngineConfig", "GenRequest"]
 
 log = logging.getLogger(__name__)
-
-
-#: Batched prefills hold at most this many (padded) tokens.
-PREFILL_BATCH_TOKENS = 8192
 
 
 class Engine(EngineWeights):
@@ -83,6 +78,8 @@ class Engine(EngineWeights):
             dtype=config.dtype,
             expert_backend=config.expert_backend,
             min_bucket=config.min_bucket,
+            min_decode_batch=config.min_decode_batch,
+            max_prefill_batch=config.max_prefill_batch,
             mm_attention=config.mm_attention_backend,
             scan_layers=config.scan_layers,
         )
@@ -149,22 +146,18 @@ class Engine(EngineWeights):
         self.ready.set()
         return self
 
-    def precompile(self, prompt_len: int, total_len: int) -> int:
+    def precompile(self, prompt_len: int | None = None, total_len: int | None = None) -> int:
         """Compiles ahead of traffic the buckets of ``prompt_len``-token prompts.
 
-        Covers sequences growing to ``total_len`` tokens (see `ModelRunner.precompile`); runs on
-        the engine thread and needs it idle. Returns the number of compiled calls.
+        Covers sequences growing to ``total_len`` tokens (see `ModelRunner.precompile`; None:
+        every text bucket of `ModelRunner.buckets`); runs on the engine thread and needs it
+        idle. Returns the number of compiled calls.
         """
 
         def run() -> int:
             if self.waiting or any(self.slots):
                 raise EngineError("precompile needs an idle engine")
-            return self.runner.precompile(
-                prompt_len=prompt_len,
-                total_len=total_len,
-                min_batch=self.config.min_decode_batch,
-                max_rows=max(1, self.config.max_prefill_batch),
-            )
+            return self.runner.precompile(prompt_len=prompt_len, total_len=total_len)
 
         return int(self._call(run).result())
 
@@ -406,7 +399,7 @@ class Engine(EngineWeights):
             groups[bucket, window, req.images is not None].append(req)
         for (bucket, _, _), group in groups.items():
             # Batch short prompts only: padding rows of long ones would waste whole prefills.
-            step = max(1, min(self.config.max_prefill_batch, PREFILL_BATCH_TOKENS // bucket))
+            step = self.runner.buckets.prefill_rows(bucket)
             for i in range(0, len(group), step):
                 chunk = group[i : i + step]
                 try:
@@ -493,6 +486,7 @@ class Engine(EngineWeights):
                     req.input_ids,
                     MAX_TOP_LOGPROBS if req.top_logprobs_num else 0,
                     req.match,
+                    res.row,
                 )
             req.routes.append(res.routes[max(0, req.num_route_rows - req.match) :])
             req.num_route_rows = len(prompt)
@@ -506,7 +500,7 @@ class Engine(EngineWeights):
 
     def _decode_step(self) -> None:
         live = [i for i, r in enumerate(self.slots) if r is not None]
-        b = min(self.runner.num_slots, next_pow2(max(live) + 1, self.config.min_decode_batch))
+        b = self.runner.buckets.batch(max(live) + 1)
         reqs = self.slots[:b]
         tokens, positions, rope, active = (np.zeros(b, np.int32) for _ in range(4))
         for i in live:

@@ -21,11 +21,16 @@ import numpy as np
 from osworld_jax.model import KVCache, ModelRuntimeConfig, Qwen3MoeConfig, Qwen3VLMoeConfig
 from osworld_jax.model.params import param_specs
 from osworld_jax.model.serving import CacheLayout, next_pow2
-from osworld_jax.server.runner import MAX_BANNED, _decode, _prefill, patch_bucket
+from osworld_jax.server.runner import (
+    MAX_BANNED,
+    ServingBuckets,
+    _decode,
+    _prefill,
+    patch_bucket,
+    serving_buckets,
+)
 from osworld_jax.trainer.program_memory import ProgramMemory, device_bytes, program_memory
 
-#: Batched prefills hold at most this many (padded) tokens (`engine.PREFILL_BATCH_TOKENS`).
-PREFILL_BATCH_TOKENS = 8192
 #: What lowers a server program's transient (the refusal's knob).
 SERVER_KNOB = (
     "ServerConfig.max_running_requests or its --context-length / --max-prefill-batch "
@@ -33,18 +38,26 @@ SERVER_KNOB = (
 )
 
 
+def layout_buckets(
+    layout: CacheLayout, min_bucket: int = 16, max_prefill_batch: int = 8
+) -> ServingBuckets:
+    """The engine's bucket set for ``layout`` (`runner.serving_buckets`, as `ModelRunner`)."""
+    return serving_buckets(
+        slot_len=layout.slot_len,
+        num_slots=layout.slots,
+        min_bucket=min_bucket,
+        max_prefill_batch=max_prefill_batch,
+    )
+
+
 def prefill_rows(bucket: int, max_prefill_batch: int) -> int:
-    """Rows of a batched prefill of length ``bucket`` (the engine's ``step``)."""
-    return max(1, min(max_prefill_batch, PREFILL_BATCH_TOKENS // bucket))
+    """Rows of a batched prefill of length ``bucket`` (`ServingBuckets.prefill_rows`)."""
+    return ServingBuckets((bucket,), (1,), max(1, max_prefill_batch)).prefill_rows(bucket)
 
 
 def prefill_buckets(layout: CacheLayout, min_bucket: int) -> tuple[int, ...]:
-    """Every prefill length bucket: powers of two from ``min_bucket`` to the slot length."""
-    out, b = [], next_pow2(min_bucket)
-    while b <= layout.slot_len:
-        out.append(b)
-        b *= 2
-    return tuple(out)
+    """Every prefill length bucket of the engine (`ServingBuckets.lengths`)."""
+    return layout_buckets(layout, min_bucket).lengths
 
 
 def abstract_params(model: Qwen3MoeConfig, dtype: str) -> dict[str, dict[str, Any]]:
@@ -122,8 +135,9 @@ def server_programs(
     statics = dict(config=model, runtime=runtime, num_top=0)
     out = []
     vl = isinstance(model, Qwen3VLMoeConfig) and patches > 0
-    for s in buckets or prefill_buckets(layout, min_bucket):
-        rows = prefill_rows(s, max_prefill_batch)
+    planned = layout_buckets(layout, min_bucket, max_prefill_batch)
+    for s in buckets or planned.lengths:
+        rows = planned.prefill_rows(s)
         for vision in (False, True) if vl else (False,):
             images = None
             if vision:

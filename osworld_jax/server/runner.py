@@ -1,10 +1,14 @@
 """The embedded server's model runner: the trainer's own `forward`, a slot KV cache, buckets.
 
-Shapes are bucketed so that serving never recompiles per request: a prefill runs one request
-padded to a power-of-two length ``S`` over its slot's first ``S`` cache rows; a decode step runs
-the first ``b`` slots (``b`` a power of two covering every live slot) over the first ``Lb`` cache
-rows (``Lb`` a power of two covering every live position). Each (S) and (b, Lb) compiles once.
-Parameters are a jit *argument*, so a refit swaps them without recompiling.
+Shapes are bucketed so that serving never recompiles per request, from a small set fixed when
+the runner is built (`serving_buckets`, which the memory plan uses too): a prefill runs its
+prompts padded to a length bucket ``S`` over their slots' first ``S`` cache rows; a decode step
+runs the first ``b`` slots (``b`` a batch bucket covering every live slot) over the first ``Lb``
+cache rows (``Lb`` a length bucket covering every live position). The length buckets are the
+slot length and the powers of two below it, at most `LENGTH_LEVELS` of them; the batch buckets
+the slot count and at most `BATCH_LEVELS` - 1 halvings; a prefill after a kept prefix
+attends over one of the `WINDOW_LEVELS` largest length buckets. Each (rows, S, window) and
+(b, Lb) compiles once. Parameters are a jit *argument*, so a refit swaps them without recompiling.
 """
 
 from __future__ import annotations
@@ -43,6 +47,82 @@ MAX_BANNED = 16
 #: Most top logprobs per position (``top_logprobs_num``; OpenAI's ``top_logprobs`` limit). A step
 #: in which any request asks for some computes this many (one more compiled variant per bucket).
 MAX_TOP_LOGPROBS = 20
+#: Batched prefills hold at most this many (padded) tokens.
+PREFILL_BATCH_TOKENS = 8192
+#: Most length buckets (prefill lengths, attention windows): the slot length and the powers of
+#: two below it. A prompt of a fraction of the slot length pads to ``slot_len / 2**(levels-1)``.
+LENGTH_LEVELS = 4
+#: Most decode batch buckets: the slot count and the powers of two below it.
+BATCH_LEVELS = 2
+#: Most attention windows of a prefill after a kept prefix (the largest length buckets): its
+#: programs are (suffix bucket, window) pairs, so the windows are few.
+WINDOW_LEVELS = 2
+
+
+def _ladder(top: int, floor: int, levels: int) -> tuple[int, ...]:
+    """``top, top / 2, ...`` ascending: at most ``levels`` values, none below ``floor``."""
+    return tuple(sorted({max(floor, top >> i, 1) for i in range(levels)} | {top}))
+
+
+def _smallest(buckets: tuple[int, ...], n: int) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    return next_pow2(n)  # past the largest: the caller refuses it (longer than a slot)
+
+
+@dataclass(frozen=True)
+class ServingBuckets:
+    """The fixed shapes the engine's programs take (`serving_buckets`).
+
+    Attributes:
+      lengths: prefill lengths and attention windows, ascending (the last is the slot length).
+      batches: decode batch sizes, ascending (the last is the slot count).
+      max_prefill_batch: most rows of a batched prefill.
+    """
+
+    lengths: tuple[int, ...]
+    batches: tuple[int, ...]
+    max_prefill_batch: int
+
+    def length(self, n: int) -> int:
+        """The length bucket of ``n`` tokens (a power of two past the slot length)."""
+        return _smallest(self.lengths, max(n, 1))
+
+    def window(self, n: int) -> int:
+        """The attention window of a prefill after a kept prefix, ``n`` tokens in all."""
+        return _smallest(self.lengths[-WINDOW_LEVELS:], max(n, 1))
+
+    def batch(self, n: int) -> int:
+        """The decode batch bucket covering slots ``[0, n)``."""
+        return min(_smallest(self.batches, max(n, 1)), self.batches[-1])
+
+    def prefill_rows(self, length: int) -> int:
+        """Rows of a batched prefill of length bucket ``length`` (a lone prompt runs alone)."""
+        return max(1, min(self.max_prefill_batch, PREFILL_BATCH_TOKENS // length))
+
+
+def serving_buckets(
+    *,
+    slot_len: int,
+    num_slots: int,
+    min_bucket: int = 16,
+    min_decode_batch: int = 1,
+    max_prefill_batch: int = 8,
+) -> ServingBuckets:
+    """The engine's bucket set, fixed by its cache layout (the engine and the memory plan).
+
+    ``slot_len`` and ``num_slots`` are the cache's (powers of two); ``min_bucket`` the smallest
+    length bucket, ``min_decode_batch`` the smallest decode batch.
+
+    >>> serving_buckets(slot_len=4096, num_slots=8).lengths
+    (512, 1024, 2048, 4096)
+    >>> serving_buckets(slot_len=4096, num_slots=8).batches
+    (4, 8)
+    """
+    lengths = _ladder(slot_len, next_pow2(min_bucket), LENGTH_LEVELS)
+    batches = _ladder(num_slots, min(next_pow2(min_decode_batch), num_slots), BATCH_LEVELS)
+    return ServingBuckets(lengths, batches, max(1, max_prefill_batch))
 
 
 def patch_bucket(n: int, unit: int) -> int:
@@ -180,7 +260,8 @@ def _decode(
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_top"))
-def _prompt_logprobs(params, hidden, targets, *, config, num_top):
+def _prompt_logprobs(params, hidden, row, targets, *, config, num_top):
+    hidden = hidden[row]  # [S, H] of the prompt's row
     s = hidden.shape[0]
     chunk = min(s, 256)
     hs = hidden.reshape(s // chunk, chunk, -1)
@@ -201,10 +282,12 @@ class PrefillResult:
     Attributes:
       token: the first output token; logprob: its logprob.
       routes: i32[len(prompt), L, K] routes of the prompt tokens.
-      hidden: device [S, H] final hidden states (for optional prompt logprobs).
+      hidden: device [P, S, H] final hidden states of the prefill's rows (for optional prompt
+        logprobs; sliced inside `_prompt_logprobs`, so no per-shape slicing program compiles).
       rope_delta: M-RoPE delta of the prompt (max position + 1 - length; 0 for text): the
         rope position of cache slot j >= len(prompt) is ``j + rope_delta``.
       top: (ids i32[k], logprobs f32[k]) of the first token's distribution, k = ``num_top``.
+      row: this prompt's row of ``hidden``.
     """
 
     token: int
@@ -213,6 +296,7 @@ class PrefillResult:
     hidden: Any
     rope_delta: int
     top: tuple[np.ndarray, np.ndarray]
+    row: int = 0
 
 
 @dataclass(frozen=True)
@@ -278,6 +362,8 @@ class ModelRunner:
       dtype: "float32" or "bfloat16" (parameters, activations and KV cache).
       expert_backend: the model's expert backend ("auto", "dense", "ragged", ...).
       min_bucket: smallest prefill / attention-length bucket.
+      min_decode_batch: smallest decode batch bucket.
+      max_prefill_batch: most rows of a batched prefill (`ServingBuckets.prefill_rows`).
       mm_attention: the ViT's attention, "cudnn" (cuDNN's packed flash attention per image on a
         GPU in 16-bit, the trainer's kernel; XLA elsewhere) or "xla".
       scan_layers: run the decoder layers and ViT blocks under ``lax.scan`` (compiles a deep
@@ -294,6 +380,8 @@ class ModelRunner:
         dtype: str = "float32",
         expert_backend: str = "auto",
         min_bucket: int = 16,
+        min_decode_batch: int = 1,
+        max_prefill_batch: int = 8,
         mm_attention: str = "cudnn",
         scan_layers: bool | None = None,
     ) -> None:
@@ -311,6 +399,13 @@ class ModelRunner:
         self.num_slots = next_pow2(num_slots)
         self.slot_len = next_pow2(slot_len, min_bucket)
         self.min_bucket = min_bucket
+        self.buckets = serving_buckets(
+            slot_len=self.slot_len,
+            num_slots=self.num_slots,
+            min_bucket=min_bucket,
+            min_decode_batch=min_decode_batch,
+            max_prefill_batch=max_prefill_batch,
+        )
         self.vocab_size = self.config.vocab_size
         # Committed to the parameters' device, like every later (donated, returned) cache:
         # an uncommitted first cache would compile each bucket twice.
@@ -353,8 +448,8 @@ class ModelRunner:
         }
 
     def prefill_bucket(self, length: int) -> int:
-        """The padded prefill length for a ``length``-token prompt."""
-        return next_pow2(length, self.min_bucket)
+        """The padded prefill length for a ``length``-token prompt (`ServingBuckets.length`)."""
+        return self.buckets.length(length)
 
     def prefill(
         self,
@@ -420,7 +515,8 @@ class ModelRunner:
                 token=int(tok[i]),
                 logprob=float(lp[i]),
                 routes=np.asarray(routes[i, : len(q) - starts[i]]),
-                hidden=hidden[i],
+                hidden=hidden,
+                row=i,
                 rope_delta=deltas[i],
                 top=(np.asarray(top[0][i]), np.asarray(top[1][i])),
             )
@@ -430,13 +526,13 @@ class ModelRunner:
     def attention_bucket(self, prompts: Sequence[Sequence[int]], starts: Sequence[int]) -> int:
         """The attention window (cache rows) of a prefill.
 
-        Its suffix bucket when nothing is reused, else a power of two covering every row's
-        whole sequence.
+        Its suffix bucket when nothing is reused, else the window covering every row's whole
+        sequence (`ServingBuckets.window`: one of the two largest length buckets).
         """
         s = self.prefill_bucket(max(len(q) - a for q, a in zip(prompts, starts, strict=True)))
         if not any(starts):
             return s
-        return max(s, next_pow2(max(len(q) for q in prompts), self.min_bucket))
+        return max(s, self.buckets.window(max(len(q) for q in prompts)))
 
     def _vision_inputs(
         self,
@@ -480,49 +576,55 @@ class ModelRunner:
             deltas.append(top - length)
         return {"pixel_values": pixels, "grid_thw": grid, "rope": rope}, deltas
 
-    def precompile(
-        self, *, prompt_len: int, total_len: int, min_batch: int = 1, max_rows: int = 1
-    ) -> int:
+    def precompile(self, *, prompt_len: int | None = None, total_len: int | None = None) -> int:
         """Compiles ahead the buckets a workload will use, so no request waits on a compile.
 
-        Covers prompts of ``prompt_len`` tokens (prefill rows 1 and ``max_rows``) growing to
-        ``total_len`` tokens (decode batches from ``min_batch`` to ``num_slots``). Only call it
-        while no request is live (the dummy steps write into free slots). Returns the number of
-        compiled calls.
+        Covers text prompts of ``prompt_len`` tokens (prefill rows 1 and the bucket's batched
+        rows) growing to ``total_len`` tokens (every decode batch bucket); without them, every
+        text prefill and decode bucket of `buckets`. Only call it while no request is live (the
+        dummy steps write nowhere: every prefill row is padding, every decode slot inactive).
+        Returns the number of compiled calls.
         """
+        lengths = self.buckets.lengths
+        if prompt_len is not None:
+            lengths = (self.prefill_bucket(prompt_len),)
         n = 0
-        s = self.prefill_bucket(prompt_len)
-        for rows in sorted({1, max_rows}):
-            tokens = np.zeros((rows, s), np.int32)
-            ones = np.ones((rows,), np.int32)
-            slot_ids = np.full((rows,), self.num_slots, np.int32)  # every write drops
-            *_, self.cache = _prefill(
-                self.params, self.cache, slot_ids, tokens, None, ones,
-                self._samp(_dummy_sampling(rows, self.vocab_size)), None,
-                config=self.config, runtime=self.runtime, num_top=0, attn_len=s,
-            )  # fmt: skip
-            n += 1
-        b = next_pow2(min_batch)
-        while b <= self.num_slots:
-            attn = next_pow2(prompt_len + 1, self.min_bucket)
-            while attn <= min(self.slot_len, next_pow2(total_len, self.min_bucket)):
+        for s in lengths:
+            for rows in sorted({1, self.buckets.prefill_rows(s)}):
+                tokens = np.zeros((rows, s), np.int32)
+                ones = np.ones((rows,), np.int32)
+                slot_ids = np.full((rows,), self.num_slots, np.int32)  # every write drops
+                *_, self.cache = _prefill(
+                    self.params, self.cache, slot_ids, tokens, None, ones,
+                    self._samp(_dummy_sampling(rows, self.vocab_size)), None,
+                    config=self.config, runtime=self.runtime, num_top=0, attn_len=s,
+                )  # fmt: skip
+                n += 1
+        low = self.prefill_bucket(prompt_len + 1) if prompt_len is not None else 1
+        high = self.prefill_bucket(total_len) if total_len is not None else self.slot_len
+        windows = [w for w in self.buckets.lengths if low <= w <= high]
+        for b in self.buckets.batches:
+            for attn in windows:
                 zeros = np.zeros((b,), np.int32)
                 self.decode(
                     zeros, zeros, zeros, _dummy_sampling(b, self.vocab_size), attn_len=attn,
                 )  # fmt: skip
                 n += 1
-                attn *= 2
-            b *= 2
         jax.block_until_ready(self.cache)
         return n
 
     def prompt_logprobs(
-        self, hidden: jax.Array, prompt: list[int], num_top: int = 0, start: int = 0
+        self,
+        hidden: jax.Array,
+        prompt: list[int],
+        num_top: int = 0,
+        start: int = 0,
+        row: int = 0,
     ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
         """Prompt logprobs at temperature 1 (SGLang's ``input_token_logprobs``).
 
-        ``hidden`` [S, H] holds positions ``[start, start + S)`` (a prefill after a kept prefix
-        of ``start`` tokens).
+        ``hidden[row]`` [S, H] (`PrefillResult`'s ``hidden`` [P, S, H]) holds positions
+        ``[start, start + S)`` (a prefill after a kept prefix of ``start`` tokens).
 
         Returns:
           (f32[len(prompt)]: entry t is ``log p(prompt[t] | prompt[:t])``; entry 0, and entries
@@ -530,12 +632,14 @@ class ModelRunner:
           logprobs f32[len, k]) of the k most likely tokens at each computed position (other
           rows 0), else None).
         """
-        s = hidden.shape[0]
+        s = hidden.shape[1]
         n = len(prompt) - 1 - start  # predictions of tokens start + 1 .. len - 1
         targets = np.zeros((s,), np.int32)
         targets[:n] = prompt[start + 1 :]
         lps, top_ids, top_lps = jax.device_get(
-            _prompt_logprobs(self.params, hidden, targets, config=self.config, num_top=num_top)
+            _prompt_logprobs(
+                self.params, hidden, np.int32(row), targets, config=self.config, num_top=num_top
+            )
         )
         out = np.full((len(prompt),), np.nan, np.float32)
         out[start + 1 :] = np.asarray(lps)[:n]
@@ -574,7 +678,7 @@ class ModelRunner:
         if attn_len is None:
             live = positions[active > 0]
             top_row = int(live.max()) + 1 if live.size else 1
-            attn_len = min(self.slot_len, next_pow2(top_row, self.min_bucket))
+            attn_len = min(self.slot_len, self.prefill_bucket(top_row))
         rope = positions if rope is None else rope
         # A free slot's row gets a cache position past the window: its write is dropped, so the
         # prefix a free slot keeps (`prefix_cache`) is never overwritten by a decode step.

@@ -120,6 +120,10 @@ def test_patch_buckets_and_image_slots(vl_tokenizer, vision):
     fixed = dataclasses.replace(vision, patch_buckets=(576, 1152, 1728), image_slots=3)
     b = with_pixel_values(pack_batch(sel, [0.5], num_layers=L, top_k=K, vision=fixed))
     assert b.pixel_values.shape[1] == 1152 and b.image_grid_thw.shape[1] == 3
+    # A row of image_slots images keeps m = image_slots (one train step shape), not 4.
+    three = GroupSelection.of([owner(vl_tokenizer, 0, [(1920, 1080)] * 3, max_screenshots=3)])
+    grid = pack_batch(three, [0.5], num_layers=L, top_k=K, vision=fixed).image_grid_thw
+    assert grid.shape[1] == 3 and (grid[:, :, 0] > 0).sum(axis=1).max() == 3
     small = dataclasses.replace(vision, patch_buckets=(576,))
     assert pack_batch(sel, [0.5], num_layers=L, top_k=K, vision=small).num_patches == 2048
     with pytest.raises(PackingError, match="multiple of merge_size"):

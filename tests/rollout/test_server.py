@@ -452,6 +452,55 @@ def test_precompile_leaves_no_compile_for_traffic(engine):
     assert (runner._prefill._cache_size(), runner._decode._cache_size()) == before
 
 
+def test_bucket_set_is_small_fixed_and_the_memory_plans_it(engine):
+    from osworld_jax.model.serving import CacheLayout
+    from osworld_jax.server.program_memory import layout_buckets
+    from osworld_jax.server.runner import serving_buckets
+
+    # The default run's server (8 slots x 4096 tokens): 4 lengths, 2 decode batches, whatever
+    # the prompt lengths; past the slot length a prompt is refused, not compiled.
+    default = serving_buckets(slot_len=4096, num_slots=8, min_bucket=16)
+    assert default.lengths == (512, 1024, 2048, 4096) and default.batches == (4, 8)
+    assert {default.length(n) for n in range(1, 4097)} == set(default.lengths)
+    assert {default.batch(n) for n in range(1, 9)} == set(default.batches)
+    # A prefill after a kept prefix: (suffix bucket, window) pairs, the windows the two largest.
+    assert {default.window(n) for n in range(1, 4097)} == {2048, 4096}
+    assert [default.prefill_rows(s) for s in default.lengths] == [8, 8, 4, 2]
+    # The engine's set is the one the memory plan compiles (one function).
+    r = engine.runner
+    layout = CacheLayout(engine.context_length, r.num_slots, r.slot_len)
+    planned = layout_buckets(layout, engine.config.min_bucket, engine.config.max_prefill_batch)
+    assert (planned.lengths, planned.max_prefill_batch) == (r.buckets.lengths, 8)
+
+
+def test_traffic_after_warming_every_bucket_compiles_nothing(engine):
+    """`precompile()` warms the whole text set once; prompts of any length then reuse it."""
+    from osworld_jax.server import runner
+
+    assert engine.precompile() == 2 * len(engine.runner.buckets.lengths) + len(
+        engine.runner.buckets.lengths
+    ) * len(engine.runner.buckets.batches)
+    before = (runner._prefill._cache_size(), runner._decode._cache_size())
+    rng = np.random.default_rng(0)
+    lengths = [1, 5, 40, 63, 64, 65, 100]  # both length buckets; alone and batched
+
+    async def main():
+        async with serving(engine) as url:
+            for group in ([100], lengths):
+                bodies = [
+                    {
+                        "input_ids": rng.integers(1, 500, n).tolist(),
+                        "sampling_params": {"max_new_tokens": 4, "ignore_eos": True},
+                    }
+                    for n in group
+                ]
+                out = await asyncio.gather(*(post(url, "/generate", b) for b in bodies))
+                assert all(status == 200 for status, _ in out)
+
+    run(main())
+    assert (runner._prefill._cache_size(), runner._decode._cache_size()) == before
+
+
 def test_endpoints_answer_503_until_the_engine_is_ready():
     from aiohttp import web
 

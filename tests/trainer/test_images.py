@@ -8,6 +8,7 @@ the policy called on each segment alone with HF's flat image layout.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 
@@ -88,11 +89,28 @@ def rollout(owner: int, segments) -> OwnerRollout:
 
 # Owner 0: two segments with images (one row with pack_segments); owner 1: two images of
 # different sizes; owner 2: a text-only segment in the same batch.
+SIZES = [[[(64, 48)], [(64, 48), (96, 64)]], [[(128, 96), (40, 40)]], [[]]]
 SEGMENTS = [
     [segment(0, [(64, 48)], 1), segment(0, [(64, 48), (96, 64)], 2)],
     [segment(1, [(128, 96), (40, 40)], 3)],
     [segment(2, [], 4, out=9)],
 ]
+
+
+@contextlib.contextmanager
+def compile_counter():
+    """Yields the list of the programs XLA compiles (or loads from a cache) in the block."""
+    names: list[str] = []
+
+    def listen(event: str, _secs: float, **kw) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(str(kw.get("fun_name")))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def batch(**kw):
@@ -176,9 +194,21 @@ def test_trainer_logprobs_equal_each_segment_alone(policy):
             want, _ = alone(policy, seg)
             np.testing.assert_allclose(lp[r, start + 1 : start + seg.length], want[1:], atol=2e-6)
     assert b.segment_ids[0].max() == 2 and len(SEGMENTS[0][1].images) == 2
-    _, metrics = trainer.train_step(state, b)
+    state, metrics = trainer.train_step(state, b)
     assert metrics["route_agreement"] == 1.0
     assert metrics["logprob_abs_diff"] < 1e-6
+    # The next step's rollouts: other screenshots and tokens, the same padded shape: the step
+    # and the patch upload compile nothing again (each padded shape compiles once per run).
+    other = [[segment(o, sizes, 50 + 7 * o + i, out=6 if sizes else 9)
+              for i, sizes in enumerate(shapes)] for o, shapes in enumerate(SIZES)]  # fmt: skip
+    sel = GroupSelection.of([rollout(i, s) for i, s in enumerate(other)])
+    b2 = pack_batch(sel, [1.0, 0.5, -1.0], num_layers=L, top_k=K, vision=VISION,
+                    pack_segments=True, length_buckets=[256])  # fmt: skip
+    assert b2.tokens.shape == b.tokens.shape and b2.images.num_patches == b.images.num_patches
+    assert b2.images.encoded != b.images.encoded
+    with compile_counter() as compiled:
+        state, metrics = trainer.train_step(state, b2)
+    assert compiled == [] and metrics["step"] == 1
 
 
 @pytest.mark.slow
