@@ -55,6 +55,14 @@ def existing_dir(text: str) -> Path:
     return path
 
 
+def dir_path(text: str) -> Path:
+    """A directory that may not exist yet (a cache the command fills), never a file."""
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is not a directory")
+    return path
+
+
 def existing_file(text: str) -> Path:
     """A file that exists."""
     path = Path(text).expanduser()

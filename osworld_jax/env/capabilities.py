@@ -460,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--backend", default="local", choices=BACKENDS.names(), help="default: local"
         )
         p.add_argument(
-            "--cache-dir", type=cliargs.existing_dir, default=None, help="local file cache"
+            "--cache-dir", type=cliargs.dir_path, default=None, help="local file cache"
         )
         p.add_argument(
             "--assume-cached",

@@ -196,5 +196,5 @@ def test_freeze_band_script(tmp_path, inputs, capsys):
             runpy.run_path(str(script), run_name="__main__")
     finally:
         sys.argv = old
-    assert code.value.code == 1  # the dataset exists: refused
+    assert code.value.code == 2  # the dataset exists: refused (a bad value: exit 2)
     assert "already exists" in capsys.readouterr().err

@@ -310,7 +310,7 @@ def test_module_cli_runs_clean(osworld_examples):
         text=True,
         timeout=120,
     )
-    assert bad.returncode == 2 and "not a directory" in bad.stderr
+    assert bad.returncode == 2 and "/nonexistent-dir does not exist" in bad.stderr
 
 
 def test_assets_are_not_tasks(tmp_path):
