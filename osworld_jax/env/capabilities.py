@@ -459,9 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument(
             "--backend", default="local", choices=BACKENDS.names(), help="default: local"
         )
-        p.add_argument(
-            "--cache-dir", type=cliargs.dir_path, default=None, help="local file cache"
-        )
+        p.add_argument("--cache-dir", type=cliargs.dir_path, default=None, help="local file cache")
         p.add_argument(
             "--assume-cached",
             action="store_true",
