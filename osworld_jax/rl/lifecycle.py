@@ -443,11 +443,11 @@ def _forget(created: Path | None, watch: StartWatch) -> bool:
 def validate_only(experiment: ExperimentConfig) -> int:
     """``--validate_only``: the preflight and the memory estimate, nothing written or compiled.
 
-    Prints what `run.validate` found; on a problem the estimate still (from ``config.json``
+    Prints what `rl.validate.validate` found; on a problem the estimate still (from ``config.json``
     alone), then the problems and, for the seed's cluster recipes, `recipe_hint`. Returns the
     exit code: 0 valid, 2 not.
     """
-    from osworld_jax.rl.run import ValidationError, validate
+    from osworld_jax.rl.validate import ValidationError, validate
 
     print("config: ok")
     try:

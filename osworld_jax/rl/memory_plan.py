@@ -12,7 +12,7 @@ Two layouts:
   (``RLConfig.max_staleness >= 1``), so their largest transients add up.
 
 `compiled_plan` needs the run's accelerator (its programs compile for it); `--validate_only` on
-another machine keeps the analytic estimate (`osworld_jax.rl.run.validate`).
+another machine keeps the analytic estimate (`osworld_jax.rl.validate.validate`).
 """
 
 from __future__ import annotations

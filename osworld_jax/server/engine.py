@@ -32,12 +32,8 @@ from osworld_jax.server.refit_check import (
     checkpoint_signature,
 )
 from osworld_jax.server.requests import TOP_K_ALL, EngineConfig, GenRequest, build_request, num_top
-from osworld_jax.server.runner import (
-    MAX_BANNED,
-    MAX_TOP_LOGPROBS,
-    ModelRunner,
-    SlotSampling,
-)
+from osworld_jax.server.runner import MAX_TOP_LOGPROBS, ModelRunner
+from osworld_jax.server.sampling import MAX_BANNED, SlotSampling
 from osworld_jax.server.weights import EngineWeights
 
 __all__ = ["Engine", "EngineConfig", "GenRequest"]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from osworld_jax.server.runner import MAX_BANNED
+from osworld_jax.server.sampling import MAX_BANNED
 
 if TYPE_CHECKING:
     from osworld_jax.server.engine import Engine

@@ -21,14 +21,9 @@ import numpy as np
 from osworld_jax.model import KVCache, ModelRuntimeConfig, Qwen3MoeConfig, Qwen3VLMoeConfig
 from osworld_jax.model.params import param_specs
 from osworld_jax.model.serving import CacheLayout, next_pow2
-from osworld_jax.server.runner import (
-    MAX_BANNED,
-    ServingBuckets,
-    _decode,
-    _prefill,
-    patch_bucket,
-    serving_buckets,
-)
+from osworld_jax.server.buckets import ServingBuckets, patch_bucket, serving_buckets
+from osworld_jax.server.runner import _decode, _prefill
+from osworld_jax.server.sampling import MAX_BANNED
 from osworld_jax.trainer.program_memory import ProgramMemory, device_bytes, program_memory
 
 #: What lowers a server program's transient (the refusal's knob).

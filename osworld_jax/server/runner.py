@@ -37,109 +37,25 @@ from osworld_jax.model import (
 )
 from osworld_jax.model.mrope import mrope_positions
 from osworld_jax.model.serving import next_pow2
+from osworld_jax.server.buckets import (
+    patch_bucket,
+    serving_buckets,
+)
 from osworld_jax.server.images import RequestImages
-from osworld_jax.server.sampling import sample, step_keys, token_logprobs, top_logprobs
+from osworld_jax.server.sampling import (
+    SlotSampling,
+    dummy_sampling,
+    sample,
+    step_keys,
+    token_logprobs,
+    top_logprobs,
+)
 
 log = logging.getLogger(__name__)
 
-#: Banned-token columns per slot (EOS + stop ids suppressed before ``min_new_tokens``).
-MAX_BANNED = 16
 #: Most top logprobs per position (``top_logprobs_num``; OpenAI's ``top_logprobs`` limit). A step
 #: in which any request asks for some computes this many (one more compiled variant per bucket).
 MAX_TOP_LOGPROBS = 20
-#: Batched prefills hold at most this many (padded) tokens.
-PREFILL_BATCH_TOKENS = 8192
-#: Most length buckets (prefill lengths, attention windows): the slot length and the powers of
-#: two below it. A prompt of a fraction of the slot length pads to ``slot_len / 2**(levels-1)``.
-LENGTH_LEVELS = 4
-#: Most decode batch buckets: the slot count and the powers of two below it.
-BATCH_LEVELS = 2
-#: Most attention windows of a prefill after a kept prefix (the largest length buckets): its
-#: programs are (suffix bucket, window) pairs, so the windows are few.
-WINDOW_LEVELS = 2
-
-
-def _ladder(top: int, floor: int, levels: int) -> tuple[int, ...]:
-    """``top, top / 2, ...`` ascending: at most ``levels`` values, none below ``floor``."""
-    return tuple(sorted({max(floor, top >> i, 1) for i in range(levels)} | {top}))
-
-
-def _smallest(buckets: tuple[int, ...], n: int) -> int:
-    for b in buckets:
-        if b >= n:
-            return b
-    return next_pow2(n)  # past the largest: the caller refuses it (longer than a slot)
-
-
-@dataclass(frozen=True)
-class ServingBuckets:
-    """The fixed shapes the engine's programs take (`serving_buckets`).
-
-    Attributes:
-      lengths: prefill lengths and attention windows, ascending (the last is the slot length).
-      batches: decode batch sizes, ascending (the last is the slot count).
-      max_prefill_batch: most rows of a batched prefill.
-    """
-
-    lengths: tuple[int, ...]
-    batches: tuple[int, ...]
-    max_prefill_batch: int
-
-    def length(self, n: int) -> int:
-        """The length bucket of ``n`` tokens (a power of two past the slot length)."""
-        return _smallest(self.lengths, max(n, 1))
-
-    def window(self, n: int) -> int:
-        """The attention window of a prefill after a kept prefix, ``n`` tokens in all."""
-        return _smallest(self.lengths[-WINDOW_LEVELS:], max(n, 1))
-
-    def batch(self, n: int) -> int:
-        """The decode batch bucket covering slots ``[0, n)``."""
-        return min(_smallest(self.batches, max(n, 1)), self.batches[-1])
-
-    def prefill_rows(self, length: int) -> int:
-        """Rows of a batched prefill of length bucket ``length`` (a lone prompt runs alone)."""
-        return max(1, min(self.max_prefill_batch, PREFILL_BATCH_TOKENS // length))
-
-
-def serving_buckets(
-    *,
-    slot_len: int,
-    num_slots: int,
-    min_bucket: int = 16,
-    min_decode_batch: int = 1,
-    max_prefill_batch: int = 8,
-) -> ServingBuckets:
-    """The engine's bucket set, fixed by its cache layout (the engine and the memory plan).
-
-    ``slot_len`` and ``num_slots`` are the cache's (powers of two); ``min_bucket`` the smallest
-    length bucket, ``min_decode_batch`` the smallest decode batch.
-
-    >>> serving_buckets(slot_len=4096, num_slots=8).lengths
-    (512, 1024, 2048, 4096)
-    >>> serving_buckets(slot_len=4096, num_slots=8).batches
-    (4, 8)
-    """
-    lengths = _ladder(slot_len, next_pow2(min_bucket), LENGTH_LEVELS)
-    batches = _ladder(num_slots, min(next_pow2(min_decode_batch), num_slots), BATCH_LEVELS)
-    return ServingBuckets(lengths, batches, max(1, max_prefill_batch))
-
-
-def patch_bucket(n: int, unit: int) -> int:
-    """Smallest ``b >= n`` of the series ``unit * {1, 2, 3, 4, 6, 8, 12, ...}``.
-
-    At most a third is padding and few shapes compile; ``unit`` is merge^2, so merged rows stay
-    whole.
-
-    >>> [patch_bucket(n, 4) for n in (1, 5, 9, 13, 576)]
-    [4, 8, 12, 16, 768]
-    """
-    b = unit
-    while b < n:
-        if b * 3 // 2 >= n and (b * 3 // 2) % unit == 0:
-            return b * 3 // 2
-        b *= 2
-    return b
 
 
 def _logits(params: Any, hidden: jax.Array, config: Qwen3MoeConfig) -> jax.Array:
@@ -299,27 +215,6 @@ class PrefillResult:
     row: int = 0
 
 
-@dataclass(frozen=True)
-class SlotSampling:
-    """Per-slot sampling arrays of one step (host numpy, one row per slot).
-
-    Attributes:
-      temperature: f32[b]; top_p: f32[b]; top_k: i32[b]; min_p: f32[b];
-      banned: i32[b, MAX_BANNED] (vocab size = unused); keys: u32[b, 2] per-request base keys;
-      step: i32[b] tokens generated so far (folded into the key).
-      logprob_temperature: f32[b] temperature of the reported logprobs (see `sample`).
-    """
-
-    temperature: np.ndarray
-    top_p: np.ndarray
-    top_k: np.ndarray
-    min_p: np.ndarray
-    banned: np.ndarray
-    keys: np.ndarray
-    step: np.ndarray
-    logprob_temperature: np.ndarray
-
-
 def _new_images(
     prompt: list[int], start: int, images: RequestImages | None, image_token_id: int
 ) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -337,19 +232,6 @@ def _new_images(
         raise EngineError("the images' patches were dropped (RequestImages.restore them)")
     patch_ends = np.cumsum([0, *np.prod(images.grid_thw, axis=-1)])
     return images.pixel_values[patch_ends[first] :], images.grid_thw[first:]
-
-
-def _dummy_sampling(rows: int, vocab: int) -> SlotSampling:
-    return SlotSampling(
-        temperature=np.ones(rows, np.float32),
-        top_p=np.ones(rows, np.float32),
-        top_k=np.full(rows, vocab, np.int32),
-        min_p=np.zeros(rows, np.float32),
-        banned=np.full((rows, MAX_BANNED), vocab, np.int32),
-        keys=np.zeros((rows, 2), np.uint32),
-        step=np.zeros(rows, np.int32),
-        logprob_temperature=np.ones(rows, np.float32),
-    )
 
 
 class ModelRunner:
@@ -596,7 +478,7 @@ class ModelRunner:
                 slot_ids = np.full((rows,), self.num_slots, np.int32)  # every write drops
                 *_, self.cache = _prefill(
                     self.params, self.cache, slot_ids, tokens, None, ones,
-                    self._samp(_dummy_sampling(rows, self.vocab_size)), None,
+                    self._samp(dummy_sampling(rows, self.vocab_size)), None,
                     config=self.config, runtime=self.runtime, num_top=0, attn_len=s,
                 )  # fmt: skip
                 n += 1
@@ -607,7 +489,7 @@ class ModelRunner:
             for attn in windows:
                 zeros = np.zeros((b,), np.int32)
                 self.decode(
-                    zeros, zeros, zeros, _dummy_sampling(b, self.vocab_size), attn_len=attn,
+                    zeros, zeros, zeros, dummy_sampling(b, self.vocab_size), attn_len=attn,
                 )  # fmt: skip
                 n += 1
         jax.block_until_ready(self.cache)

@@ -17,11 +17,18 @@ docs/INTERFACES.md, rollout):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int, UInt32
 
 _NEG_INF = -jnp.inf
+
+
+#: Banned-token columns per slot (EOS + stop ids suppressed before ``min_new_tokens``).
+MAX_BANNED = 16
 
 
 def _filter_mask(
@@ -118,3 +125,38 @@ def top_logprobs(
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     values, ids = jax.lax.top_k(lp, k)
     return ids.astype(jnp.int32), values
+
+
+@dataclass(frozen=True)
+class SlotSampling:
+    """Per-slot sampling arrays of one step (host numpy, one row per slot).
+
+    Attributes:
+      temperature: f32[b]; top_p: f32[b]; top_k: i32[b]; min_p: f32[b];
+      banned: i32[b, MAX_BANNED] (vocab size = unused); keys: u32[b, 2] per-request base keys;
+      step: i32[b] tokens generated so far (folded into the key).
+      logprob_temperature: f32[b] temperature of the reported logprobs (see `sample`).
+    """
+
+    temperature: np.ndarray
+    top_p: np.ndarray
+    top_k: np.ndarray
+    min_p: np.ndarray
+    banned: np.ndarray
+    keys: np.ndarray
+    step: np.ndarray
+    logprob_temperature: np.ndarray
+
+
+def dummy_sampling(rows: int, vocab: int) -> SlotSampling:
+    """Neutral sampling arrays of ``rows`` rows (warm-up and the memory plan's programs)."""
+    return SlotSampling(
+        temperature=np.ones(rows, np.float32),
+        top_p=np.ones(rows, np.float32),
+        top_k=np.full(rows, vocab, np.int32),
+        min_p=np.zeros(rows, np.float32),
+        banned=np.full((rows, MAX_BANNED), vocab, np.int32),
+        keys=np.zeros((rows, 2), np.uint32),
+        step=np.zeros(rows, np.int32),
+        logprob_temperature=np.ones(rows, np.float32),
+    )

@@ -18,7 +18,6 @@ from osworld_jax.errors import ConfigError
 from osworld_jax.model import Qwen3MoeConfig
 from osworld_jax.model.serving import CacheLayout, GiB, cache_layout, server_memory
 from osworld_jax.rl.config import ServerConfig
-from osworld_jax.rl.run import validate
 from osworld_jax.rl.servers import (
     MEM_FRACTION_ENV,
     embedded_server_memory,
@@ -26,6 +25,7 @@ from osworld_jax.rl.servers import (
     process_share,
     server_group,
 )
+from osworld_jax.rl.validate import validate
 from osworld_jax.trainer import TrainerError
 from tests.rl.runs import REPO
 

@@ -454,8 +454,8 @@ def test_precompile_leaves_no_compile_for_traffic(engine):
 
 def test_bucket_set_is_small_fixed_and_the_memory_plans_it(engine):
     from osworld_jax.model.serving import CacheLayout
+    from osworld_jax.server.buckets import serving_buckets
     from osworld_jax.server.program_memory import layout_buckets
-    from osworld_jax.server.runner import serving_buckets
 
     # The default run's server (8 slots x 4096 tokens): 4 lengths, 2 decode batches, whatever
     # the prompt lengths; past the slot length a prompt is refused, not compiled.

@@ -1,0 +1,105 @@
+"""The fixed shapes of the embedded server's programs (the engine and the memory plan share them).
+
+A run compiles each prefill length, attention window and decode batch once: the set is fixed at
+engine start from the cache layout (`serving_buckets`), and images pad to `patch_bucket` sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from osworld_jax.model.serving import next_pow2
+
+#: Batched prefills hold at most this many (padded) tokens.
+PREFILL_BATCH_TOKENS = 8192
+#: Most length buckets (prefill lengths, attention windows): the slot length and the powers of
+#: two below it. A prompt of a fraction of the slot length pads to ``slot_len / 2**(levels-1)``.
+LENGTH_LEVELS = 4
+#: Most decode batch buckets: the slot count and the powers of two below it.
+BATCH_LEVELS = 2
+#: Most attention windows of a prefill after a kept prefix (the largest length buckets): its
+#: programs are (suffix bucket, window) pairs, so the windows are few.
+WINDOW_LEVELS = 2
+
+
+def _ladder(top: int, floor: int, levels: int) -> tuple[int, ...]:
+    """``top, top / 2, ...`` ascending: at most ``levels`` values, none below ``floor``."""
+    return tuple(sorted({max(floor, top >> i, 1) for i in range(levels)} | {top}))
+
+
+def _smallest(buckets: tuple[int, ...], n: int) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    return next_pow2(n)  # past the largest: the caller refuses it (longer than a slot)
+
+
+@dataclass(frozen=True)
+class ServingBuckets:
+    """The fixed shapes the engine's programs take (`serving_buckets`).
+
+    Attributes:
+      lengths: prefill lengths and attention windows, ascending (the last is the slot length).
+      batches: decode batch sizes, ascending (the last is the slot count).
+      max_prefill_batch: most rows of a batched prefill.
+    """
+
+    lengths: tuple[int, ...]
+    batches: tuple[int, ...]
+    max_prefill_batch: int
+
+    def length(self, n: int) -> int:
+        """The length bucket of ``n`` tokens (a power of two past the slot length)."""
+        return _smallest(self.lengths, max(n, 1))
+
+    def window(self, n: int) -> int:
+        """The attention window of a prefill after a kept prefix, ``n`` tokens in all."""
+        return _smallest(self.lengths[-WINDOW_LEVELS:], max(n, 1))
+
+    def batch(self, n: int) -> int:
+        """The decode batch bucket covering slots ``[0, n)``."""
+        return min(_smallest(self.batches, max(n, 1)), self.batches[-1])
+
+    def prefill_rows(self, length: int) -> int:
+        """Rows of a batched prefill of length bucket ``length`` (a lone prompt runs alone)."""
+        return max(1, min(self.max_prefill_batch, PREFILL_BATCH_TOKENS // length))
+
+
+def serving_buckets(
+    *,
+    slot_len: int,
+    num_slots: int,
+    min_bucket: int = 16,
+    min_decode_batch: int = 1,
+    max_prefill_batch: int = 8,
+) -> ServingBuckets:
+    """The engine's bucket set, fixed by its cache layout (the engine and the memory plan).
+
+    ``slot_len`` and ``num_slots`` are the cache's (powers of two); ``min_bucket`` the smallest
+    length bucket, ``min_decode_batch`` the smallest decode batch.
+
+    >>> serving_buckets(slot_len=4096, num_slots=8).lengths
+    (512, 1024, 2048, 4096)
+    >>> serving_buckets(slot_len=4096, num_slots=8).batches
+    (4, 8)
+    """
+    lengths = _ladder(slot_len, next_pow2(min_bucket), LENGTH_LEVELS)
+    batches = _ladder(num_slots, min(next_pow2(min_decode_batch), num_slots), BATCH_LEVELS)
+    return ServingBuckets(lengths, batches, max(1, max_prefill_batch))
+
+
+def patch_bucket(n: int, unit: int) -> int:
+    """Smallest ``b >= n`` of the series ``unit * {1, 2, 3, 4, 6, 8, 12, ...}``.
+
+    At most a third is padding and few shapes compile; ``unit`` is merge^2, so merged rows stay
+    whole.
+
+    >>> [patch_bucket(n, 4) for n in (1, 5, 9, 13, 576)]
+    [4, 8, 12, 16, 768]
+    """
+    b = unit
+    while b < n:
+        if b * 3 // 2 >= n and (b * 3 // 2) % unit == 0:
+            return b * 3 // 2
+        b *= 2
+    return b
