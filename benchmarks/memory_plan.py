@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     from osworld_jax import config
     from osworld_jax.model import Qwen3MoeConfig
     from osworld_jax.rl import stages
-    from osworld_jax.rl.memory_plan import abstract_trainer, compiled_plan, device_total
+    from osworld_jax.rl.memory_plan import abstract_trainer, compiled_plan
+    from osworld_jax.rl.servers import device_total
     from osworld_jax.trainer.program_memory import GiB
 
     exp = config.load_experiment(args.gin_file or ["default.gin"], args.gin_param)

@@ -81,6 +81,7 @@ def bench(name: str, args: argparse.Namespace, work: Path) -> dict:
     from osworld_jax.model.tiny import make_tiny_checkpoint
     from osworld_jax.rollout import RolloutConfig, SGLangClient
     from osworld_jax.server.colocated import ColocatedServer
+    from osworld_jax.trainer.step import serving_params
 
     gpu = jax.default_backend() == "gpu"
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if gpu else "float32")
@@ -103,11 +104,8 @@ def bench(name: str, args: argparse.Namespace, work: Path) -> dict:
             num_experts_per_tok=cfg.num_experts_per_tok, refit_timeout_s=1800.0,
         )  # fmt: skip
 
-        def cast() -> dict:
-            dt = jnp.dtype(dtype)
-            return jax.tree.map(
-                lambda p: p.astype(dt) if p.dtype != dt else jnp.array(p, copy=True), masters
-            )
+        def cast() -> dict:  # the trainer's own refit cast
+            return serving_params(masters, dtype)
 
         async def run() -> None:
             client = SGLangClient(None, rollout)

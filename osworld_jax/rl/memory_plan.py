@@ -208,17 +208,6 @@ def server_pool(
     )
 
 
-def device_total() -> float | None:
-    """Bytes of this process's first device (its allocator's limit over its memory fraction)."""
-    import os
-
-    stats = jax.local_devices()[0].memory_stats() or {}
-    limit = stats.get("bytes_limit")
-    if not limit:
-        return None
-    return float(limit) / float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
-
-
 def on_accelerator() -> bool:
     """This process's jax runs on an accelerator (the compiled plan is for it)."""
     return jax.default_backend() != "cpu"

@@ -151,8 +151,8 @@ class RolloutResources(contextlib.ExitStack):
         ``RLConfig.compilation_cache_dir`` the trainer's first steps and the server load these
         executables. On the CPU the train step checks its analytic estimate instead.
         """
-        from osworld_jax.rl.memory_plan import compiled_plan, device_total, on_accelerator
-        from osworld_jax.rl.servers import compilation_cache
+        from osworld_jax.rl.memory_plan import compiled_plan, on_accelerator
+        from osworld_jax.rl.servers import compilation_cache, device_total
 
         exp = self.experiment
         if not on_accelerator():

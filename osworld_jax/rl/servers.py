@@ -173,7 +173,7 @@ def colocated_server(exp: ExperimentConfig, model_path: str | Path, run_dir: Pat
     flags += ["--expert-backend", exp.runtime.expert_backend, *s.extra_args]
     if s.return_original_logprob:
         flags.append("--return-original-logprob")
-    shares, capacity = memory_shares(s), _device_bytes()
+    shares, capacity = memory_shares(s), device_total()
     budget = None if shares is None or capacity is None else shares[0] * capacity
     return ColocatedServer(
         flags,
@@ -183,12 +183,16 @@ def colocated_server(exp: ExperimentConfig, model_path: str | Path, run_dir: Pat
     )
 
 
-def _device_bytes() -> float | None:
+def device_total() -> float | None:
+    """Bytes of this process's first device (its allocator's limit over its memory fraction),
+    or None where the platform reports no limit (the CPU)."""  # noqa: D205, D209
     import jax
 
     stats = jax.local_devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
-    return None if limit is None else float(limit) / (1.0 - SHARE_MARGIN)
+    if not limit:
+        return None
+    return float(limit) / float(os.environ.get(MEM_FRACTION_ENV, "0.75"))
 
 
 def jax_process_count() -> int:

@@ -84,7 +84,8 @@ def validate(experiment: ExperimentConfig) -> list[str]:
       TrainerError: the step does not fit the device (with what would).
       ConfigError: the embedded server does not fit its share (with what would).
     """
-    from osworld_jax.rl.memory_plan import compiled_plan, device_total, on_accelerator
+    from osworld_jax.rl.memory_plan import compiled_plan, on_accelerator
+    from osworld_jax.rl.servers import device_total
 
     exp = experiment
     problem: PreflightError | None = None
