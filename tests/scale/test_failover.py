@@ -88,6 +88,7 @@ def test_server_killed_mid_step_then_refit_skips_it(servers):
     ckpt, base, srvs = servers
     new_weights = _ckpt(base / "w1", seed=1)
     victim = srvs[1]
+    live = [s.url for s in srvs if s is not victim]
     sp = SamplingParams(temperature=0.7, max_new_tokens=NEW_TOKENS, ignore_eos=True)
 
     async def main():
@@ -102,29 +103,48 @@ def test_server_killed_mid_step_then_refit_skips_it(servers):
                         peak[url] = max(peak[url], s.outstanding)
                     await asyncio.sleep(0.005)
 
-            sampler = asyncio.create_task(sample())
-            tasks = [
-                asyncio.create_task(
-                    client.generate([3 + i % 40, 9, 27, 40 + i], sp, rid=f"step-{i}")
-                )
-                for i in range(REQUESTS)
-            ]
-            while by_url[victim.url].outstanding < SLOTS:  # all of the victim's share sent
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.02)  # let the victim start prefilling / decoding
-            # and hold its requests where they are (its 8 x 48 tokens were once all done within
-            # a 0.1 s wait): the kill is mid-request whatever the machine's speed
             async with aiohttp.ClientSession() as http:
-                pause = {"mode": "in_place"}
-                async with http.post(victim.url + "/pause_generation", json=pause) as resp:
-                    assert resp.status == 200, await resp.text()
-            in_flight_at_kill = by_url[victim.url].outstanding
-            dispatched_before = {u: s.dispatched for u, s in by_url.items()}
-            # The spread is the load up to the kill: afterwards the victim's requests are retried
-            # on the live servers while their own may still run (seen: 10 outstanding on each).
-            stop.set()
-            await sampler
-            victim.process.kill()  # SIGKILL: no goodbye, sockets reset mid-request
+
+                async def post(url: str, route: str, body: dict) -> None:
+                    async with http.post(url + route, json=body) as resp:
+                        assert resp.status == 200, await resp.text()
+
+                async def wait_for(what: str, cond) -> None:  # a deadline, never a hang
+                    deadline = time.monotonic() + 60
+                    while not cond():
+                        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+                        await asyncio.sleep(0.01)
+
+                # Every server holds its requests (queued, in place) until all 24 are dispatched:
+                # the spread is then exactly the client's balancing, whatever the machine's speed
+                # (on a slow one a server finished its first requests before the last were sent).
+                for url in by_url:
+                    await post(url, "/pause_generation", {"mode": "in_place"})
+                sampler = asyncio.create_task(sample())
+                tasks = [
+                    asyncio.create_task(
+                        client.generate([3 + i % 40, 9, 27, 40 + i], sp, rid=f"step-{i}")
+                    )
+                    for i in range(REQUESTS)
+                ]
+                await wait_for(
+                    "every request dispatched",
+                    lambda: all(s.outstanding == SLOTS for s in by_url.values()),
+                )
+                # The victim starts prefilling / decoding, and is held again where it is (its
+                # 8 x 48 tokens were once all done within a 0.1 s wait): the kill is mid-request.
+                await post(victim.url, "/continue_generation", {})
+                await asyncio.sleep(0.02)
+                await post(victim.url, "/pause_generation", {"mode": "in_place"})
+                in_flight_at_kill = by_url[victim.url].outstanding
+                dispatched_before = {u: s.dispatched for u, s in by_url.items()}
+                # The spread is the load up to the kill: afterwards the victim's requests are
+                # retried on the live servers while their own run (seen: 10 outstanding on each).
+                stop.set()
+                await sampler
+                victim.process.kill()  # SIGKILL: no goodbye, sockets reset mid-request
+                for url in live:
+                    await post(url, "/continue_generation", {})
             t0 = time.monotonic()
             gens = await asyncio.gather(*tasks)
             recovery_s = time.monotonic() - t0
@@ -150,7 +170,6 @@ def test_server_killed_mid_step_then_refit_skips_it(servers):
             )
 
     r = asyncio.run(main())
-    live = [s.url for s in srvs if s is not victim]
     print(
         f"peak outstanding {r['peak']}, in flight on the victim at SIGKILL "
         f"{r['in_flight_at_kill']}, step finished {r['recovery_s']:.1f} s after the kill, "
