@@ -4,6 +4,11 @@
 # (end-to-end, learning) tests. The application tests fail, not skip, when an app is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Python writes each module's bytecode on its first import (set-up installs with --no-compile).
+# With PYTHONDONTWRITEBYTECODE set (this machine's default) every one of the suite's hundreds of
+# processes (train.py, servers, workers) compiled torch, jax and transformers from source again:
+# ~5 s of each train.py's start.
+unset PYTHONDONTWRITEBYTECODE
 bash scripts/setup.sh --dev --apps
 export OSWORLD_JAX_REQUIRE_APPS=1
 .venv/bin/ruff check osworld_jax tests scripts benchmarks
