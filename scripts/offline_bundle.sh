@@ -87,7 +87,7 @@ EXCLUDE=(
 # image's packages and their dependencies.
 WHEELS=(
   grain==0.2.18 array-record==0.8.6 cloudpickle==3.1.3 portpicker==1.6.0  # data pipeline
-  gin-config==0.5.0 tensorboardX==2.6.5 orjson==3.13.0                   # configs, logs
+  gin-config==0.5.0 orjson==3.13.0                                       # configs, logs
   aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 attrs==26.1.0  # the server's HTTP
   frozenlist==1.8.0 multidict==7.2.1 propcache==0.5.4 yarl==1.25.1
   lxml==6.2.0 cssselect==1.6.0                                            # the evaluators

@@ -1,7 +1,7 @@
 """Run metrics: ``metrics.jsonl`` + TensorBoard events + a tqdm bar with per-stage timing.
 
 One JSON object per step (``{"step": s, "time": ..., "reward/mean": ..., "time/rollout": ...}``);
-the same scalars go to TensorBoard (tensorboardX's event file, written synchronously: a full
+the same scalars go to TensorBoard (an event file, `tb_events`, written synchronously: a full
 disk fails the step that logs, not a background thread at exit). `StageTimer` measures the
 stages of one step (``time/<stage>`` seconds); the bar shows the last step's reward and stage
 times, and `summary` is printed at the end of the run.
@@ -25,11 +25,9 @@ from typing import Any
 
 import numpy as np
 import tqdm
-from tensorboardX.event_file_writer import EventsWriter
-from tensorboardX.proto.event_pb2 import Event
-from tensorboardX.summary import scalar
 
 from osworld_jax.rl.rundir import _UNREADABLE, json_line, trim_partial_line, writing
+from osworld_jax.rl.tb_events import EventFile
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +185,8 @@ class MetricsLogger:
         self._jsonl = open(self.directory / METRICS_FILE, "a", buffering=1)  # noqa: SIM115
         self._tb_dir = self.directory / "tensorboard"
         self._tb_dir.mkdir(exist_ok=True)
-        self._tb = EventsWriter(str(self._tb_dir / "events"))
+        with writing(self._tb_dir):
+            self._tb = EventFile(self._tb_dir)
         self._tb_closed = False
         self._bar = tqdm.tqdm(
             total=total_steps,
@@ -207,9 +206,7 @@ class MetricsLogger:
             record[k] = v if s is None else s
             if s is not None and math.isfinite(s):
                 with writing(self._tb_dir):
-                    self._tb.write_event(
-                        Event(summary=scalar(k, s), step=step, wall_time=time.time())
-                    )
+                    self._tb.scalar(k, s, step)
         with writing(self._jsonl.name):
             self._jsonl.write(json.dumps(record, default=_json_default) + "\n")
         with writing(self._tb_dir):

@@ -66,6 +66,13 @@ def test_logger_writes_jsonl_tensorboard_and_summary(tmp_path):
     scalars = {(e.step, v.tag): v.simple_value for e in _tf_events(events) for v in e.summary.value}
     assert scalars[(1, "reward/mean")] == 0.25 and scalars[(2, "reward/mean")] == 0.75
     assert scalars[(1, "owners/failed")] == 1.0 and (2, "r3/route_agreement") not in scalars
+    # TensorBoard's own reader (what `tensorboard --logdir` runs; it checks every record's CRCs)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(1, 0.25), (2, 0.75)]
+    assert [(e.step, e.value) for e in acc.Scalars("time/rollout")] == [(1, 2.0), (2, 4.0)]
     s = log.summary()
     assert "0.250 -> 0.750" in s and "failed owners 1" in s and "rollout=3.0s" in s
 
