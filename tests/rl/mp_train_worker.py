@@ -18,7 +18,9 @@ import time
 from pathlib import Path
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+# the suite's other XLA flags (tests/conftest.py: -O0 compiles) stay; only the device count
+_flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+os.environ["XLA_FLAGS"] = " ".join([*_flags, "--xla_force_host_platform_device_count=1"])
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 

@@ -206,7 +206,8 @@ def test_a_run_whose_server_dies_keeps_its_directory_and_says_so_in_a_few_lines(
     (server.log, the error in error.txt), stderr is a few lines and no traceback."""
     tasks, run_dir = quick_tasks(tmp_path), tmp_path / "new" / "run"
     proc = subprocess.Popen(
-        train_cmd(run_dir, *quick_args(tasks), steps=2),
+        # The client gives a dead server 5 s instead of its default minute: the same path.
+        train_cmd(run_dir, *quick_args(tasks, "RolloutConfig.unavailable_wait_s = 5.0"), steps=2),
         cwd=REPO,
         env=run_env(run_dir),
         stdout=subprocess.PIPE,

@@ -1,7 +1,7 @@
 """Two real jax processes (gloo on loopback) running one worker script, for the tests/scale tests.
 
 The test side: `spawn_pair` starts ``worker`` twice (process ids 0 and 1, one coordinator
-address, without the suite's 8-device ``XLA_FLAGS``) and `kill_pair` ends whatever still runs.
+address; each worker sets its own device count in ``XLA_FLAGS``) and `kill_pair` ends what runs.
 The worker side: `init_pair` joins the two-process job.
 """
 
@@ -23,7 +23,7 @@ def spawn_pair(worker: Path, args: Callable[[str, int], Sequence[str]]) -> list[
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         coordinator = f"127.0.0.1:{s.getsockname()[1]}"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # XLA_FLAGS: worker
     return [
         subprocess.Popen(
             [sys.executable, str(worker), *args(coordinator, pid)],

@@ -38,7 +38,7 @@ def _free_port() -> int:
 
 
 def _spawn(out: Path, devices: int, log: Path, *extra: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # XLA_FLAGS: worker
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"  # XLA's SPMD partitioner warnings
     cmd = [sys.executable, str(WORKER), "--out", str(out), "--devices", str(devices), *extra]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
