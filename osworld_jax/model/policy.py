@@ -94,6 +94,9 @@ def forward(
 ) -> PolicyOutput:
     """The policy as a pure function of its parameter tree (see `Policy.__call__`)."""
     b, s = input_ids.shape
+    # The mask is causal by token index when the order is the index itself: M-RoPE rows, or
+    # positions left to their default (given 1-D positions may be in any order).
+    by_index = positions is None or positions.ndim == 3
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     if segment_ids is None:
@@ -119,7 +122,7 @@ def forward(
         cache_positions = order
     mask = None if kv_cache is not None else layers.segment_mask(segment_ids, order)
     valid = (segment_ids != 0).astype(jnp.float32)  # [B, S]
-    common = dict(config=config, runtime=runtime, cos=cos, sin=sin, mask=mask)
+    common = dict(config=config, runtime=runtime, cos=cos, sin=sin, mask=mask, causal=by_index)
     common |= dict(positions=cache_positions, valid=valid)
     num_deep = 0 if deep is None else deep.levels
 

@@ -143,3 +143,57 @@ def test_chunked_attention_equals_full_attention_fwd_and_grad():
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(l2, l1, rtol=1e-5)
     chex.assert_trees_all_close(g2, g1, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("s, chunk", [(37, 4), (16, 8), (5, 8)])  # 10 blocks in 5 bands; 2; 1
+def test_causal_chunked_attention_equals_full_attention_fwd_and_grad(s, chunk):
+    # Packed rows (two segments and padding, one segment): `segment_mask` over token order is
+    # causal by index, so the bands may skip every key after their last query.
+    from osworld_jax.model.layers import attention, chunked_attention, segment_mask
+
+    rng = np.random.RandomState(s)
+    q, k, v = (jnp.asarray(rng.randn(2, s, n, 8), jnp.float32) for n in (4, 2, 2))
+    cut = s // 2
+    seg = jnp.asarray([[1] * cut + [2] * (s - cut - 1) + [0], [1] * s], jnp.int32)
+    mask = segment_mask(seg, jnp.broadcast_to(jnp.arange(s), (2, s)))
+
+    def run(fn):
+        def loss(q, k, v):
+            out = fn(q, k, v, mask)
+            return jnp.sum(out * jnp.cos(out)), out
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+    (l1, a), g1 = run(attention)
+    (l2, b), g2 = run(lambda *x: chunked_attention(*x, chunk, causal=True))
+    np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(l2, l1, rtol=1e-6)
+    chex.assert_trees_all_close(g2, g1, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="queries but"):
+        chunked_attention(q, k[:, :-1], v[:, :-1], mask[:, :, :-1], chunk, causal=True)
+
+
+def test_policy_skips_keys_only_where_its_order_is_the_index(monkeypatch):
+    # Default positions: the order is the index, the chunked attention is causal and equals
+    # the full one; given per-segment positions it keeps every key (causal off), as before.
+    import dataclasses
+
+    from osworld_jax.model import forward, layers
+
+    seen = []
+    real = layers.chunked_attention
+    monkeypatch.setattr(
+        layers, "chunked_attention", lambda *a, causal: seen.append(causal) or real(*a, causal)
+    )
+    params = _policy().params()
+    ids = jnp.asarray(np.random.RandomState(5).randint(0, 64, (2, 11)), jnp.int32)
+    seg = jnp.asarray([[1] * 7 + [2] * 4, [1] * 9 + [0] * 2], jnp.int32)
+    chunked = dataclasses.replace(RT, attention_chunk=4)
+    full = forward(params, CFG, RT, ids, segment_ids=seg).logits
+    banded = forward(params, CFG, chunked, ids, segment_ids=seg).logits
+    np.testing.assert_allclose(banded, full, rtol=1e-5, atol=1e-5)
+    assert seen and all(seen)
+    seen.clear()
+    pos = jnp.asarray([list(range(7)) + list(range(4)), list(range(11))], jnp.int32)
+    forward(params, CFG, chunked, ids, positions=pos, segment_ids=seg)
+    assert seen and not any(seen)
