@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-# the suite's other XLA flags (tests/conftest.py: -O0 compiles) stay; only the device count
-_flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-os.environ["XLA_FLAGS"] = " ".join([*_flags, "--xla_force_host_platform_device_count=1"])
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.xla_env import use_host_devices  # noqa: E402
+
+use_host_devices(1)
 
 
 def main() -> None:

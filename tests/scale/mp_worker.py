@@ -49,12 +49,10 @@ def _flat(tree, prefix: str) -> dict:
 def main() -> None:
     args = _args()
     os.environ["JAX_PLATFORMS"] = "cpu"
-    # the suite's other XLA flags (tests/conftest.py: -O0 compiles) stay; only the device count
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    os.environ["XLA_FLAGS"] = " ".join(
-        [*flags, f"--xla_force_host_platform_device_count={args.devices}"]
-    )
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root
+    from tests.xla_env import use_host_devices
+
+    use_host_devices(args.devices)
     t0 = time.perf_counter()
 
     def _tick(what: str) -> None:
