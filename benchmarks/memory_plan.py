@@ -6,9 +6,10 @@
 Prints each program's planned per-device bytes (arguments, outputs, aliased, temp, code, peak)
 and each pool's need (`osworld_jax.rl.memory_plan.compiled_plan`). ``--measure`` then builds the
 trainer with random weights in this process, runs one train step at the largest planned
-shape on a zero batch and prints ``device.memory_stats()['peak_bytes_in_use']`` beside the
-trainer pool's planned need (the number to hold within 10%: benchmarks/NOTES.md). The server's
-programs are measured by its own process (its ``server.log``); this script plans them only.
+shape on a zero batch and prints ``device.memory_stats()['peak_bytes_in_use']`` beside that
+train step program's planned peak (the number to hold within 10%: benchmarks/NOTES.md). A run
+records its pool's measured peak as ``memory/peak_gib`` (trainer and colocated server together)
+beside the pool's plan in ``memory_plan.txt``.
 """
 
 from __future__ import annotations
@@ -82,16 +83,18 @@ def main(argv: list[str] | None = None) -> int:
     jax.block_until_ready(state)
     stats = jax.local_devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")
-    pool = plan.pools[0]
-    planned = pool.persistent_bytes + max(p.transient for p in pool.programs)
+    # This process holds the trainer alone: its peak is the largest train step program's (the
+    # train state is among its arguments); the server's programs run in a run's pool beside it.
+    steps = [p for pool in plan.pools for p in pool.programs if p.stream == "trainer"]
+    planned = max(steps, key=lambda p: p.peak)
     if peak is None:
         print(f"measured: the {jax.default_backend()} backend reports no peak_bytes_in_use")
         return 0
     print(
-        f"trainer pool: planned {planned / GiB:.2f} GiB (without reserve), measured peak "
+        f"{planned.name}: planned peak {planned.peak / GiB:.2f} GiB, measured peak "
         f"{peak / GiB:.2f} GiB after one step {rows}x{seq}"
         + (f" {patches}p" if patches else "")
-        + f" ({(planned - peak) / peak:+.1%})"
+        + f" ({(planned.peak - peak) / peak:+.1%})"
     )
     return 0
 

@@ -13,6 +13,7 @@ attends over one of the `WINDOW_LEVELS` largest length buckets. Each (rows, S, w
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Sequence
@@ -88,6 +89,28 @@ def _sample(
     )
 
 
+#: Bytes of one query block's float32 attention scores in a prefill (`prefill_query_chunk`).
+PREFILL_SCORE_BYTES = 1 << 30
+
+
+def prefill_query_chunk(rows: int, length: int, attn_len: int, heads: int) -> int:
+    """Queries per attention block of a ``rows x length`` prefill over ``attn_len`` cache rows.
+
+    The largest power of two whose float32 scores ``[rows, heads, chunk, attn_len]`` stay
+    within `PREFILL_SCORE_BYTES`, at least 16; 0 (one block) when the whole prompt fits.
+
+    >>> prefill_query_chunk(1, 16384, 16384, 32)  # 2 GiB a block at 1024: 512 queries
+    512
+    >>> prefill_query_chunk(8, 512, 512, 32)  # 32 MiB: one block
+    0
+    """
+    per_query = rows * heads * attn_len * 4
+    if per_query * length <= PREFILL_SCORE_BYTES:
+        return 0
+    chunk = 1 << max(4, (PREFILL_SCORE_BYTES // per_query).bit_length() - 1)
+    return chunk if chunk < length else 0
+
+
 # Module-level jits with the (hashable, frozen) configs static: every runner of the same
 # architecture in a process shares the compiled buckets.
 @functools.partial(
@@ -100,6 +123,11 @@ def _prefill(
     attn_len,
 ):  # fmt: skip
     p, s = tokens.shape
+    # The XLA attention's f32 scores [P, N, chunk, attn_len] in blocks of `prefill_query_chunk`
+    # queries: a 16k-token prompt's full square is 32 GiB at 32 heads.
+    runtime = dataclasses.replace(
+        runtime, attention_chunk=prefill_query_chunk(p, s, attn_len, config.num_attention_heads)
+    )
     if starts is None:
         # A fresh prefill writes every position in [0, S) of its rows (padding sits past
         # `length`) and attends only to j <= position < S: it starts from a zero cache and

@@ -215,7 +215,7 @@ class MemoryPlan:
             rule = "streams concurrent" if pool.concurrent else "one program at a time"
             kept = ", ".join(f"{n} {_gib(b)}" for n, b in pool.persistent)
             lines.append(
-                f"pool {pool.name}: needs {_gib(pool.need)} of {cap} GiB ({kept}; reserve "
+                f"pool {pool.name}: needs {_gib(pool.need)} GiB of {cap} ({kept}; reserve "
                 f"{_gib(pool.reserve)}; {rule})"
             )
         return lines

@@ -66,6 +66,23 @@ def test_prefill_then_decode_equals_full_forward():
             break
 
 
+def test_prefill_into_a_cache_in_query_blocks_equals_one_block():
+    """The server's long prefills attend in query blocks (`runner.prefill_query_chunk`)."""
+    import dataclasses
+
+    params = _policy().params()
+    rng = np.random.RandomState(1)
+    ids = jnp.asarray(rng.randint(0, 64, (2, 11)).astype(np.int32))
+    pos = jnp.asarray(np.stack([np.arange(3, 14), np.arange(11)]).astype(np.int32))
+    cache = init_kv_cache(CFG, 2, 16, jnp.float32)
+    cache = cache._replace(k=cache.k + 0.5, v=cache.v - 0.25)  # a kept prefix in rows [0, 3)
+    one = jforward(params, ids, positions=pos, kv_cache=cache, config=CFG, runtime=RT)
+    rt = dataclasses.replace(RT, attention_chunk=4)  # 3 blocks, the last one padded
+    blocks = jforward(params, ids, positions=pos, kv_cache=cache, config=CFG, runtime=rt)
+    np.testing.assert_allclose(blocks.logits, one.logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(blocks.kv_cache.k, one.kv_cache.k, rtol=1e-5, atol=1e-5)
+
+
 def test_stale_cache_slots_are_never_seen():
     """Garbage beyond a row's position (e.g. from a previous request) does not change logits."""
     policy = _policy()
