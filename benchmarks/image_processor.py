@@ -44,7 +44,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--upload-rows", type=int, default=4, help="0: no upload measurement")
+    parser.add_argument(
+        "--step-only", action="store_true", help="only the server's image work of one RL step"
+    )
     args = parser.parse_args()
+    if args.step_only:
+        rollout_step()
+        return
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
@@ -110,6 +116,66 @@ def main() -> None:
         )
     if args.upload_rows:
         upload(args.upload_rows, 3, max(1, args.reps // 3))
+    rollout_step()
+
+
+def rollout_step(tasks: int = 2, owners: int = 4, turns: int = 3, in_context: int = 3) -> None:
+    """The embedded server's image work in one RL step of configs/gpu_1x_h100.gin's pattern.
+
+    ``tasks`` x ``owners`` owners (the owners of a task forked from one start: the same first
+    screenshot), ``turns`` turns each; every turn's request carries the last ``in_context``
+    screenshots (1920x1080 PNG, Qwen3-VL budget), and the server reads, checks, decodes and
+    patchifies them (`server.images.load_request_images`, the body path), without and with the
+    processed-image cache (`ProcessedImageCache`). A turn's requests hold their patches until the
+    turn ends (the server keeps them until each request is prefilled); one core, in order.
+    """
+    import base64
+
+    base = Image.open(SCREENSHOT).convert("RGB")
+
+    def shot(seed: int) -> str:
+        img = base.copy()
+        img.paste((37 * seed % 256, 90, 160), (100 + 13 * seed, 200, 400 + 13 * seed, 500))
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        return base64.b64encode(buf.getvalue()).decode()
+
+    # episode (task, owner): screenshot k is the task's start for k = 0, the owner's own after
+    start = {t: shot(1000 + t) for t in range(tasks)}
+    shots = {
+        (t, o, k): start[t] if k == 0 else shot(100 * t + 10 * o + k)
+        for t in range(tasks)
+        for o in range(owners)
+        for k in range(turns)
+    }
+    rounds = [  # each turn's requests, sent together
+        [
+            [shots[t, o, j] for j in range(max(0, k + 1 - in_context), k + 1)]
+            for t in range(tasks)
+            for o in range(owners)
+        ]
+        for k in range(turns)
+    ]
+    requests = [r for turn in rounds for r in turn]
+    sent = sum(map(len, requests))
+    distinct = len(set(shots.values()))
+
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # each case in a fresh process: a fresh heap
+    with ctx.Pool(1) as pool:
+        plain, _ = pool.apply(_step_seconds, (rounds, False))
+    with ctx.Pool(1) as pool:
+        cached, (hits, misses) = pool.apply(_step_seconds, (rounds, True))
+    print(
+        f"\nThe server's image work of one RL step ({tasks} tasks x {owners} owners x {turns} "
+        f"turns, the last {in_context} screenshots per request: {len(requests)} requests, "
+        f"{sent} screenshots sent, {distinct} distinct; one core):"
+    )
+    print("| server | decoded + patchified | seconds |")
+    print("|---|---|---|")
+    print(f"| no cache | {sent} | {plain:.2f} |")
+    print(f"| processed-image cache | {misses} ({hits} hits) | {cached:.2f} |")
 
 
 def upload(rows: int, per_row: int, reps: int) -> None:
@@ -155,6 +221,24 @@ def upload(rows: int, per_row: int, reps: int) -> None:
         f"host), now {ms_now / 1e3:.2f} s ({f32 / 4 / processor.temporal_patch_size:.2f} GiB "
         "uint8 sent); equal bit for bit"
     )
+
+
+def _step_seconds(rounds: list, cached: bool) -> tuple[float, tuple[int, int]]:
+    """Seconds to read and process every turn's requests (`rollout_step`), and (hits, misses)."""
+    from osworld_jax.server.image_memory import ProcessedImageCache
+    from osworld_jax.server.images import ImageLimits, load_request_images
+
+    processor = ImageProcessor.from_dict(QWEN3_VL_PREPROCESSOR)
+    cache = ProcessedImageCache(2048 << 20) if cached else None
+    t0 = time.perf_counter()
+    for turn in rounds:  # a turn's requests hold their patches until they are prefilled
+        held = [
+            load_request_images(items, "request", processor, ImageLimits(), 1 << 20, cache)
+            for items in turn
+        ]
+        del held
+    seconds = time.perf_counter() - t0
+    return seconds, (cache.hits, cache.misses) if cache is not None else (0, 0)
 
 
 if __name__ == "__main__":

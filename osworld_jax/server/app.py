@@ -37,7 +37,7 @@ from osworld_jax.server.http_base import (
     ready_engine,
     too_large,
 )
-from osworld_jax.server.images import ImageBudget
+from osworld_jax.server.image_memory import ImageBudget
 from osworld_jax.server.protocol import BadRequest, ServerLimits
 from osworld_jax.server.refit_check import CheckpointMismatch, checkpoint_signature
 from osworld_jax.server.staging import Staging

@@ -2,6 +2,7 @@
 
 A run compiles each prefill length, attention window and decode batch once: the set is fixed at
 engine start from the cache layout (`serving_buckets`), and images pad to `patch_bucket` sizes.
+A prefill's attention runs in query blocks of `prefill_query_chunk` (static per shape).
 """
 
 from __future__ import annotations
@@ -103,3 +104,25 @@ def patch_bucket(n: int, unit: int) -> int:
             return b * 3 // 2
         b *= 2
     return b
+
+
+#: Bytes of one query block's float32 attention scores in a prefill (`prefill_query_chunk`).
+PREFILL_SCORE_BYTES = 1 << 30
+
+
+def prefill_query_chunk(rows: int, length: int, attn_len: int, heads: int) -> int:
+    """Queries per attention block of a ``rows x length`` prefill over ``attn_len`` cache rows.
+
+    The largest power of two whose float32 scores ``[rows, heads, chunk, attn_len]`` stay
+    within `PREFILL_SCORE_BYTES`, at least 16; 0 (one block) when the whole prompt fits.
+
+    >>> prefill_query_chunk(1, 16384, 16384, 32)  # 2 GiB a block at 1024: 512 queries
+    512
+    >>> prefill_query_chunk(8, 512, 512, 32)  # 32 MiB: one block
+    0
+    """
+    per_query = rows * heads * attn_len * 4
+    if per_query * length <= PREFILL_SCORE_BYTES:
+        return 0
+    chunk = 1 << max(4, (PREFILL_SCORE_BYTES // per_query).bit_length() - 1)
+    return chunk if chunk < length else 0

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from osworld_jax.contract.errors import EngineError
+from osworld_jax.server.image_memory import ProcessedImageCache
 from osworld_jax.server.memory import check_fits, engine_layout
 from osworld_jax.server.model_files import eos_ids, load_processor, load_tokenizer
 from osworld_jax.server.prefix_cache import PrefixCache, prefix_key
@@ -94,6 +95,7 @@ class Engine(EngineWeights):
         )
         self.eos_ids = eos_ids(path, self.model_config)
         self.processor = load_processor(path, self.model_config)
+        self.image_cache = ProcessedImageCache(config.vlm_cache_size_mb << 20)
         self.vocab_size = self.model_config.vocab_size
         self._rng = np.random.default_rng(config.seed)
         n = self.runner.num_slots
@@ -464,7 +466,10 @@ class Engine(EngineWeights):
         samp = self._sampling(slots, list(reqs))  # type: ignore[arg-type]
         images = None
         if any(r.images is not None for r in reqs):
-            images = [None if r.images is None else r.images.restore(self.processor) for r in reqs]
+            images = [
+                None if r.images is None else r.images.restore(self.processor, self.image_cache)
+                for r in reqs
+            ]
         results = self.runner.prefill(
             slots,  # type: ignore[arg-type]
             prompts,

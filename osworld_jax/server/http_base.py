@@ -20,8 +20,8 @@ from aiohttp import web
 
 from osworld_jax.server import replies
 from osworld_jax.server.engine import Engine, GenRequest
+from osworld_jax.server.image_memory import ImageBudget
 from osworld_jax.server.images import (
-    ImageBudget,
     ImageRequestError,
     check_header_tokens,
     decode_image,
@@ -160,7 +160,10 @@ async def parse_body_requests(
                 hold = budget.reserve(pixels, names[0] if not batch else "the body")
             try:  # decoding and patchifying release the GIL for most of their time
                 done = await asyncio.gather(
-                    *(asyncio.to_thread(decode_image, e, processor) for e in seen.values())
+                    *(
+                        asyncio.to_thread(decode_image, e, processor, engine.image_cache)
+                        for e in seen.values()
+                    )
                 )
                 decoded = dict(zip(seen, done, strict=True))
                 images = [

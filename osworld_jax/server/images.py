@@ -31,11 +31,10 @@ import hashlib
 import io
 import os
 import stat
-import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from PIL import Image
@@ -89,16 +88,17 @@ class RequestImages:
     """The processed images of one request (in prompt order).
 
     Attributes:
-      pixel_values: f32[N, 3 T P P] patches of every image (the processor's order), or None
-        once the request is prefilled (see `restore`: a 1920x1080 screenshot is ~50 MB of
-        float32 patches at Qwen3-VL's budget, its PNG a few hundred KB).
+      patches: each image's f32[N_i, 3 T P P] patches (the processor's order; shared with
+        every request sending the same bytes, read-only), or None once the request is
+        prefilled (see `restore`: a 1920x1080 screenshot is ~50 MB of float32 patches at
+        Qwen3-VL's budget, its PNG a few hundred KB).
       grid_thw: i32[n, 3] patch grid of each image.
       num_tokens: ``<|image_pad|>`` tokens of each image (``t h w / merge^2``).
       digests: sha256 of each image's encoded bytes (prefix-cache keys; equal bytes, equal key).
-      encoded: each image's encoded bytes (to recompute ``pixel_values``).
+      encoded: each image's encoded bytes (to recompute the patches).
     """
 
-    pixel_values: np.ndarray | None
+    patches: tuple[np.ndarray, ...] | None
     grid_thw: np.ndarray
     num_tokens: tuple[int, ...]
     digests: tuple[bytes, ...] = field(default=())
@@ -109,22 +109,34 @@ class RequestImages:
         """Number of images."""
         return len(self.num_tokens)
 
+    @property
+    def pixel_values(self) -> np.ndarray | None:
+        """f32[N, 3 T P P]: every image's patches in order (a copy for several images)."""
+        if self.patches is None:
+            return None
+        return self.patches[0] if len(self.patches) == 1 else np.concatenate(self.patches)
+
     def without_pixels(self) -> RequestImages:
         """The same images with the patches dropped (they can be recomputed: `restore`)."""
         if not self.encoded:
             return self
-        return dataclasses.replace(self, pixel_values=None)
+        return dataclasses.replace(self, patches=None)
 
-    def restore(self, processor: ImageProcessor) -> RequestImages:
-        """The same images with their patches (recomputed from the encoded bytes if dropped)."""
-        if self.pixel_values is not None:
+    def restore(self, processor: ImageProcessor, cache: ImageCache | None = None) -> RequestImages:
+        """The same images with their patches (from ``cache``, or recomputed from the bytes)."""
+        if self.patches is not None:
             return self
+        hits = [cache.get(d) for d in self.digests] if cache is not None else []
+        found = [h for h in hits if isinstance(h, DecodedImage)]
+        if hits and len(found) == len(hits):
+            return dataclasses.replace(self, patches=tuple(h.patches for h in found))
         images = [
             Image.open(io.BytesIO(raw), formats=[sniff_format(raw, "a restored image")])
             for raw in self.encoded
         ]
-        pixel_values, _ = processor(images)
-        return dataclasses.replace(self, pixel_values=pixel_values)
+        pixel_values, grid = processor(images)
+        ends = np.cumsum(np.prod(grid, axis=-1))[:-1]
+        return dataclasses.replace(self, patches=tuple(np.split(pixel_values, ends)))
 
 
 def normalize_image_data(value: Any, n: int, batch: bool) -> list[list[Any]]:
@@ -282,51 +294,16 @@ def open_image(raw: bytes, where: str, limits: ImageLimits) -> Image.Image:
     return image
 
 
-class ImageBudget:
-    """Decoded image pixels held across the whole server (thread-safe).
+class ImageCache(Protocol):
+    """Processed images by digest (`osworld_jax.server.image_memory.ProcessedImageCache`)."""
 
-    A body's images reserve their pixels (`reserve`) before any is decoded and keep them until
-    every request of the body has been prefilled or finished (its patches are dropped then);
-    a body that would take the server past ``max_pixels`` gets a 400 naming the limit.
-    """
+    def get(self, digest: bytes) -> object:
+        """The `DecodedImage` of the bytes with this sha256, or None."""
+        ...
 
-    def __init__(self, max_pixels: int) -> None:
-        self.max_pixels = max_pixels
-        self.in_use = 0
-        self._lock = threading.Lock()
-
-    def reserve(self, pixels: int, where: str) -> ImageHold:
-        """Takes ``pixels`` from the budget, or raises `ImageRequestError` naming the limit."""
-        with self._lock:
-            if self.in_use + pixels > self.max_pixels:
-                raise ImageRequestError(
-                    f"{where}: its images decode to {pixels} pixels and the server holds "
-                    f"{self.in_use} of --max-server-image-pixels ({self.max_pixels}); retry later"
-                )
-            self.in_use += pixels
-        return ImageHold(self, pixels)
-
-    def _give_back(self, pixels: int) -> None:
-        with self._lock:
-            self.in_use -= pixels
-
-
-class ImageHold:
-    """Pixels reserved in an `ImageBudget` for ``refs`` holders; the last `release` frees them."""
-
-    def __init__(self, budget: ImageBudget, pixels: int) -> None:
-        self._budget, self.pixels, self.refs = budget, pixels, 1
-        self._lock = threading.Lock()
-
-    def release(self, n: int = 1) -> None:
-        """Drops ``n`` holders; the pixels return to the budget when none is left."""
-        with self._lock:
-            if self.refs <= 0:
-                return
-            self.refs = max(0, self.refs - n)
-            done = self.refs == 0
-        if done:
-            self._budget._give_back(self.pixels)
+    def put(self, image: DecodedImage) -> None:
+        """Keeps ``image``."""
+        ...
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -401,16 +378,24 @@ def open_body_images(
     return seen, total
 
 
-def decode_image(enc: EncodedImage, processor: ImageProcessor) -> DecodedImage:
+def decode_image(
+    enc: EncodedImage, processor: ImageProcessor, cache: ImageCache | None = None
+) -> DecodedImage:
     """Decodes every pixel of ``enc`` and processes it (blocking: run it in a thread).
 
     The token count comes from the decoded pixels' grid; a decoded size that differs from the
     header's is refused (the engine would see a grid that does not fill the placeholder).
 
+    ``cache``: the same bytes processed before come from it (checked when first processed);
+    what is processed now goes into it.
+
     Raises:
       ImageRequestError: undecodable (truncated) data, a size or token mismatch, or a size the
         processor refuses.
     """
+    digest = hashlib.sha256(enc.raw).digest()
+    if cache is not None and isinstance(hit := cache.get(digest), DecodedImage):
+        return hit
     image, name = enc.image, enc.name
     header = image.size
     try:
@@ -434,13 +419,16 @@ def decode_image(enc: EncodedImage, processor: ImageProcessor) -> DecodedImage:
     tokens = int(np.prod(grid, axis=-1).sum()) // processor.merge_size**2
     if tokens != want or len(grid) != 1:
         raise ImageRequestError(f"{name}: its pixels give {tokens} image tokens, its size {want}")
-    return DecodedImage(
+    out = DecodedImage(
         patches=patches,
         grid=grid.astype(np.int32),
         num_tokens=tokens,
-        digest=hashlib.sha256(enc.raw).digest(),
+        digest=digest,
         raw=enc.raw,
     )
+    if cache is not None:
+        cache.put(out)
+    return out
 
 
 def request_images(
@@ -448,7 +436,7 @@ def request_images(
 ) -> RequestImages | None:
     """One request's `RequestImages` from the body's decoded images (None without images).
 
-    A single image shares its patches array with every other request using it (no copy).
+    Each image's patches array is shared with every other request using it (no copy).
 
     Raises:
       ImageRequestError: the images need more tokens than ``max_tokens``.
@@ -464,7 +452,7 @@ def request_images(
         )
     one = len(parts) == 1
     return RequestImages(
-        pixel_values=parts[0].patches if one else np.concatenate([d.patches for d in parts]),
+        patches=tuple(d.patches for d in parts),
         grid_thw=parts[0].grid if one else np.concatenate([d.grid for d in parts]),
         num_tokens=tuple(tokens),
         digests=tuple(d.digest for d in parts),
@@ -478,6 +466,7 @@ def load_request_images(
     processor: ImageProcessor,
     limits: ImageLimits,
     max_tokens: int,
+    cache: ImageCache | None = None,
 ) -> RequestImages | None:
     """Reads, checks and processes the images of one request (blocking: run it in a thread).
 
@@ -492,7 +481,7 @@ def load_request_images(
         return None
     seen, _ = open_body_images([items], [where], limits)
     check_header_tokens([items], [where], seen, processor, max_tokens)
-    decoded = {k: decode_image(e, processor) for k, e in seen.items()}
+    decoded = {k: decode_image(e, processor, cache) for k, e in seen.items()}
     return request_images(items, decoded, where, max_tokens)
 
 

@@ -60,6 +60,8 @@ class EngineConfig:
         trainer's kernel; XLA on other platforms and in float32) or "xla".
       scan_layers: run the layers under ``lax.scan`` (a deep model's prefill and decode
         buckets compile in a fraction of the time); None: on an accelerator, not on a CPU.
+      vlm_cache_size_mb: MiB of processed images (float32 patches) kept by content hash
+        (`osworld_jax.server.images.ProcessedImageCache`); 0: none.
       memory_budget_bytes: what the engine's weights and KV cache may hold of its device
         (the colocated server's share of the process it shares with the trainer); None: the
         allocator's limit (a server of its own process, ``XLA_PYTHON_CLIENT_MEM_FRACTION``).
@@ -83,6 +85,7 @@ class EngineConfig:
     stall_timeout_s: float = 300.0
     mm_attention_backend: str = "cudnn"
     scan_layers: bool | None = None
+    vlm_cache_size_mb: int = 2048
     memory_budget_bytes: float | None = None
 
 

@@ -40,6 +40,7 @@ from osworld_jax.model.mrope import mrope_positions
 from osworld_jax.model.serving import next_pow2
 from osworld_jax.server.buckets import (
     patch_bucket,
+    prefill_query_chunk,
     serving_buckets,
 )
 from osworld_jax.server.images import RequestImages
@@ -87,28 +88,6 @@ def _sample(
         samp["logprob_temperature"],
         num_top,
     )
-
-
-#: Bytes of one query block's float32 attention scores in a prefill (`prefill_query_chunk`).
-PREFILL_SCORE_BYTES = 1 << 30
-
-
-def prefill_query_chunk(rows: int, length: int, attn_len: int, heads: int) -> int:
-    """Queries per attention block of a ``rows x length`` prefill over ``attn_len`` cache rows.
-
-    The largest power of two whose float32 scores ``[rows, heads, chunk, attn_len]`` stay
-    within `PREFILL_SCORE_BYTES`, at least 16; 0 (one block) when the whole prompt fits.
-
-    >>> prefill_query_chunk(1, 16384, 16384, 32)  # 2 GiB a block at 1024: 512 queries
-    512
-    >>> prefill_query_chunk(8, 512, 512, 32)  # 32 MiB: one block
-    0
-    """
-    per_query = rows * heads * attn_len * 4
-    if per_query * length <= PREFILL_SCORE_BYTES:
-        return 0
-    chunk = 1 << max(4, (PREFILL_SCORE_BYTES // per_query).bit_length() - 1)
-    return chunk if chunk < length else 0
 
 
 # Module-level jits with the (hashable, frozen) configs static: every runner of the same
@@ -256,10 +235,10 @@ def _new_images(
         raise EngineError(f"a kept prefix of {start} tokens ends inside an image")
     if first == images.count:
         return None, None
-    if images.pixel_values is None:
+    if images.patches is None:
         raise EngineError("the images' patches were dropped (RequestImages.restore them)")
-    patch_ends = np.cumsum([0, *np.prod(images.grid_thw, axis=-1)])
-    return images.pixel_values[patch_ends[first] :], images.grid_thw[first:]
+    new = images.patches[first:]  # only these are copied (the kept prefix's images are not)
+    return new[0] if len(new) == 1 else np.concatenate(new), images.grid_thw[first:]
 
 
 class ModelRunner:

@@ -138,6 +138,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "bfloat16; XLA elsewhere) or xla",
     )
     p.add_argument(
+        "--vlm-cache-size-mb",
+        type=Number(int, 0, 1 << 30),
+        default=os.environ.get("SGLANG_VLM_CACHE_SIZE_MB", "2048"),  # a string default is parsed
+        help="MiB of processed images kept by content hash: a screenshot sent again (a later "
+        "turn, another owner) is not decoded again; 0: none (default: SGLang's environment "
+        "variable SGLANG_VLM_CACHE_SIZE_MB, else 2048)",
+    )
+    p.add_argument(
         "--scan-layers",
         choices=("auto", "on", "off"),
         default="auto",
@@ -251,6 +259,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         stall_timeout_s=args.stall_timeout_s,
         mm_attention_backend=args.mm_attention_backend,
         scan_layers={"auto": None, "on": True, "off": False}[args.scan_layers],
+        vlm_cache_size_mb=args.vlm_cache_size_mb,
     )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import hashlib
 import io
 import os
 import struct
@@ -27,8 +28,9 @@ from PIL import Image
 
 from osworld_jax.model.chat_template import ChatTemplate
 from osworld_jax.server import http_base, openai_api
+from osworld_jax.server.image_memory import ImageBudget, ProcessedImageCache
 from osworld_jax.server.images import (
-    ImageBudget,
+    DecodedImage,
     ImageLimits,
     ImageRequestError,
     load_request_images,
@@ -154,7 +156,9 @@ def test_each_distinct_image_is_decoded_once_and_the_pixels_are_budgeted(vl_engi
     eng = vl_engine
     decodes = []
     real = http_base.decode_image
-    monkeypatch.setattr(http_base, "decode_image", lambda e, p: decodes.append(1) or real(e, p))
+    monkeypatch.setattr(
+        http_base, "decode_image", lambda e, p, *c: decodes.append(1) or real(e, p, *c)
+    )
     seen_images = []
     real_parse = http_base.parse_generate
 
@@ -205,7 +209,69 @@ def test_each_distinct_image_is_decoded_once_and_the_pixels_are_budgeted(vl_engi
     run(main())
     assert len(decodes) == 1 + 1  # the 40-prompt body twice, one decode each (4-image body refused)
     first = [im for im in seen_images[:40]]
-    assert all(im.pixel_values is first[0].pixel_values for im in first)  # shared, not copied
+    assert all(im.patches[0] is first[0].patches[0] for im in first)  # shared, not copied
+
+
+def test_a_screenshot_sent_again_is_processed_once_and_serves_the_same(vl_engine, monkeypatch):
+    """A later turn (or another owner) resending a screenshot: its bytes' digest finds the
+    processed patches (`ProcessedImageCache`); the reply is the same as from fresh patches, and
+    a request whose patches were dropped after its prefill gets them back from the cache."""
+    eng = vl_engine
+    cache = eng.image_cache
+    processed = []
+    real = eng.processor.__class__.__call__
+    monkeypatch.setattr(
+        eng.processor.__class__,
+        "__call__",
+        lambda self, *a, **k: processed.append(1) or real(self, *a, **k),
+    )
+    shot = b64(png(91, 64, 96))
+    prompt = "<|im_start|>user\n" + PAD + " where?<|im_end|>\n<|im_start|>assistant\n"
+    body = {
+        "text": prompt,
+        "image_data": shot,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+        "return_logprob": True,
+    }
+
+    async def main():
+        async with serving(eng) as url:
+            return [await post(url, "/generate", body) for _ in range(3)]
+
+    hits, misses = cache.hits, cache.misses
+    replies = run(main())
+    assert [status for status, _ in replies] == [200, 200, 200]
+    assert len(processed) == 1  # decoded and patchified once, for the first body
+    assert (cache.hits - hits, cache.misses - misses) == (2, 1)
+    outs = [(r["output_ids"], r["meta_info"]["output_token_logprobs"]) for _, r in replies]
+    assert outs[1] == outs[0] and outs[2] == outs[0]
+    (entry,) = [cache.get(d) for d in [hashlib.sha256(base64.b64decode(shot)).digest()]]
+    assert entry is not None and not entry.patches.flags.writeable  # shared: read-only
+    images = load_request_images([shot], "request", eng.processor, ImageLimits(), 1 << 20)
+    dropped = images.without_pixels()
+    restored = dropped.restore(eng.processor, cache)
+    assert restored.patches[0] is entry.patches and len(processed) == 2  # only the uncached load
+    np.testing.assert_array_equal(dropped.restore(eng.processor).pixel_values, entry.patches)
+
+
+def test_the_processed_image_cache_keeps_within_its_bytes():
+    cache = ProcessedImageCache(max_bytes=3 * 400)
+    kept = []
+    for i in range(5):
+        patches = np.full((10, 10), i, np.float32)  # 400 bytes
+        kept.append(
+            DecodedImage(patches=patches, grid=np.ones((1, 3), np.int32), num_tokens=1,
+                         digest=bytes([i]), raw=b"")
+        )  # fmt: skip
+        cache.put(kept[-1])
+        assert cache.nbytes <= 3 * 400
+    assert len(cache) == 3 and [cache.get(bytes([i])) is None for i in range(5)] == [
+        True, True, False, False, False,
+    ]  # fmt: skip
+    cache.put(DecodedImage(patches=np.zeros(1000, np.float32), grid=np.ones((1, 3), np.int32),
+                           num_tokens=1, digest=b"big", raw=b""))  # fmt: skip
+    assert cache.get(b"big") is None and len(cache) == 3  # larger than the whole cache: not kept
+    assert ProcessedImageCache(0).max_bytes == 0
 
 
 def test_image_budget_releases_once_per_holder():

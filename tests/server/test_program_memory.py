@@ -32,15 +32,15 @@ def test_prefill_and_decode_donate_the_cache_and_keep_the_weights_once():
 
 def test_a_long_prefill_attends_in_query_blocks_within_the_score_budget(monkeypatch):
     """A 16k-token prompt's full f32 score square is 32 GiB at 32 heads: the prefill bounds it."""
-    from osworld_jax.server import runner
+    from osworld_jax.server import buckets, runner
 
     layout = cache_layout(TINY, max_running_requests=1, context_length=1024, max_total_tokens=None)
     square = 1 * TINY.num_attention_heads * 1024 * 1024 * 4  # [P, N, S, T] f32
     plan = dict(dtype="float32", max_prefill_batch=1, buckets=[1024])
     (whole,) = server_programs(TINY, layout, **plan)[:1]
-    assert runner.prefill_query_chunk(1, 1024, 1024, TINY.num_attention_heads) == 0
-    monkeypatch.setattr(runner, "PREFILL_SCORE_BYTES", square // 16)
-    assert runner.prefill_query_chunk(1, 1024, 1024, TINY.num_attention_heads) == 64
+    assert buckets.prefill_query_chunk(1, 1024, 1024, TINY.num_attention_heads) == 0
+    monkeypatch.setattr(buckets, "PREFILL_SCORE_BYTES", square // 16)
+    assert buckets.prefill_query_chunk(1, 1024, 1024, TINY.num_attention_heads) == 64
     runner._prefill.clear_cache()  # the same shapes trace again with the new budget
     (blocked,) = server_programs(TINY, layout, **plan)[:1]
     runner._prefill.clear_cache()
