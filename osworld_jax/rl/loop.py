@@ -79,6 +79,7 @@ def train(
             stack.enter_context(run)
         log = stack.enter_context(run.metrics_logger(last_step))
         producer = stack.enter_context(_producer(run, last_step))
+        stages.start_compile_counts()  # each step's metrics count the programs it built
         for step in range(run.start_step + 1, last_step + 1):
             t, batches, skip = StageTimer(_say(log, step, step == run.start_step + 1)), None, None
             with t.stage("data"):  # every process draws: one checkpointed position

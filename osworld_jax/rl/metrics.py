@@ -220,12 +220,22 @@ class MetricsLogger:
         self._bar.set_description_str(text)
 
     def summary(self) -> str:
-        """A few lines: steps run, first/last reward, pass rate, mean stage times."""
+        """A few lines: steps, first/last reward, pass rate, mean stage times, programs built."""
         if not self.history:
             return "no step completed"
         first, last = self.history[0], self.history[-1]
         stage = {s: float(np.mean([h.get(f"time/{s}", 0.0) for h in self.history])) for s in STAGES}
         stage_txt = " ".join(f"{s}={t:.1f}s" for s, t in stage.items() if t > 0)
+        programs = []
+        if "compile/programs" in first:  # `metrics_step.compile_metrics`
+            later = sum(h.get("compile/programs", 0.0) for h in self.history[1:])
+            programs = [
+                f"programs in this process: step {first['step']} built {first['compile/programs']:.0f} "
+                f"({first.get('compile/cache_hits', 0.0):.0f} from the compilation cache; "
+                f"{first.get('compile/seconds', 0.0):.1f} s compiling or loading, "
+                f"{first.get('compile/trace_lower_seconds', 0.0):.1f} s tracing), later steps "
+                f"{later:.0f}"
+            ]
         return "\n".join(
             [
                 f"steps {first['step']}..{last['step']} ({len(self.history)} this run)",
@@ -234,6 +244,7 @@ class MetricsLogger:
                 f"{last.get('reward/pass_rate', float('nan')):.3f}; failed owners "
                 f"{sum(h.get('owners/failed', 0) for h in self.history)}",
                 f"mean stage time: {stage_txt}",
+                *programs,
             ]
         )
 

@@ -51,7 +51,75 @@ def timeline_metrics(launched: Any, timer: Any, producer: Any) -> dict[str, floa
         out["timeline/train_start"], out["timeline/train_end"] = start - t0, end - t0
     out["rollout/in_flight"] = float(producer.in_flight)
     out.update(device_memory_metrics())
+    out.update(compile_metrics())
     return out
+
+
+class CompileCounts:
+    """This process's XLA programs, counted from ``jax.monitoring`` events (thread-safe).
+
+    Every program jit builds is compiled or loaded from the persistent compilation cache
+    (``/jax/core/compile/backend_compile_duration``, both), a load is also a cache hit; tracing
+    and lowering come before either (no cache saves them). A colocated server's programs are
+    this process's too. `take` gives the counts since the previous `take`.
+    """
+
+    EVENTS = {
+        "/jax/core/compile/backend_compile_duration": "seconds",
+        "/jax/core/compile/jaxpr_trace_duration": "trace_lower_seconds",
+        "/jax/core/compile/jaxpr_to_mlir_module_duration": "trace_lower_seconds",
+    }
+
+    def __init__(self) -> None:
+        import threading
+
+        import jax
+
+        self._lock = threading.Lock()
+        self._totals: dict[str, float] = {}
+        self._taken: dict[str, float] = {}
+        jax.monitoring.register_event_duration_secs_listener(self._duration)
+        jax.monitoring.register_event_listener(self._event)
+
+    def _add(self, key: str, value: float) -> None:
+        with self._lock:
+            self._totals[key] = self._totals.get(key, 0.0) + value
+
+    def _duration(self, event: str, duration_secs: float, **_: str | int) -> None:
+        key = self.EVENTS.get(event)
+        if key is not None:
+            self._add(key, duration_secs)
+        if key == "seconds":
+            self._add("programs", 1.0)
+
+    def _event(self, event: str, **_: str | int) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            self._add("cache_hits", 1.0)
+
+    def take(self) -> dict[str, float]:
+        """``compile/programs`` (compiled or loaded), ``compile/cache_hits``, ``compile/seconds``
+        (compiling and loading) and ``compile/trace_lower_seconds`` since the last take."""  # noqa: D205, D209
+        with self._lock:
+            totals = dict(self._totals)
+            since = {k: totals.get(k, 0.0) - self._taken.get(k, 0.0) for k in _COMPILE_KEYS}
+            self._taken = totals
+        return {f"compile/{k}": v for k, v in since.items()}
+
+
+_COMPILE_KEYS = ("programs", "cache_hits", "seconds", "trace_lower_seconds")
+_COMPILES: list[CompileCounts] = []  # one per process: jax's listeners cannot all be removed
+
+
+def start_compile_counts() -> None:
+    """Counts this process's programs from now on (`compile_metrics` gives them per step)."""
+    if not _COMPILES:
+        _COMPILES.append(CompileCounts())
+    _COMPILES[0].take()
+
+
+def compile_metrics() -> dict[str, float]:
+    """The programs since the last call (`CompileCounts.take`); {} before `start_compile_counts`."""
+    return _COMPILES[0].take() if _COMPILES else {}
 
 
 def device_memory_metrics() -> dict[str, float]:

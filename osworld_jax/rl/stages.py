@@ -43,6 +43,7 @@ from osworld_jax.rl.metrics_step import (
     episode_files,
     mean_update_metrics,
     owner_records,
+    start_compile_counts,
     step_metrics,
     timeline_metrics,
 )
@@ -82,6 +83,7 @@ __all__ = [  # the stage helpers, with those of rl/rollouts.py and rl/metrics_st
     "rollout_step",
     "step_metrics",
     "timeline_metrics",
+    "start_compile_counts",
     "vision_packing",
 ]
 

@@ -104,3 +104,22 @@ def test_an_unusable_cache_dir_is_one_config_line_before_anything_starts(tmp_pat
         use_compilation_cache(bad)
     good = ExperimentConfig(rl=RLConfig(compilation_cache_dir=str(tmp_path / "new" / "jax")))
     assert compilation_cache_problem(good) is None and not (tmp_path / "new").exists()
+
+
+def test_each_steps_metrics_count_the_programs_it_compiled_or_loaded(real_cache):
+    """`metrics_step.compile_metrics`: a compile, then (next process) a load from the cache."""
+    from osworld_jax.rl import metrics_step
+
+    metrics_step.start_compile_counts()
+    _run_once([])
+    first = metrics_step.compile_metrics()
+    assert first["compile/programs"] == 1 and first["compile/cache_hits"] == 0
+    assert first["compile/seconds"] > 0 and first["compile/trace_lower_seconds"] > 0
+    assert metrics_step.compile_metrics()["compile/programs"] == 0  # nothing since
+    _next_process()
+    _run_once([])
+    second = metrics_step.compile_metrics()
+    assert second["compile/programs"] == 1 and second["compile/cache_hits"] == 1
+    metrics_step.start_compile_counts()  # again: one set of listeners, counts from zero
+    assert metrics_step.compile_metrics()["compile/programs"] == 0
+    assert len(metrics_step._COMPILES) == 1
