@@ -23,7 +23,10 @@ seconds; time to first token (TTFT) = from a request's POST to its first event (
 decoding, resizing and patchifying, the ViT and the prefill included), mean and p99 over the
 requests. One engine serves every level (``--max-running-requests`` = the largest C); two
 warm-ups at each level (other screenshots; the second reuses the text before the image, as the
-timed requests do) compile every bucket first; a compile in a timed run is printed.
+timed requests do) compile every bucket first; a compile in a timed run fails the benchmark
+(exit 1, after the table). Each row also gives the achieved forward TFLOP/s (`request_flops`:
+the ViT, the prefill and the decode of each request) and the round's seconds beside its floor,
+its FLOPs at ``--peak-flops``.
 
 HF peer of the image rows (``--skip-hf`` to leave it out): transformers
 ``Qwen3VLMoeForConditionalGeneration`` from the same checkpoint (bf16 on a GPU, sdpa, grouped_mm
@@ -126,6 +129,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--peer-timeout", type=float, default=900.0, help="HF peer subprocess limit")
     p.add_argument("--hf-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json-out", default=None)
+    p.add_argument(
+        "--peak-flops",
+        type=float,
+        default=989e12,
+        help="the device's dense bf16 FLOP/s (H100 / H200 SXM: 989e12): the image rows' floor",
+    )
     args = p.parse_args()
     args.images = args.images or args.config == "bench-vl"
     return args
@@ -209,11 +218,11 @@ def screenshots(c: int, salt: int = 0) -> list[str]:
 
 
 async def embedded_image_rates(
-    engine, prompt: list[int], levels: list[int], rounds: int, n: int
+    engine, prompt: list[int], levels: list[int], rounds: int, n: int, flops: float = 0.0
 ) -> list[dict]:
     """Per concurrency C: tokens/s and the TTFTs of C streamed requests, one screenshot each
     (C = 1: ``rounds`` requests one after another), after a warm-up at that level with other
-    screenshots."""  # noqa: D205, D209
+    screenshots. ``flops``: one request's (`request_flops`): the rows' achieved FLOP/s."""  # noqa: D205, D209
     import aiohttp
     from aiohttp import web
 
@@ -258,10 +267,14 @@ async def embedded_image_rates(
                 else:
                     res = await asyncio.gather(*(one(im) for im in images))
                 dt = time.perf_counter() - t
-                if compiled() != before:
-                    print(f"  (compiled during the timed run: {before} -> {compiled()})")
+                after = compiled()
+                if after != before:
+                    print(f"  COMPILED during the timed run: {before} -> {after}")
                 assert all(r[1] == n for r in res), res
                 rows.append(_row(c, len(images) * n / dt, [r[0] for r in res]))
+                rows[-1].update(
+                    flop_s=len(images) * flops / dt, seconds=dt, compiled=after != before
+                )
                 print(f"ours C={c}: {_fmt(rows[-1])}", flush=True)
     finally:
         await runner.cleanup()
@@ -388,6 +401,22 @@ def run_hf_child(args: argparse.Namespace, path: Path) -> list[dict] | str:
     return (proc.stderr.strip().splitlines() or ["?"])[-1]
 
 
+def request_flops(config, prompt_len: int, new_tokens: int, patches: int) -> float:
+    """Forward FLOPs of one image request: the ViT over its patches, the LM's prefill of its
+    ``prompt_len`` tokens (image tokens included) and ``new_tokens`` decode steps, each over the
+    context so far (`benchmarks/train_step.py`'s formulas, forward only: a third)."""  # noqa: D205, D209
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from train_step import active_params, vision_flops  # type: ignore[import-not-found]
+
+    _, active = active_params(config)
+    per_key = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
+    prefill = 2 * active * prompt_len + per_key * prompt_len * prompt_len / 2  # causal
+    decode = sum(2 * active + per_key * (prompt_len + t) for t in range(new_tokens))
+    return vision_flops(config.vision, [patches]) / 3 + prefill + decode
+
+
 def compiled() -> tuple[int, int]:
     """Compiled prefill and decode shapes so far (a timed run should add none)."""
     from osworld_jax.server import runner
@@ -419,8 +448,10 @@ def image_rows(args: argparse.Namespace, path: Path, levels: list[int]) -> None:
     ).start()
     try:
         prompt = image_prompt(engine.tokenizer)
-        rows = asyncio.run(embedded_image_rates(engine, prompt, levels, args.rounds, n))
         tokens = engine.processor.num_image_tokens(1080, 1920)
+        patches = tokens * engine.model_config.vision.spatial_merge_size**2
+        flops = request_flops(engine.model_config, len(prompt) - 1 + tokens, n, patches)
+        rows = asyncio.run(embedded_image_rates(engine, prompt, levels, args.rounds, n, flops))
     finally:
         engine.shutdown()
     dev = jax.devices()[0].device_kind
@@ -429,20 +460,30 @@ def image_rows(args: argparse.Namespace, path: Path, levels: list[int]) -> None:
     if isinstance(hf, str):
         print(f"HF peer: {hf}")
     peer = {r["concurrency"]: r for r in hf} if isinstance(hf, list) else {}
-    print("| C | ours tok/s | ours TTFT mean / p99 s | HF generate tok/s | HF TTFT mean / p99 s |")
-    print("|---|---|---|---|---|")
+    print(f"one request: {flops / 1e9:.1f} GFLOP forward (ViT + prefill + decode); the floor of")
+    print(f"a round: its FLOPs at --peak-flops {args.peak_flops / 1e12:.0f} TFLOP/s")
+    print(
+        "| C | ours tok/s | ours TTFT mean / p99 s | HF generate tok/s | HF TTFT mean / p99 s "
+        "| ours TFLOP/s | round s / floor s |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         h = peer.get(r["concurrency"])
         theirs = "- | -" if h is None else (
             f"{h['tok_s']:.1f} | {h['ttft_mean_s']:.3f} / {h['ttft_p99_s']:.3f}"
         )  # fmt: skip
+        floor = r["flop_s"] * r["seconds"] / args.peak_flops
         print(
             f"| {r['concurrency']} | {r['tok_s']:.1f} | {r['ttft_mean_s']:.3f} / "
-            f"{r['ttft_p99_s']:.3f} | {theirs} |"
+            f"{r['ttft_p99_s']:.3f} | {theirs} | {r['flop_s'] / 1e12:.3f} | "
+            f"{r['seconds']:.3f} / {floor:.5f} |"
         )
     if args.json_out:
         out = {"config": args.config, "image_rows": rows, "hf_image_rows": hf}
         Path(args.json_out).write_text(json.dumps(out))
+    late = [r["concurrency"] for r in rows if r["compiled"]]
+    if late:  # the timed numbers include a compile: not a measurement of the server
+        raise SystemExit(f"serve.py: a program compiled during the timed run at C = {late}")
 
 
 def hf_rate(model, prompts: list[list[int]], n: int, device: str) -> float:
