@@ -230,7 +230,8 @@ class MetricsLogger:
         if "compile/programs" in first:  # `metrics_step.compile_metrics`
             later = sum(h.get("compile/programs", 0.0) for h in self.history[1:])
             programs = [
-                f"programs in this process: step {first['step']} built {first['compile/programs']:.0f} "
+                f"programs in this process: step {first['step']} built "
+                f"{first['compile/programs']:.0f} "
                 f"({first.get('compile/cache_hits', 0.0):.0f} from the compilation cache; "
                 f"{first.get('compile/seconds', 0.0):.1f} s compiling or loading, "
                 f"{first.get('compile/trace_lower_seconds', 0.0):.1f} s tracing), later steps "
