@@ -378,8 +378,12 @@ class Engine(EngineWeights):
         )
 
     def _admit(self) -> None:
+        # At most --max-prefill-tokens new tokens (the first request whatever its length) are
+        # prefilled before the next decode step: running requests keep decoding while a burst
+        # of long prompts (screenshots) is admitted over several iterations.
         admitted: list[GenRequest] = []
-        while self.waiting and None in self.slots:
+        budget = self.config.max_prefill_tokens
+        while self.waiting and None in self.slots and (budget > 0 or not admitted):
             req = self.waiting.popleft()
             try:
                 self._place(req)
@@ -387,6 +391,7 @@ class Engine(EngineWeights):
                 self._fail([req], e)
                 continue
             admitted.append(req)
+            budget -= len(req.input_ids) + len(req.output_ids) - req.match
         # Same prefill shape (suffix bucket, attention window, images or not) -> one batched
         # call (at most max_prefill_batch rows).
         groups: dict[tuple[int, int, bool], list[GenRequest]] = collections.defaultdict(list)

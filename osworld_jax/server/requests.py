@@ -42,6 +42,9 @@ class EngineConfig:
       min_bucket: smallest prefill / attention-length bucket (fewer compiles when larger).
       min_decode_batch: smallest decode batch bucket (a decode step runs the first ``b``
         slots, ``b`` a power of two >= this and covering every live slot).
+      max_prefill_tokens: new prompt tokens admitted to prefill before the next decode step
+        (SGLang's ``--max-prefill-tokens``; the first waiting request is admitted whatever its
+        length): a burst of long prompts does not stall the running requests' decoding.
       max_prefill_batch: most admitted requests of one length bucket prefilled in one call
         (padded to this many rows; a lone request runs alone; long buckets run one by one).
       return_original_logprob: report output logprobs at temperature 1 (the model's own
@@ -79,6 +82,7 @@ class EngineConfig:
     min_bucket: int = 16
     min_decode_batch: int = 1
     max_prefill_batch: int = 8
+    max_prefill_tokens: int = 16384
     return_original_logprob: bool = False
     enable_prefix_cache: bool = True
     skip_tokenizer_init: bool = False

@@ -156,6 +156,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-decode-batch", type=_count(1 << 16), default=1)
     p.add_argument("--max-prefill-batch", type=_count(1 << 16), default=8)
     p.add_argument(
+        "--max-prefill-tokens",
+        type=_count(1 << 30),
+        default=16384,
+        help="new prompt tokens prefilled before the next decode step (the first waiting "
+        "request whatever its length), as SGLang's flag",
+    )
+    p.add_argument(
         "--return-original-logprob",
         action="store_true",
         default=_env_flag("SGLANG_RETURN_ORIGINAL_LOGPROB"),
@@ -253,6 +260,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         min_bucket=args.min_bucket,
         min_decode_batch=args.min_decode_batch,
         max_prefill_batch=args.max_prefill_batch,
+        max_prefill_tokens=args.max_prefill_tokens,
         return_original_logprob=args.return_original_logprob,
         skip_tokenizer_init=args.skip_tokenizer_init,
         enable_prefix_cache=not args.disable_radix_cache,
