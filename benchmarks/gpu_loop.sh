@@ -38,8 +38,9 @@ cp /tmp/rl/k$K/metrics.jsonl $L/metrics.jsonl 2>/dev/null; cp /tmp/rl/k$K/server
 awk -F', ' '{u+=$1; if ($2>m) m=$2; n++} END {if (n) printf "gpu utilisation mean %.1f%% over %d samples, peak memory.used %d MiB\n", u/n, n, m}' $L/gpu.csv
 python3 - "$L/metrics.jsonl" <<'PY' 2>&1 | tail -14
 import json, sys
-keys = ("time/step", "time/rollout", "time/train", "time/refit", "time/checkpoint", "memory/peak_gib", "steps/skipped")
-print("step " + " ".join(k.split("/")[-1] for k in keys))
+keys = ("time/step", "time/rollout", "time/train", "time/refit", "time/checkpoint", "memory/peak_gib", "steps/skipped",
+        "compile/programs", "compile/cache_hits", "compile/seconds", "compile/trace_lower_seconds")
+print("step " + " ".join(k.replace("compile/", "c_").split("/")[-1] for k in keys))
 for line in open(sys.argv[1]):
     d = json.loads(line)
     print(d.get("step"), " ".join(f"{d.get(k, float('nan')):.2f}" for k in keys))
