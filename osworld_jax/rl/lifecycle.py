@@ -219,10 +219,10 @@ def out_of_memory_line(text: str, *, where: str, in_server: bool) -> str | None:
     Names the program (the ``jit_<name>`` in the message), what it tried to allocate, the knob
     that frees memory for it, and ``where`` the logs are. None when ``text`` has no OOM.
 
-    >>> out_of_memory_line(
+    >>> print(out_of_memory_line(
     ...     "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 29022806016 bytes. "
-    ...     "... jit_train_step ...", where="runs/x", in_server=False)  # doctest: +ELLIPSIS
-    'error: out of device memory in jit_train_step (tried to allocate 27.03 GiB): ...'
+    ...     "... jit_train_step ...", where="runs/x", in_server=False))  # doctest: +ELLIPSIS
+    error: out of device memory in jit_train_step (tried to allocate 27.03 GiB): ...; logs in runs/x
     """
     hits = [m for m in _OOM.finditer(text)]
     if not hits:
