@@ -39,6 +39,7 @@ awk -F', ' '{u+=$1; if ($2>m) m=$2; n++} END {if (n) printf "gpu utilisation mea
 python3 - "$L/metrics.jsonl" <<'PY' 2>&1 | tail -14
 import json, sys
 keys = ("time/step", "time/rollout", "time/train", "time/refit", "time/checkpoint", "memory/peak_gib", "steps/skipped",
+        "time/owner_generate", "rollout/cache_hit_rate",
         "compile/programs", "compile/cache_hits", "compile/seconds", "compile/trace_lower_seconds")
 print("step " + " ".join(k.replace("compile/", "c_").split("/")[-1] for k in keys))
 for line in open(sys.argv[1]):

@@ -149,6 +149,8 @@ class OwnerAgent:
       history: the recorded calls and compactions.
       context: the owner's context manager.
       result: the env's ``OwnerResult`` once the episode ended (``on_episode_end``).
+      cached_tokens / served_tokens: prompt tokens of this owner's calls that the server took
+        from its prefix cache / that it was sent (`Generation.cached_tokens`), summed.
     """
 
     def __init__(
@@ -175,6 +177,7 @@ class OwnerAgent:
         )
         self._rid_prefix = rid_prefix or uuid.uuid4().hex[:12]
         self.result: OwnerResult | None = None
+        self.cached_tokens = self.served_tokens = 0
 
     @property
     def owner_id(self) -> int:
@@ -214,6 +217,8 @@ class OwnerAgent:
             raise AgentCallError(
                 f"owner {self.owner_id} call {call_index} (rid {rid}): transport failure: {e!r}"
             ) from e
+        self.cached_tokens += gen.cached_tokens
+        self.served_tokens += gen.served_tokens
         record = self._record(prompt, gen, rid, call_index)
         self.history.record_call(record)
         self.context.record_reply(record.output_ids, record.text, trainable=record.trainable)

@@ -105,13 +105,20 @@ class RawRollouts:
         }
 
     def timing(self) -> dict[str, float]:
-        """Mean per-owner seconds spent generating (``act``) and in the sandbox (the rest)."""
+        """Mean per-owner seconds spent generating (``act``) and in the sandbox (the rest), and
+        ``rollout/cache_hit_rate``: the share of the prompt tokens sent that the servers took
+        from their prefix caches (SGLang's ``cached_tokens``) instead of prefilling them."""
+        out: dict[str, float] = {}
+        served = sum(a.served_tokens for a in self.agents.values())
+        if served:
+            cached = sum(a.cached_tokens for a in self.agents.values())
+            out["rollout/cache_hit_rate"] = cached / served
         eps = [a for a in self.agents.values() if a.episode_seconds > 0]
         if not eps:
-            return {}
+            return out
         gen = float(np.mean([a.act_seconds for a in eps]))
         wall = float(np.mean([a.episode_seconds for a in eps]))
-        return {"time/owner_generate": gen, "time/owner_env": max(wall - gen, 0.0)}
+        return {**out, "time/owner_generate": gen, "time/owner_env": max(wall - gen, 0.0)}
 
 
 async def rollout_step(

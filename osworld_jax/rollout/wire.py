@@ -46,6 +46,11 @@ class Generation:
       text: decoded text of the output (the parts' texts concatenated).
       num_resubmits: how many times an aborted part was resubmitted.
       routed_experts_start_len: first prompt position that has a route row.
+      cached_tokens: prompt tokens the server took from its prefix cache instead of
+        prefilling them (``meta_info.cached_tokens``, summed over the parts; 0 where a server
+        does not say).
+      served_tokens: the prompt tokens the parts were sent with (``prompt_tokens`` of each part,
+        summed): ``cached_tokens / served_tokens`` is the turn's prefix-cache hit rate.
     """
 
     rid: str
@@ -61,6 +66,8 @@ class Generation:
     text: str = ""
     num_resubmits: int = 0
     routed_experts_start_len: int = 0
+    cached_tokens: int = 0
+    served_tokens: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.output_ids)
@@ -288,4 +295,18 @@ def stitch(
         text="".join(p.text for p in parts),
         num_resubmits=len(parts) - 1 if num_resubmits is None else num_resubmits,
         routed_experts_start_len=routed_experts_start_len,
+        cached_tokens=sum(cached_tokens(p) for p in parts),
+        served_tokens=sum(p.prompt_tokens for p in parts),
     )
+
+
+def cached_tokens(reply: Reply) -> int:
+    """``meta_info.cached_tokens`` of a reply, clipped to its prompt (0 if absent or not an int).
+
+    SGLang counts the prompt tokens its radix cache held; a server that does not report it
+    counts as no hit.
+    """
+    v = reply.meta_info.get("cached_tokens")
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        return 0
+    return min(v, reply.prompt_tokens)

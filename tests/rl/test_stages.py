@@ -258,3 +258,20 @@ def test_runnable_filter_drops_tasks_the_backend_cannot_run(tmp_path):
             process_count=1,
             keep=stages.RunnableFilter("memory"),
         )
+
+
+def test_rollout_timing_and_cache_hit_rate():
+    def agent(act, episode, cached, served):
+        return dataclasses.make_dataclass(
+            "A", ["act_seconds", "episode_seconds", "cached_tokens", "served_tokens"]
+        )(act, episode, cached, served)
+
+    agents = {0: agent(1.0, 3.0, 900, 1000), 1: agent(3.0, 4.0, 0, 3000), 2: agent(0, 0, 0, 0)}
+    got = stages.RawRollouts(tasks=refs(1), agents=agents, results=([],)).timing()
+    # owner 2 never ran an episode (its times are not averaged); 900 of 4,000 prompt tokens hit
+    assert got == {
+        "rollout/cache_hit_rate": 900 / 4000,
+        "time/owner_generate": 2.0,
+        "time/owner_env": 1.5,
+    }
+    assert stages.RawRollouts(tasks=refs(1), agents={}, results=([],)).timing() == {}

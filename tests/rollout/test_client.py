@@ -375,6 +375,28 @@ def test_stitch_records_every_tokens_version():
     assert g.weight_version == "5" and g.completion_tokens == 6
 
 
+def test_stitch_sums_the_parts_cached_tokens():
+    def part(p: int, cached: Any) -> Reply:
+        meta = {} if cached is None else {"cached_tokens": cached}
+        return Reply(
+            output_ids=[1],
+            output_logprobs=[0.0],
+            routed_experts=None,
+            finish_reason={"type": "abort"},
+            prompt_tokens=p,
+            completion_tokens=1,
+            weight_version="0",
+            text="",
+            meta_info=meta,
+        )
+
+    # 6 of 10 cached, then 11 of 11 (the resubmission extends the kept prompt), a server that
+    # does not say (0), a bad value (0) and one above its prompt (clipped to it).
+    parts = [part(10, 6), part(11, 11), part(12, None), part(13, "7"), part(14, 99)]
+    g = stitch(parts, rid="c", prompt_tokens=10, routed_experts_start_len=0)
+    assert (g.cached_tokens, g.served_tokens) == (6 + 11 + 0 + 0 + 14, 10 + 11 + 12 + 13 + 14)
+
+
 def test_generation_part_bookkeeping_is_checked():
     base = dict(
         rid="g1",
