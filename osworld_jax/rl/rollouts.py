@@ -105,9 +105,13 @@ class RawRollouts:
         }
 
     def timing(self) -> dict[str, float]:
-        """Mean per-owner seconds spent generating (``act``) and in the sandbox (the rest), and
-        ``rollout/cache_hit_rate``: the share of the prompt tokens sent that the servers took
-        from their prefix caches (SGLang's ``cached_tokens``) instead of prefilling them."""
+        """Per-owner means of the rollout's times, and its prefix-cache hit rate.
+
+        ``time/owner_generate``: seconds spent generating (``act``); ``time/owner_env``: the
+        rest of the episode (the sandbox); ``rollout/cache_hit_rate``: the share of the prompt
+        tokens sent that the servers took from their prefix caches (SGLang's
+        ``cached_tokens``) instead of prefilling them.
+        """
         out: dict[str, float] = {}
         served = sum(a.served_tokens for a in self.agents.values())
         if served:
