@@ -58,9 +58,10 @@ def test_the_h100_recipe_colocates_the_server_and_fits_80_gb_by_its_estimate():
     assert process_share(exp.server) == 0.95  # one pool: the server's share is a budget in it
     lines = _lines(["gpu_1x_h100.gin"])
     assert lines[0] == "model: a random model the run builds (2 layers, 128 experts)"
-    # Hand-derived: KV = 2 (k, v) x 2 layers x 8 slots x 16,384 tokens x 4 heads x 128 x 2 B
-    assert 2 * 2 * 8 * 16384 * 4 * 128 * 2 / GiB == 0.5
-    assert "KV cache 0.5) of its 15.8 GiB" in lines[2]  # 0.2 x 79.1 GiB
+    # Hand-derived: KV = 2 (k, v) x 2 layers x 16 slots x 16,384 tokens x 4 heads x 128 x 2 B
+    assert exp.server.max_running_requests == 16  # two steps' owners (k = 1) keep their slots
+    assert 2 * 2 * 16 * 16384 * 4 * 128 * 2 / GiB == 1.0
+    assert "KV cache 1.0) of its 15.8 GiB" in lines[2]  # 0.2 x 79.1 GiB
     assert lines[3].endswith(" of 59.3 GiB per device (of 1)")  # 0.75 x 79.1 GiB
 
 
