@@ -1,21 +1,20 @@
-"""Slow end-to-end tests: the learning test, the notebook, scripts/train.py (default, Ctrl-C,
-resume). Run with ``pytest --runslow tests/rl/test_slow.py``."""
+"""Slow end-to-end tests of learning: the learning run, the evaluate -> freeze band scripts, the
+two-process run. Run with ``pytest --runslow tests/rl/test_slow.py``. The default run with
+screenshots and its notebook are in test_slow_screenshots.py, Ctrl-C and resume of
+scripts/train.py in test_slow_resume.py (separate files: xdist gives each worker whole files)."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from osworld_jax import config
 from osworld_jax.rl import train
 from tests.rl import learnable
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.rl.runs import REPO, live_processes_mentioning
 
 # The learning demo's suite (osworld_jax/demo/learnable.py) through the real pipeline: the
 # embedded server subprocess samples one token per owner, the memory desktop scores it, segments
@@ -39,40 +38,6 @@ def learning_run(tmp_path_factory):
     return run_dir, result
 
 
-@pytest.fixture(scope="module")
-def screenshot_run(tmp_path_factory):
-    """The default run (configs/default.gin: the tiny Qwen3-VL-MoE, screenshots of jailed local
-    desktops, the embedded server) for 2 steps."""
-    run_dir = tmp_path_factory.mktemp("screenshots") / "run"
-    exp = config.load_experiment(["default.gin"], ["RLConfig.progress_bar = False"])
-    config.write_operative_config(run_dir, exp)
-    t0 = time.monotonic()
-    result = train(exp, run_dir, steps=2)
-    print(f"default run with screenshots, 2 steps: {time.monotonic() - t0:.0f}s")
-    return run_dir, result
-
-
-@pytest.mark.slow
-def test_the_default_loop_trains_on_screenshots(screenshot_run):
-    # Every step's batch holds the owners' screenshots (8 owners, >= 1 turn each); the trainer
-    # reproduces the server's logprobs of the sampled tokens (float32) and replays its routes,
-    # image tokens included, on 100% of (token, MoE layer) pairs.
-    run_dir, result = screenshot_run
-    assert [h["step"] for h in result.history] == [1, 2]
-    for h in result.history:
-        print({k: h[k] for k in ("logprob/train_rollout_abs_diff", "r3/route_agreement")})
-        assert h["logprob/train_rollout_abs_diff"] <= 1e-5
-        assert h["r3/route_agreement"] == 1.0
-        assert h["batch/images"] >= 8 and h["owners/failed"] == 0
-        assert h["gate/rejected_fraction"] == 0.0
-    from osworld_jax.rl import analysis
-
-    episodes = analysis.load_episodes(run_dir)
-    assert [(e["step"], e["owner"]) for e in episodes] == [(1, 0), (2, 0)]
-    shot = analysis.episode_image(run_dir, episodes[0]["calls"][0]["images"][-1])
-    assert shot.shape == (1080, 1920, 3)  # the jailed desktop's real screen
-
-
 @pytest.mark.slow
 def test_the_loop_learns(learning_run):
     _, result = learning_run
@@ -87,146 +52,6 @@ def test_the_loop_learns(learning_run):
         assert h["logprob/train_rollout_abs_diff"] < 1e-3
         assert h["r3/route_agreement"] > 0.99
         assert h["owners/failed"] == 0 and h["owners/total"] == 16
-
-
-@pytest.mark.slow
-def test_analysis_notebook_executes(screenshot_run):
-    import jupytext
-    import nbformat
-
-    # The documented command (train.py prints it for its run): scripts/analyze.py RUN_DIR.
-    run_dir, _ = screenshot_run
-    r = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "analyze.py"), str(run_dir)],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip() == f"wrote {run_dir.resolve() / 'analysis.ipynb'}"
-    assert "WARNING" not in r.stderr, r.stderr  # no TCP warning, no kernel left to its parent
-    assert not list(REPO.glob("kernel-ipc-*"))  # the kernel's sockets live in a temp dir
-    nb = nbformat.read(run_dir / "analysis.ipynb", as_version=4)
-    errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
-    assert not errors
-    images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
-    assert len(images) >= 6  # the last one: an owner's screenshots next to its actions
-    assert "recorded episodes" in str(nb.cells[-1].outputs)
-    committed = json.loads((REPO / "notebooks" / "analysis.ipynb").read_text())
-    assert all(not c.get("outputs") for c in committed["cells"])  # committed without outputs
-    assert [
-        c["source"]
-        for c in jupytext.reads(
-            (REPO / "notebooks" / "analysis.py").read_text(), fmt="py:percent"
-        ).cells
-    ] == [
-        c["source"] if isinstance(c["source"], str) else "".join(c["source"])
-        for c in committed["cells"]
-    ]  # the pair is in sync
-
-
-def _train_cmd(run_dir, steps):
-    return [
-        sys.executable,
-        str(REPO / "scripts" / "train.py"),
-        f"--run_dir={run_dir}",
-        f"--steps={steps}",
-    ]
-
-
-def _live_processes_mentioning(text):
-    """Live processes whose command line or environment contains ``text``.
-
-    The tests put a marker into the trainer's environment: every process it starts (the
-    embedded server, bwrap jails, desktops) inherits it, so a leftover one is found.
-    """
-    out = []
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                environ = (p / "environ").read_bytes().decode(errors="replace")
-                state = (p / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if state != "Z" and (text in cmd or text in environ):
-                out.append((int(p.name), cmd))
-    return out
-
-
-@pytest.mark.slow
-def test_default_run_ctrl_c_and_resume(tmp_path):
-    """scripts/train.py with no config flags (configs/default.gin: tiny model, embedded server,
-    local sandboxes, bundled tasks); Ctrl-C after step 1; the same --run_dir resumes at step 2."""
-    run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OSWORLD_JAX_TEST_RUN": str(run_dir)}
-    t0 = time.monotonic()
-    proc = subprocess.Popen(
-        _train_cmd(run_dir, 3), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    deadline = time.monotonic() + 480
-    while not (run_dir / "checkpoints" / "1").is_dir():
-        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-        assert time.monotonic() < deadline, "no checkpoint of step 1"
-        time.sleep(1)
-    proc.send_signal(signal.SIGINT)
-    out = proc.communicate(timeout=180)[0].decode()
-    print(f"first run {time.monotonic() - t0:.0f}s:\n{out[-1500:]}")
-    assert proc.returncode == 130, out[-3000:]
-    assert "interrupted" in out
-    assert not _live_processes_mentioning(str(run_dir))  # server and sandboxes are gone
-    steps_done = [
-        json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()
-    ]
-    assert steps_done[0] == 1
-    for name in ("operative_config.gin", "experiment.json", "base_model/config.json"):
-        assert (run_dir / name).is_file()
-    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
-
-    assert f"run directory: {run_dir}" in out
-    # The step after the last complete checkpoint may have logged before its save finished.
-    ckpt = max(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
-
-    # Resuming as a text-model run is refused in one line before anything starts (no jax work).
-    other = [f"--gin_file={REPO / 'configs' / g}" for g in ("default.gin", "text_only.gin")]
-    refused = subprocess.run(
-        [*_train_cmd(run_dir, max(steps_done) + 1), *other],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert refused.returncode == 2, refused.stdout + refused.stderr
-    line = refused.stderr.strip()
-    assert line.startswith(f"error: {run_dir} was trained with another config; changed: "), line
-    assert "ModelSourceConfig.tiny_kind: 'qwen3_vl_moe' -> 'qwen3_moe'" in line, line
-    assert "AgentConfig.max_screenshots: 3 -> 0" in line and "--allow_config_change" in line
-    assert "\n" not in line and "RLConfig.steps" not in line  # run length may change
-
-    t1 = time.monotonic()
-    again = subprocess.run(
-        _train_cmd(run_dir, max(steps_done) + 1),
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    print(f"resumed run {time.monotonic() - t1:.0f}s:\n{again.stdout[-1500:]}")
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    resumed = records[len(steps_done) :]
-    assert [r["step"] for r in resumed] == [max(steps_done) + 1]
-    assert (run_dir / "checkpoints" / str(max(steps_done) + 1)).is_dir()
-    assert not _live_processes_mentioning(str(run_dir))
-    assert f"resuming from checkpoint {ckpt}" in again.stdout
-    assert f"results in {run_dir} ({run_dir.parent / 'latest'} points here)" in again.stdout
-    assert (run_dir.parent / "latest").resolve() == run_dir.resolve()
-
-    # Rerunning the finished run says so, at once.
-    done = subprocess.run(
-        _train_cmd(run_dir, max(steps_done) + 1),
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(
-        f"{run_dir} is finished: its checkpoint {max(steps_done) + 1} is at or past the last step"
-    ), done.stdout
 
 
 @pytest.mark.slow
@@ -330,4 +155,4 @@ def test_two_process_run_matches_one_process(learning_run, tmp_path):
         assert r["logprob/train_rollout_abs_diff"] < 1e-3
     assert (run_dir / "checkpoints" / "3").is_dir()
     assert (run_dir / "weights" / "step_00000003" / "tokenizer.json").is_file()
-    assert not _live_processes_mentioning(str(run_dir))
+    assert not live_processes_mentioning(str(run_dir))
