@@ -91,8 +91,14 @@ def forward(
     pixel_values: jax.Array | None = None,
     image_grid_thw: jax.Array | None = None,
     cache_positions: Int[Array, "B S"] | None = None,
+    image_features: tuple[jax.Array, jax.Array] | None = None,
 ) -> PolicyOutput:
-    """The policy as a pure function of its parameter tree (see `Policy.__call__`)."""
+    """The policy as a pure function of its parameter tree (see `Policy.__call__`).
+
+    ``image_features`` stands in for ``pixel_values`` with the vision tower's outputs computed
+    already (the server's image-embedding cache): ``(embeds [B, M, H], deepstack [B, D, M, H])``
+    in `vision_tower`'s per-row layout, row b's image tokens first.
+    """
     b, s = input_ids.shape
     # The mask is causal by token index when the order is the index itself: M-RoPE rows, or
     # positions left to their default (given 1-D positions may be in any order).
@@ -104,8 +110,10 @@ def forward(
     top = params["top"]
     x = jnp.take(_gathered_table(top["embed"]), input_ids, axis=0)  # [B, S, H]
     deep = None
-    if pixel_values is not None:
-        x, deep = _merge_vision(params, config, runtime, input_ids, x, pixel_values, image_grid_thw)
+    if pixel_values is not None or image_features is not None:
+        x, deep = _merge_vision(
+            params, config, runtime, input_ids, x, pixel_values, image_grid_thw, image_features
+        )
     x = layers.constrain_batch(x, runtime.activation_batch_axes)
     inv_freq, attn_scale = rope_frequencies(config)
     if positions.ndim == 3:  # M-RoPE [3, B, S]; causal by token order
@@ -257,22 +265,29 @@ def _merge_vision(
     runtime: ModelRuntimeConfig,
     input_ids: jax.Array,
     x: jax.Array,
-    pixel_values: jax.Array,
+    pixel_values: jax.Array | None,
     image_grid_thw: jax.Array | None,
+    image_features: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, _DeepStack]:
-    """Runs the vision tower and puts its features at the image tokens.
+    """Runs the vision tower (or takes its ``image_features``) and puts them at the image tokens.
 
     Layouts: flat ``pixel_values [N, P]`` + ``image_grid_thw [n, 3]`` (HF: images in row-major
     token order over the whole batch), or per row ``[B, Np, P]`` + ``[B, m, 3]`` (row b's images
     fill row b's image tokens; the tower attends within each row's images, sharded like the
-    batch).
+    batch); ``image_features`` per row: ``[B, M, H]`` + ``[B, D, M, H]``.
     """
     if not isinstance(config, Qwen3VLMoeConfig):
         raise ValueError("pixel_values need a Qwen3VLMoeConfig (a qwen3_vl_moe checkpoint)")
-    if image_grid_thw is None:
-        raise ValueError("pixel_values need image_grid_thw")
     b, s, h = x.shape
     is_image = input_ids == config.image_token_id  # [B, S]
+    if image_features is not None:
+        feats, deep = image_features  # [B, M, H], [B, D, M, H]
+        if feats.ndim != 3 or feats.shape[0] != b or deep.shape[0] != b:
+            raise ValueError(f"image_features {feats.shape}: need [B={b}, M, H] per row")
+        x = scatter_rows(feats, is_image, x)  # row b's features fill row b's image tokens
+        return x, _DeepStack(deep, is_image, (b, s))
+    if image_grid_thw is None or pixel_values is None:
+        raise ValueError("pixel_values need image_grid_thw")
     tower = functools.partial(vision_tower, params, config.vision, runtime)
     if pixel_values.ndim == 2:
         out = tower(pixel_values, image_grid_thw)

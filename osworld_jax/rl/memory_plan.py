@@ -50,6 +50,7 @@ def embedded_flags(exp: ExperimentConfig) -> argparse.Namespace:
     flags.add_argument("--min-bucket", type=int, default=DEFAULT_MIN_BUCKET)
     flags.add_argument("--max-prefill-batch", type=int, default=8)
     flags.add_argument("--mm-attention-backend", default="cudnn")
+    flags.add_argument("--mm-embedding-cache-mb", type=int, default=512)
     args, _ = flags.parse_known_args(list(exp.server.extra_args))
     return args
 
@@ -195,7 +196,11 @@ def server_pool(
     weights *= np.dtype(dtype).itemsize
     kv = 2 * model.num_hidden_layers * layout.slots * layout.slot_len
     kv *= model.num_key_value_heads * model.head_dim * np.dtype(dtype).itemsize
-    persistent = (("weights", weights), ("refit weights", weights), ("KV cache", kv))
+    persistent: tuple[tuple[str, int], ...] = (
+        ("weights", weights), ("refit weights", weights), ("KV cache", kv),
+    )  # fmt: skip
+    if patch_buckets:  # the tower's outputs kept by image content (`image_embeddings`)
+        persistent += (("image embeddings", args.mm_embedding_cache_mb << 20),)
     shares = memory_shares(exp.server)
     share = shares[0] if shares is not None and not colocated else 1.0
     return Pool(

@@ -79,6 +79,7 @@ class Engine(EngineWeights):
             max_prefill_batch=config.max_prefill_batch,
             mm_attention=config.mm_attention_backend,
             scan_layers=config.scan_layers,
+            embedding_cache_bytes=config.mm_embedding_cache_mb << 20,
         )
         self.model_config = self.runner.config
         self.model_path = str(path)
@@ -300,12 +301,14 @@ class Engine(EngineWeights):
         return self._call(lambda: not self.waiting and not any(self.slots))
 
     def flush_cache(self) -> concurrent.futures.Future[bool]:
-        """Forgets every kept prefix if nothing runs or waits; returns whether it did."""
+        """Forgets the kept prefixes and image embeddings if idle; returns whether it did."""
 
         def run() -> bool:
             if self.waiting or any(self.slots):
                 return False
             self.prefix.clear()
+            if self.runner.embeddings is not None:
+                self.runner.embeddings.clear()
             return True
 
         return self._call(run)

@@ -4,8 +4,9 @@ The engine runs `runner._prefill` once per admitted batch of one length bucket a
 _decode` once per step; both are module-level jits whose parameters and KV cache are arguments.
 `server_programs` lowers them with abstract arguments laid out as the runner's (parameters and
 cache committed to the first device, the rest host arrays) at the buckets the engine will use,
-so no weight is loaded: each prefill length bucket at its batched rows, the vision tower inside
-the prefill at the largest patch bucket (a Qwen3-VL model), and the largest decode step. With a
+so no weight is loaded: each prefill length bucket at its batched rows (a Qwen3-VL model's with
+the image features of a row's screenshots), the vision tower on one screenshot, and the largest
+decode step. With a
 persistent compilation cache the server process loads these executables (tuned) instead of
 compiling them (`osworld_jax.rl.servers`).
 """
@@ -20,8 +21,9 @@ import numpy as np
 
 from osworld_jax.model import KVCache, ModelRuntimeConfig, Qwen3MoeConfig, Qwen3VLMoeConfig
 from osworld_jax.model.params import param_specs
-from osworld_jax.model.serving import CacheLayout, next_pow2
+from osworld_jax.model.serving import CacheLayout
 from osworld_jax.server.buckets import ServingBuckets, patch_bucket, serving_buckets
+from osworld_jax.server.image_embeddings import _encode, feature_bucket
 from osworld_jax.server.runner import _decode, _prefill
 from osworld_jax.server.sampling import MAX_BANNED
 from osworld_jax.trainer.program_memory import ProgramMemory, device_bytes, program_memory
@@ -107,9 +109,9 @@ def server_programs(
       dtype: the serving dtype (parameters, activations, cache).
       min_bucket, max_prefill_batch, expert_backend, mm_attention, scan_layers: the engine's
         (`EngineConfig`; ``scan_layers`` None: on an accelerator).
-      patches: the patches of a prompt's images (a Qwen3-VL run's screenshots in context;
-        rounded up to the runner's patch bucket); 0: text prefills only.
-      image_slots: images per prompt (the runner pads them to a power of two).
+      patches: the patches of a prompt's images (a Qwen3-VL run's screenshots in context);
+        0: text prefills only.
+      image_slots: images per prompt (``patches`` is their sum: one image's are its share).
       buckets: the prefill length buckets to plan (default: every one, `prefill_buckets`).
     """
     if scan_layers is None:
@@ -131,17 +133,36 @@ def server_programs(
     out = []
     vl = isinstance(model, Qwen3VLMoeConfig) and patches > 0
     planned = layout_buckets(layout, min_bucket, max_prefill_batch)
+    tokens = 0
+    if vl:  # the tower: one image at a time (`image_embeddings._encode`), then the LM prefill
+        assert isinstance(model, Qwen3VLMoeConfig)
+        unit = model.vision.spatial_merge_size**2
+        per_image = -(-patches // max(image_slots, 1) // unit) * unit  # one screenshot's patches
+        tokens = feature_bucket(patches // unit)  # a row's image tokens, every image new
+        np_ = patch_bucket(per_image, unit)
+        compiled = _encode.lower(
+            params, _sds((np_, model.vision.patch_dim), np.float32), _sds((1, 3), np.int32),
+            config=model, runtime=runtime, tokens=per_image // unit,
+        ).compile()  # fmt: skip
+        out.append(
+            program_memory(
+                f"vision {np_}p",
+                compiled,
+                stream="server",
+                persistent=persistent,
+                knob=SERVER_KNOB,
+            )  # fmt: skip
+        )
     for s in buckets or planned.lengths:
         rows = planned.prefill_rows(s)
         for vision in (False, True) if vl else (False,):
             images = None
             if vision:
                 assert isinstance(model, Qwen3VLMoeConfig)
-                unit = model.vision.spatial_merge_size**2
-                np_ = patch_bucket(patches, unit)
+                h, levels = model.hidden_size, len(model.vision.deepstack_visual_indexes)
                 images = {
-                    "pixel_values": _sds((rows, np_, model.vision.patch_dim), np.float32),
-                    "grid_thw": _sds((rows, next_pow2(image_slots), 3), np.int32),
+                    "embeds": _sds((rows, tokens, h), dtype),
+                    "deep": _sds((rows, levels, tokens, h), dtype),
                     "rope": _sds((3, rows, s), np.int32),
                 }
             i32 = np.int32
@@ -149,9 +170,7 @@ def server_programs(
                 params, cache, _sds((rows,), i32), _sds((rows, s), i32), None,
                 _sds((rows,), i32), _samp(rows), images, attn_len=s, **statics,
             ).compile()  # fmt: skip
-            name = f"prefill {rows}x{s}" + (
-                f" {images['pixel_values'].shape[1]}p" if images else ""
-            )
+            name = f"prefill {rows}x{s}" + (f" {tokens}t" if images else "")
             out.append(
                 program_memory(
                     name, compiled, stream="server", persistent=persistent, knob=SERVER_KNOB

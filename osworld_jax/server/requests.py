@@ -65,6 +65,8 @@ class EngineConfig:
         buckets compile in a fraction of the time); None: on an accelerator, not on a CPU.
       vlm_cache_size_mb: MiB of processed images (float32 patches) kept by content hash
         (`osworld_jax.server.images.ProcessedImageCache`); 0: none.
+      mm_embedding_cache_mb: MiB of device memory for the vision tower's outputs kept by
+        content hash (`osworld_jax.server.image_embeddings.ImageEmbeddings`); 0: none kept.
       memory_budget_bytes: what the engine's weights and KV cache may hold of its device
         (the colocated server's share of the process it shares with the trainer); None: the
         allocator's limit (a server of its own process, ``XLA_PYTHON_CLIENT_MEM_FRACTION``).
@@ -90,6 +92,7 @@ class EngineConfig:
     mm_attention_backend: str = "cudnn"
     scan_layers: bool | None = None
     vlm_cache_size_mb: int = 2048
+    mm_embedding_cache_mb: int = 512
     memory_budget_bytes: float | None = None
 
 

@@ -36,13 +36,9 @@ from osworld_jax.model import (
     load_hf_checkpoint,
     unembed_matrix,
 )
-from osworld_jax.model.mrope import mrope_positions
 from osworld_jax.model.serving import next_pow2
-from osworld_jax.server.buckets import (
-    patch_bucket,
-    prefill_query_chunk,
-    serving_buckets,
-)
+from osworld_jax.server.buckets import prefill_query_chunk, serving_buckets
+from osworld_jax.server.image_embeddings import ImageEmbeddings, vision_inputs
 from osworld_jax.server.images import RequestImages
 from osworld_jax.server.sampling import (
     SlotSampling,
@@ -125,10 +121,7 @@ def _prefill(
     segment_ids = (jnp.arange(s)[None, :] < lengths[:, None]).astype(jnp.int32)
     kw = {}
     if vision is not None:  # M-RoPE [3, P, S]; the (new) images of row r fill its image tokens
-        kw = dict(
-            pixel_values=vision["pixel_values"],  # [P, Np, D]
-            image_grid_thw=vision["grid_thw"],  # [P, m, 3]
-        )
+        kw = dict(image_features=(vision["embeds"], vision["deep"]))  # [P, M, H], [P, D, M, H]
     out = forward(
         params,
         config,
@@ -222,25 +215,6 @@ class PrefillResult:
     row: int = 0
 
 
-def _new_images(
-    prompt: list[int], start: int, images: RequestImages | None, image_token_id: int
-) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """(patches, grids) of the images whose tokens come after ``start`` (all, at 0)."""
-    if images is None:
-        return None, None
-    kept = int(np.count_nonzero(np.asarray(prompt[:start]) == image_token_id))
-    done = np.cumsum([0, *images.num_tokens])
-    first = int(np.searchsorted(done, kept))  # images [0, first) are in the kept prefix
-    if done[first] != kept:
-        raise EngineError(f"a kept prefix of {start} tokens ends inside an image")
-    if first == images.count:
-        return None, None
-    if images.patches is None:
-        raise EngineError("the images' patches were dropped (RequestImages.restore them)")
-    new = images.patches[first:]  # only these are copied (the kept prefix's images are not)
-    return new[0] if len(new) == 1 else np.concatenate(new), images.grid_thw[first:]
-
-
 class ModelRunner:
     """Owns the parameters and the KV cache; runs bucketed prefill and decode steps.
 
@@ -258,6 +232,8 @@ class ModelRunner:
       scan_layers: run the decoder layers and ViT blocks under ``lax.scan`` (compiles a deep
         model in a fraction of the time; the values are the unrolled loop's); None: on an
         accelerator only (the CPU's tiny models compile fast either way).
+      embedding_cache_bytes: device bytes of image embeddings kept by content hash
+        (`ImageEmbeddings`; a Qwen3-VL model).
     """
 
     def __init__(
@@ -273,6 +249,7 @@ class ModelRunner:
         max_prefill_batch: int = 8,
         mm_attention: str = "cudnn",
         scan_layers: bool | None = None,
+        embedding_cache_bytes: int = 512 << 20,
     ) -> None:
         if scan_layers is None:
             scan_layers = jax.default_backend() != "cpu"
@@ -284,6 +261,9 @@ class ModelRunner:
         )
         policy = load_hf_checkpoint(model_path, runtime=self.runtime)
         self.config: Qwen3MoeConfig = policy.config
+        self.embeddings: ImageEmbeddings | None = None
+        if isinstance(self.config, Qwen3VLMoeConfig):
+            self.embeddings = ImageEmbeddings(self.config, self.runtime, embedding_cache_bytes)
         self.params = policy.params()
         self.num_slots = next_pow2(num_slots)
         self.slot_len = next_pow2(slot_len, min_bucket)
@@ -304,6 +284,17 @@ class ModelRunner:
         )
 
     # ----------------------------------------------------------------- weights
+
+    @property
+    def params(self) -> Any:
+        """The served parameters (a jit argument: setting them recompiles nothing)."""
+        return self._params
+
+    @params.setter
+    def params(self, value: Any) -> None:
+        self._params = value
+        if self.embeddings is not None:  # they are the old weights' tower outputs
+            self.embeddings.clear()
 
     def load_weights(self, model_path: str | Path) -> None:
         """Replaces the parameters with those of ``model_path`` (same architecture required)."""
@@ -355,8 +346,8 @@ class ModelRunner:
         Several prompts are padded to ``max_rows`` rows (padding rows write nowhere; one prompt
         runs alone) and to the longest prompt's bucket. ``samp`` has one row per prompt. With
         ``images`` (a Qwen3-VL model), prompt r's images fill its ``<|image_pad|>`` tokens and
-        the prompt runs at its M-RoPE positions (`mrope_positions`); the patches of a row are
-        padded to a patch bucket and the images to a power of two. With ``starts``, prompt r's
+        the prompt runs at its M-RoPE positions (`mrope_positions`), its images through the
+        tower one by one or from the cache (`image_embeddings`). With ``starts``, prompt r's
         slot already holds the KV of its first ``starts[r]`` tokens (a kept prefix, whole
         images only): only the rest is computed, attending to the kept rows.
 
@@ -383,7 +374,11 @@ class ModelRunner:
         }
         vision, deltas = None, [0] * n
         if images is not None and any(im is not None for im in images):
-            vision, deltas = self._vision_inputs(prompts, starts, s, rows, images)
+            if self.embeddings is None:
+                raise EngineError("images need a qwen3_vl_moe checkpoint")
+            vision, deltas = vision_inputs(
+                self.config, self.embeddings, self.params, prompts, starts, s, rows, images
+            )
         tok, lp, top, routes, hidden, self.cache = _prefill(
             self.params,
             self.cache,
@@ -422,48 +417,6 @@ class ModelRunner:
         if not any(starts):
             return s
         return max(s, self.buckets.window(max(len(q) for q in prompts)))
-
-    def _vision_inputs(
-        self,
-        prompts: list[list[int]],
-        starts: list[int],
-        s: int,
-        rows: int,
-        images: list[RequestImages | None],
-    ) -> tuple[dict[str, np.ndarray], list[int]]:
-        """Per-row vision inputs of a prefill, and each row's rope delta.
-
-        The patches and grids of the images after ``starts`` (a kept prefix holds whole
-        images) and the M-RoPE positions of the computed tokens.
-        """
-        config = self.config
-        if not isinstance(config, Qwen3VLMoeConfig):
-            raise EngineError("images need a qwen3_vl_moe checkpoint")
-        unit = config.vision.spatial_merge_size**2
-        new = [_new_images(q, a, im, config.image_token_id) for q, a, im in
-               zip(prompts, starts, images, strict=True)]  # fmt: skip
-        most = max([p.shape[0] for p, _ in new if p is not None] or [unit])
-        m = next_pow2(max([g.shape[0] for _, g in new if g is not None] or [1]))
-        pixels = np.zeros((rows, patch_bucket(most, unit), config.vision.patch_dim), np.float32)
-        grid = np.zeros((rows, m, 3), np.int32)
-        rope = np.broadcast_to(np.arange(s, dtype=np.int32), (3, rows, s)).copy()
-        deltas = []
-        for r, (q, a, im) in enumerate(zip(prompts, starts, images, strict=True)):
-            length = len(q)
-            if im is None:
-                rope[:, r] += a
-                deltas.append(0)
-                continue
-            patches, grids = new[r]
-            if patches is not None and grids is not None:
-                pixels[r, : patches.shape[0]] = patches
-                grid[r, : grids.shape[0]] = grids
-            pos = mrope_positions(np.asarray([q], np.int32), im.grid_thw, config)[:, 0]
-            top = int(pos.max()) + 1
-            rope[:, r, : length - a] = pos[:, a:]
-            rope[:, r, length - a :] = np.arange(top, top + s - (length - a), dtype=np.int32)
-            deltas.append(top - length)
-        return {"pixel_values": pixels, "grid_thw": grid, "rope": rope}, deltas
 
     def precompile(self, *, prompt_len: int | None = None, total_len: int | None = None) -> int:
         """Compiles ahead the buckets a workload will use, so no request waits on a compile.

@@ -146,6 +146,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "variable SGLANG_VLM_CACHE_SIZE_MB, else 2048)",
     )
     p.add_argument(
+        "--mm-embedding-cache-mb",
+        type=Number(int, 0, 1 << 20),
+        default=512,
+        help="MiB of device memory for the vision tower's outputs kept by image content: an "
+        "image sent again (a later turn, another owner) skips the tower; 0: none kept",
+    )
+    p.add_argument(
         "--scan-layers",
         choices=("auto", "on", "off"),
         default="auto",
@@ -268,6 +275,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         mm_attention_backend=args.mm_attention_backend,
         scan_layers={"auto": None, "on": True, "off": False}[args.scan_layers],
         vlm_cache_size_mb=args.vlm_cache_size_mb,
+        mm_embedding_cache_mb=args.mm_embedding_cache_mb,
     )
 
 

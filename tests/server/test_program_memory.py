@@ -46,3 +46,28 @@ def test_a_long_prefill_attends_in_query_blocks_within_the_score_budget(monkeypa
     runner._prefill.clear_cache()
     assert whole.transient >= square  # one block: the whole square
     assert blocked.transient < whole.transient - square // 2
+
+
+def test_a_vl_servers_plan_holds_the_tower_once_and_prefills_of_image_features(tmp_path):
+    """The tower compiles on one screenshot (its own program); the prefills take the features
+    of a row's images (image tokens, not patches), so no prefill holds the 27-block ViT."""
+    from osworld_jax.model import Qwen3MoeConfig
+    from osworld_jax.model.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "vl", kind="qwen3_vl_moe", seed=0)
+    model = Qwen3MoeConfig.from_json(path / "config.json")
+    unit = model.vision.spatial_merge_size**2
+    layout = cache_layout(
+        model, max_running_requests=2, context_length=64, max_total_tokens=None, min_bucket=16
+    )
+    # 3 screenshots of 4 x 4 patches in a prompt: 48 patches, 12 image tokens a row
+    progs = server_programs(
+        model, layout, dtype="float32", max_prefill_batch=2, buckets=[64],
+        patches=3 * 16, image_slots=3,
+    )  # fmt: skip
+    assert 16 // unit == 4 and [p.name for p in progs] == [
+        "vision 16p",
+        "prefill 2x64",
+        "prefill 2x64 12t",
+        "decode 2x64",
+    ]
