@@ -16,8 +16,10 @@ PREFILL_BATCH_TOKENS = 8192
 #: Most length buckets (prefill lengths, attention windows): the slot length and the powers of
 #: two below it. A prompt of a fraction of the slot length pads to ``slot_len / 2**(levels-1)``.
 LENGTH_LEVELS = 4
-#: Most decode batch buckets: the slot count and the powers of two below it.
-BATCH_LEVELS = 2
+#: Most decode batch buckets: the slot count and the powers of two below it. Four: a lone
+#: request on a 64-slot server decodes at batch 8, not 32 (bench-vl on an H100, C = 1: 50 tok/s
+#: at batch 32, 111 at batch 1; the LM head and the sampler's vocabulary sort scale with rows).
+BATCH_LEVELS = 4
 #: Most attention windows of a prefill after a kept prefix (the largest length buckets): its
 #: programs are (suffix bucket, window) pairs, so the windows are few.
 WINDOW_LEVELS = 2

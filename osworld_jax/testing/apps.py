@@ -223,12 +223,13 @@ class RealApps:
         self._started.add("office")
         # The first document soffice loads must be a hidden one: on a loaded machine a view
         # opened first blocked loadComponentFromURL until the script's alarm (90 s; a view
-        # after a hidden load takes ~1 s), so a one-line hidden conversion goes first.
+        # after a hidden load takes ~1 s), so a one-line hidden conversion goes first. Its
+        # failure is not the caller's: a stuck or gone soffice is restarted by `office`.
         src, dst = self._paths("warm-up.csv", "ods")
         self.upload(src, b"1\n")
         self.execute(["mkdir", "-p", str(PurePosixPath(dst).parent)])
         argv = ["python3", f"{WORK}/lo_convert.py", src, dst, OFFICE_FILTERS["ods"], "{}", ""]
-        self._check(self.execute([*argv, "60", "hidden"]), "LibreOffice's warm-up")
+        self.execute([*argv, "60", "hidden"])
 
     def _restart_office(self) -> None:
         self.launch(["pkill", "-KILL", "-f", "soffice"])

@@ -1,6 +1,7 @@
 """Slow end-to-end test of scripts/train.py with no config flags: Ctrl-C after step 1, then the
 same --run_dir resumes."""
 
+import json
 import os
 import signal
 import subprocess

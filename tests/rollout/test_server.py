@@ -457,10 +457,11 @@ def test_bucket_set_is_small_fixed_and_the_memory_plans_it(engine):
     from osworld_jax.server.buckets import serving_buckets
     from osworld_jax.server.program_memory import layout_buckets
 
-    # The default run's server (8 slots x 4096 tokens): 4 lengths, 2 decode batches, whatever
+    # The default run's server (8 slots x 4096 tokens): 4 lengths, 4 decode batches, whatever
     # the prompt lengths; past the slot length a prompt is refused, not compiled.
     default = serving_buckets(slot_len=4096, num_slots=8, min_bucket=16)
-    assert default.lengths == (512, 1024, 2048, 4096) and default.batches == (4, 8)
+    assert default.lengths == (512, 1024, 2048, 4096) and default.batches == (1, 2, 4, 8)
+    assert serving_buckets(slot_len=4096, num_slots=64, min_bucket=16).batches == (8, 16, 32, 64)
     assert {default.length(n) for n in range(1, 4097)} == set(default.lengths)
     assert {default.batch(n) for n in range(1, 9)} == set(default.batches)
     # A prefill after a kept prefix: (suffix bucket, window) pairs, the windows the two largest.
