@@ -84,7 +84,7 @@ def serving_buckets(
     >>> serving_buckets(slot_len=4096, num_slots=8).lengths
     (512, 1024, 2048, 4096)
     >>> serving_buckets(slot_len=4096, num_slots=8).batches
-    (4, 8)
+    (1, 2, 4, 8)
     """
     lengths = _ladder(slot_len, next_pow2(min_bucket), LENGTH_LEVELS)
     batches = _ladder(num_slots, min(next_pow2(min_decode_batch), num_slots), BATCH_LEVELS)

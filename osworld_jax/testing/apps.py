@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shlex
+import signal
 import threading
 from collections.abc import Coroutine
 from pathlib import PurePosixPath
@@ -59,7 +60,9 @@ _LO_CONVERT = """
 import json, os, signal, sys, time, uno
 from com.sun.star.beans import PropertyValue
 
-signal.signal(signal.SIGALRM, lambda *_: os._exit(124))  # a dialog blocked LibreOffice
+# SIGALRM's default action ends the process even while it waits inside a UNO call (a Python
+# handler would only run once that call returned: a hung load then ran into /execute's 120 s).
+signal.signal(signal.SIGALRM, signal.SIG_DFL)
 signal.alarm(int(float(sys.argv[6])) + 30)  # before /execute's own 120 s limit
 
 def prop(name, value):
@@ -81,6 +84,8 @@ while True:
         time.sleep(0.2)
 desktop = remote.ServiceManager.createInstanceWithContext("com.sun.star.frame.Desktop", remote)
 view = sys.argv[7] == "view"
+if view:  # a view-mode load takes ~1 s even on a loaded machine; one that hangs (seen under
+    signal.alarm(VIEW_LIMIT_S)  # load) is cut short, and `office` restarts soffice and retries
 doc = desktop.loadComponentFromURL(
     uno.systemPathToFileUrl(src), "_blank", 0, (prop("Hidden", not view),)
 )
@@ -100,7 +105,7 @@ finally:
     doc.close(True)
 sys.stdout.flush()
 os._exit(0)  # python-uno may crash tearing down its bridge at interpreter exit
-""".replace("PIPE", _UNO_PIPE)
+""".replace("PIPE", _UNO_PIPE).replace("VIEW_LIMIT_S", "20")
 
 # Runs in the jail: one Script-Fu request to GIMP's Script-Fu server ('G', length, script).
 _SCRIPT_FU = """
@@ -259,7 +264,8 @@ class RealApps:
         argv.append(filter_options)
         argv += ["60", "view" if view else "hidden"]
         res = self.execute(argv)
-        stuck = res.get("returncode") in (124, -9)  # our alarm, or /execute's time limit
+        # our alarm (SIGALRM: -14, or 142 as a shell reports it) or /execute's limit (SIGKILL)
+        stuck = res.get("returncode") in (-signal.SIGALRM, 128 + signal.SIGALRM, 124, -9)
         if stuck or (res.get("returncode") != 0 and "NoConnectException" in str(res.get("error"))):
             # soffice is gone (it crashed on an earlier document) or stuck (seen once on a
             # loaded machine with a plain view-mode document): start another one and try once

@@ -69,6 +69,7 @@ TIMED_OUT = {
     [
         TIMED_OUT,  # /execute's time limit
         {"status": "error", "output": "", "error": "", "returncode": 124},  # the script's alarm
+        {"status": "error", "output": "", "error": "", "returncode": 142},  # SIGALRM, as a shell
         {"status": "error", "output": "", "error": "NoConnectException", "returncode": 1},
     ],
 )
