@@ -97,15 +97,36 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def _slow_files_first(items: list) -> None:
-    """Puts the files holding a test marked ``slow`` first, in place (a stable sort).
+#: The longest files of the CI run, longest first (seconds on 2 cores, three workers, 2026-12-07:
+#: benchmarks/NOTES.md). Started first, the short files fill in around them.
+LONGEST_FILES = (
+    "tests/rl/test_slow.py",  # 160: the learning run, the two-process run
+    "tests/rl/test_slow_screenshots.py",  # 160: the default run with screenshots
+    "tests/rl/test_slow_resume.py",  # 90
+    "tests/trainer/test_images.py",  # 85
+    "tests/rl/test_image_replay.py",  # 84
+    "tests/rl/test_async.py",  # 77
+    "tests/scale/test_multiprocess.py",  # 74
+    "tests/model/test_vl_sharding.py",  # 52
+)
 
-    ``scripts/test.sh`` hands whole files to two xdist workers in collection order: the long
-    end-to-end files, started last, ran alone at the end while the other worker idled (minutes
-    of the CI run). Started first, the short files fill in around them.
-    """
+
+def _slow_files_first(items: list) -> None:
+    """Puts `LONGEST_FILES`, then the other files holding a test marked ``slow``, first, in
+    place (a stable sort).
+
+    ``scripts/test.sh`` hands whole files to the xdist workers in collection order: the long
+    end-to-end files, started last, ran alone at the end while the other workers idled
+    (minutes of the CI run).
+    """  # noqa: D205
     slow = {item.nodeid.split("::")[0] for item in items if "slow" in item.keywords}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)
+    rank = {f: i for i, f in enumerate(LONGEST_FILES)}
+
+    def key(item: pytest.Item) -> tuple[int, bool]:
+        f = item.nodeid.split("::")[0]
+        return (rank.get(f, len(rank)), f not in slow)
+
+    items.sort(key=key)
 
 
 def _apps_missing(names: tuple[str, ...]) -> list[str]:
