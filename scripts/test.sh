@@ -13,13 +13,13 @@ bash scripts/setup.sh --dev --apps
 export OSWORLD_JAX_REQUIRE_APPS=1
 .venv/bin/ruff check osworld_jax tests scripts benchmarks
 .venv/bin/ruff format --check osworld_jax tests scripts benchmarks
-# Three pytest-xdist workers on 2 cores (a test file each at a time: the end-to-end tests spend
-# much of their time waiting on servers, desktops and subprocesses, ~1.4 cores busy with two),
-# then the tests marked `serial` (1 s latency bounds, real GUI apps typed into on a clock) alone
-# on the machine: on 2 cores a second worker's compile beside them made them fail.
-# OSWORLD_JAX_TEST_WORKERS=0 runs everything in one process, in one pass. Extra arguments go to
-# both passes (a pass that selects nothing is fine).
-workers="${OSWORLD_JAX_TEST_WORKERS:-3}"
+# Two pytest-xdist workers (a test file each at a time), then the tests marked `serial` (1 s
+# latency bounds, real GUI apps typed into on a clock) alone on the machine: on 2 cores a second
+# worker's compile beside them made them fail. Three workers kept the cores busier (21m45s once)
+# but the next run's third worker ran the 24 GiB machine out of memory (a worker at 11 GiB was
+# killed). OSWORLD_JAX_TEST_WORKERS=0 runs everything in one process, in one pass. Extra
+# arguments go to both passes (a pass that selects nothing is fine).
+workers="${OSWORLD_JAX_TEST_WORKERS:-2}"
 pytest=(.venv/bin/python -m pytest -q --runslow -p no:cacheprovider)
 if [ "$workers" = 0 ]; then
   .venv/bin/mypy osworld_jax

@@ -97,7 +97,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-#: The longest files of the CI run, longest first (seconds on 2 cores, three workers, 2026-12-07:
+#: The longest files of the CI run, longest first (seconds on 2 cores, 2026-12-07:
 #: benchmarks/NOTES.md). Started first, the short files fill in around them.
 LONGEST_FILES = (
     "tests/rl/test_slow.py",  # 160: the learning run, the two-process run
