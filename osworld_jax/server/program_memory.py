@@ -130,7 +130,13 @@ def server_programs(
     cache = KVCache(kv, kv)
     persistent = device_bytes(params) + device_bytes(cache)
     statics = dict(config=model, runtime=runtime, num_top=0)
-    out = []
+    out: list[ProgramMemory] = []
+
+    def keep(name: str, compiled: Any) -> None:
+        out.append(
+            program_memory(name, compiled, stream="server", persistent=persistent, knob=SERVER_KNOB)
+        )
+
     vl = isinstance(model, Qwen3VLMoeConfig) and patches > 0
     planned = layout_buckets(layout, min_bucket, max_prefill_batch)
     tokens = 0
@@ -144,15 +150,7 @@ def server_programs(
             params, _sds((np_, model.vision.patch_dim), np.float32), _sds((1, 3), np.int32),
             config=model, runtime=runtime, tokens=per_image // unit,
         ).compile()  # fmt: skip
-        out.append(
-            program_memory(
-                f"vision {np_}p",
-                compiled,
-                stream="server",
-                persistent=persistent,
-                knob=SERVER_KNOB,
-            )  # fmt: skip
-        )
+        keep(f"vision {np_}p", compiled)
     for s in buckets or planned.lengths:
         rows = planned.prefill_rows(s)
         for vision in (False, True) if vl else (False,):
@@ -171,26 +169,14 @@ def server_programs(
                 _sds((rows,), i32), _samp(rows), images, attn_len=s, **statics,
             ).compile()  # fmt: skip
             name = f"prefill {rows}x{s}" + (f" {tokens}t" if images else "")
-            out.append(
-                program_memory(
-                    name, compiled, stream="server", persistent=persistent, knob=SERVER_KNOB
-                )
-            )
+            keep(name, compiled)
     b, attn = layout.slots, layout.slot_len
     i32 = np.int32
     compiled = _decode.lower(
         params, cache, _sds((b,), i32), _sds((b,), i32), _sds((b,), i32), _sds((b,), i32),
         _samp(b), attn_len=attn, **statics,
     ).compile()  # fmt: skip
-    out.append(
-        program_memory(
-            f"decode {b}x{attn}",
-            compiled,
-            stream="server",
-            persistent=persistent,
-            knob=SERVER_KNOB,
-        )  # fmt: skip
-    )
+    keep(f"decode {b}x{attn}", compiled)
     return out
 
 
