@@ -14,6 +14,7 @@ import collections
 import concurrent.futures
 import logging
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -123,6 +124,9 @@ class Engine(EngineWeights):
 
     def start(self) -> Engine:
         """Starts the engine thread and warms it up (compiles the smallest buckets)."""
+        interval = self.config.switch_interval_ms
+        if interval is not None and interval / 1e3 < sys.getswitchinterval():
+            sys.setswitchinterval(interval / 1e3)  # the GIL back soon after each device step
         self._thread = threading.Thread(target=self._loop, name="osworld-jax-engine", daemon=True)
         self._thread.start()
         done = concurrent.futures.Future[GenRequest]()

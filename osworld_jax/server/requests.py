@@ -67,6 +67,11 @@ class EngineConfig:
         (`osworld_jax.server.images.ProcessedImageCache`); 0: none.
       mm_embedding_cache_mb: MiB of device memory for the vision tower's outputs kept by
         content hash (`osworld_jax.server.image_embeddings.ImageEmbeddings`); 0: none kept.
+      switch_interval_ms: the process's GIL switch interval while the engine runs
+        (``sys.setswitchinterval``; only ever lowered; None: Python's, 5 ms). The engine thread
+        waits for the GIL after every device step; a thread busy in Python beside it (HTTP
+        handlers, a trainer's host work, rollouts) holds it up to this long each time:
+        benchmarks/engine_gil.py, 319 -> 41 tok/s at 5 ms, 254 at 0.2 ms.
       memory_budget_bytes: what the engine's weights and KV cache may hold of its device
         (the colocated server's share of the process it shares with the trainer); None: the
         allocator's limit (a server of its own process, ``XLA_PYTHON_CLIENT_MEM_FRACTION``).
@@ -93,6 +98,7 @@ class EngineConfig:
     scan_layers: bool | None = None
     vlm_cache_size_mb: int = 2048
     mm_embedding_cache_mb: int = 512
+    switch_interval_ms: float | None = 0.2
     memory_budget_bytes: float | None = None
 
 

@@ -153,6 +153,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "image sent again (a later turn, another owner) skips the tower; 0: none kept",
     )
     p.add_argument(
+        "--switch-interval-ms",
+        type=Number(float, 0.01, 5.0),
+        default=0.2,
+        help="the process's GIL switch interval (sys.setswitchinterval; Python's is 5 ms): the "
+        "engine thread gets the GIL back this soon after each device step while request "
+        "threads parse JSON and images",
+    )
+    p.add_argument(
         "--scan-layers",
         choices=("auto", "on", "off"),
         default="auto",
@@ -276,6 +284,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         scan_layers={"auto": None, "on": True, "off": False}[args.scan_layers],
         vlm_cache_size_mb=args.vlm_cache_size_mb,
         mm_embedding_cache_mb=args.mm_embedding_cache_mb,
+        switch_interval_ms=args.switch_interval_ms,
     )
 
 

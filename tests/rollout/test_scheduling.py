@@ -61,3 +61,25 @@ def test_a_burst_of_prompts_is_admitted_within_the_prefill_budget(tiny_ckpt, bud
     else:  # one 20-token prompt an iteration: a decode step of the running request after each
         assert steps == sorted(steps) and len(set(steps)) == 4, steps
         assert all(b - a == 1 for a, b in zip(steps, steps[1:], strict=False)), steps
+
+
+def test_an_engine_lowers_the_gil_switch_interval_and_the_flag_is_checked(tiny_ckpt, capsys):
+    """The engine thread waits for the GIL after every device step: starting an engine lowers
+    the process's switch interval (benchmarks/engine_gil.py) to ``--switch-interval-ms``."""  # noqa: D205, D209
+    import sys
+
+    from osworld_jax.server import serve
+    from osworld_jax.server.engine import Engine, EngineConfig
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)  # Python's default
+    try:
+        cfg = EngineConfig(model_path=str(tiny_ckpt), switch_interval_ms=0.2, **ENGINE_KW)
+        Engine(cfg).start().shutdown()
+        assert sys.getswitchinterval() == pytest.approx(0.0002)
+    finally:
+        sys.setswitchinterval(before)
+    assert serve.engine_config(serve.parse_args(["--model-path", "x"])).switch_interval_ms == 0.2
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--model-path", "x", "--switch-interval-ms", "50"])
+    assert capsys.readouterr().err == "error: --switch-interval-ms: must be at most 5.0, got 50\n"
