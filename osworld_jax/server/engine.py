@@ -27,7 +27,7 @@ import numpy as np
 from osworld_jax.contract.errors import EngineError
 from osworld_jax.server.image_memory import ProcessedImageCache
 from osworld_jax.server.memory import check_fits, engine_layout
-from osworld_jax.server.model_files import eos_ids, load_processor, load_tokenizer
+from osworld_jax.server.model_files import eos_ids, load_tokenizer
 from osworld_jax.server.prefix_cache import PrefixCache, prefix_key
 from osworld_jax.server.refit_check import (
     check_checkpoint_files,
@@ -96,7 +96,7 @@ class Engine(EngineWeights):
             else 1
         )
         self.eos_ids = eos_ids(path, self.model_config)
-        self.processor = load_processor(path, self.model_config)
+        self.processor = self.runner.processor
         self.image_cache = ProcessedImageCache(config.vlm_cache_size_mb << 20)
         self.vocab_size = self.model_config.vocab_size
         self._rng = np.random.default_rng(config.seed)

@@ -31,6 +31,7 @@ from osworld_jax.model.mrope import mrope_positions
 from osworld_jax.model.vision import vision_tower
 from osworld_jax.server.buckets import patch_bucket
 from osworld_jax.server.images import RequestImages
+from osworld_jax.trainer.images import patches_from_levels
 
 
 def feature_bucket(tokens: int) -> int:
@@ -42,10 +43,15 @@ def feature_bucket(tokens: int) -> int:
     return patch_bucket(max(tokens, 1), 1)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "runtime", "tokens"))
-def _encode(params, pixels, grid, *, config, runtime, tokens):
-    """One image through the tower: f32[Np, P] patches (padded), i32[1, 3] grid."""
-    out = vision_tower(params, config.vision, runtime, pixels[None], grid[None])
+@functools.partial(jax.jit, static_argnames=("config", "runtime", "tokens", "frames"))
+def _encode(params, levels, count, table, grid, *, config, runtime, tokens, frames):
+    """One image through the tower from its uint8 patch levels (the lookup on the device).
+
+    levels u8[Np, C, PP] (padded), count i32 (real patches), table f32[C, 256] (the processor's
+    `value_table`), grid i32[1, 3].
+    """
+    pixels = patches_from_levels(levels[None], count[None], table, frames=frames)  # [1, Np, P]
+    out = vision_tower(params, config.vision, runtime, pixels, grid[None])
     return out.embeds[0, :tokens], out.deepstack[0, :, :tokens]  # [T, H], [D, T, H]
 
 
@@ -70,6 +76,8 @@ class ImageEmbeddings:
     Args:
       config: the served Qwen3-VL config.
       runtime: the runner's runtime (dtype, scan, the ViT's attention).
+      table: f32[C, 256] the processor's value of each uint8 level (`ImageProcessor.value_table`).
+      frames: the processor's temporal patch size.
       max_bytes: device bytes kept (embeddings + DeepStack; 0: none kept, each image encoded
         once per prefill).
 
@@ -77,8 +85,17 @@ class ImageEmbeddings:
       encoded: images run through the tower; hits: images taken from the cache.
     """
 
-    def __init__(self, config: Qwen3VLMoeConfig, runtime: ModelRuntimeConfig, max_bytes: int):
+    def __init__(
+        self,
+        config: Qwen3VLMoeConfig,
+        runtime: ModelRuntimeConfig,
+        max_bytes: int,
+        *,
+        table: np.ndarray,
+        frames: int,
+    ) -> None:
         self.config, self.runtime, self.max_bytes = config, runtime, max(0, int(max_bytes))
+        self.table, self.frames = np.asarray(table, np.float32), frames
         self._kept: collections.OrderedDict[bytes, tuple[jax.Array, jax.Array]] = (
             collections.OrderedDict()
         )
@@ -90,26 +107,29 @@ class ImageEmbeddings:
         self.bytes = 0
 
     def get(
-        self, params: Any, digest: bytes, patches: np.ndarray | None, grid: np.ndarray
+        self, params: Any, digest: bytes, levels: np.ndarray | None, grid: np.ndarray
     ) -> tuple[jax.Array, jax.Array]:
-        """``(embeds [T, H], deepstack [D, T, H])`` of one image (its patches: f32[N, P])."""
+        """``(embeds [T, H], deepstack [D, T, H])`` of one image (its levels: u8[N, C, PP])."""
         if digest and digest in self._kept:
             self._kept.move_to_end(digest)
             self.hits += 1
             return self._kept[digest]
-        if patches is None:
-            raise EngineError("the images' patches were dropped (RequestImages.restore them)")
-        vision = self.config.vision
-        unit = vision.spatial_merge_size**2
-        padded = np.zeros((patch_bucket(patches.shape[0], unit), vision.patch_dim), np.float32)
-        padded[: patches.shape[0]] = patches
+        if levels is None:
+            raise EngineError("the images' levels were dropped (RequestImages.restore them)")
+        n = levels.shape[0]
+        unit = self.config.vision.spatial_merge_size**2
+        padded = np.zeros((patch_bucket(n, unit), *levels.shape[1:]), np.uint8)
+        padded[:n] = levels
         out = _encode(
             params,
             padded,
+            np.int32(n),
+            self.table,
             np.asarray(grid, np.int32).reshape(1, 3),
             config=self.config,
             runtime=self.runtime,
-            tokens=patches.shape[0] // unit,
+            tokens=n // unit,
+            frames=self.frames,
         )
         self.encoded += 1
         size = out[0].nbytes + out[1].nbytes
@@ -126,16 +146,16 @@ class ImageEmbeddings:
     ) -> tuple[jax.Array, jax.Array]:
         """``(embeds [R, m, H], deepstack [R, D, m, H])``: row r's images' rows in order.
 
-        ``rows[r]``: the (digest, patches, grid row) of row r's images; rows past
+        ``rows[r]``: the (digest, levels, grid row) of row r's images; rows past
         ``len(rows)`` of ``R = len(rows)`` hold zeros.
         """
-        h, levels = self.config.hidden_size, len(self.config.vision.deepstack_visual_indexes)
+        h, depth = self.config.hidden_size, len(self.config.vision.deepstack_visual_indexes)
         dtype = params["vision"]["patch_embed"].dtype  # the tower's output dtype
-        embeds, deep = _zeros(rows=len(rows), m=m, like=(h, dtype, levels))
+        embeds, deep = _zeros(rows=len(rows), m=m, like=(h, dtype, depth))
         for r, images in enumerate(rows):
             offset = 0
-            for digest, patches, grid in images:
-                e, d = self.get(params, digest, patches, grid)
+            for digest, levels, grid in images:
+                e, d = self.get(params, digest, levels, grid)
                 embeds, deep = _place(
                     embeds, deep, e, d, np.int32(r), np.int32(offset)
                 )  # fmt: skip
@@ -183,9 +203,9 @@ def vision_inputs(
             continue
         first = new_image_start(q, a, im, config.image_token_id)
         for i in range(first, im.count):
-            patches = None if im.patches is None else im.patches[i]
+            levels = None if im.levels is None else im.levels[i]
             digest = im.digests[i] if im.digests else b""
-            per_row[r].append((digest, patches, im.grid_thw[i]))
+            per_row[r].append((digest, levels, im.grid_thw[i]))
         most = max(most, sum(im.num_tokens[first:]))
         pos = mrope_positions(np.asarray([q], np.int32), im.grid_thw, config)[:, 0]
         top = int(pos.max()) + 1

@@ -19,8 +19,8 @@ class Processed(Protocol):
     """What the cache keeps of a processed image (`osworld_jax.server.images.DecodedImage`)."""
 
     @property
-    def patches(self) -> np.ndarray:
-        """The image's float32 patches."""
+    def levels(self) -> np.ndarray:
+        """The image's uint8 patch levels."""
         ...
 
     @property
@@ -33,7 +33,7 @@ class ImageBudget:
     """Decoded image pixels held across the whole server (thread-safe).
 
     A body's images reserve their pixels (`reserve`) before any is decoded and keep them until
-    every request of the body has been prefilled or finished (its patches are dropped then);
+    every request of the body has been prefilled or finished (its levels are dropped then);
     a body that would take the server past ``max_pixels`` gets a 400 naming the limit.
     """
 
@@ -81,7 +81,7 @@ class ProcessedImageCache:
 
     An agent's screenshot reaches the server again at each later turn that keeps it in context,
     and the owners forked from one task send the same first screenshot: each is decoded and
-    patchified once while it stays within ``max_bytes`` of float32 patches (~48 MB for a
+    patchified once while it stays within ``max_bytes`` of uint8 patch levels (6.0 MiB for a
     1920x1080 screenshot at Qwen3-VL's budget, whose PNG decode and patchify take ~0.1 s of a
     core). Thread-safe: a body's images are processed in threads. SGLang's analogue is
     ``SGLANG_VLM_CACHE_SIZE_MB`` (it holds the tower's outputs; this holds its inputs, whose
@@ -89,7 +89,7 @@ class ProcessedImageCache:
 
     >>> from osworld_jax.server.images import DecodedImage
     >>> cache = ProcessedImageCache(max_bytes=100)
-    >>> img = lambda key, n: DecodedImage(patches=np.zeros(n, np.uint8), grid=np.zeros((1, 3)),
+    >>> img = lambda key, n: DecodedImage(levels=np.zeros(n, np.uint8), grid=np.zeros((1, 3)),
     ...                                   num_tokens=1, digest=key, raw=b"")
     >>> cache.put(img(b"a", 60)); cache.put(img(b"b", 30))
     >>> cache.get(b"a") is not None  # a is now the most recently used
@@ -119,23 +119,23 @@ class ProcessedImageCache:
             return hit
 
     def put(self, image: Processed) -> None:
-        """Keeps ``image`` (its patches made read-only), evicting the least recently used."""
-        size = image.patches.nbytes
+        """Keeps ``image`` (its levels made read-only), evicting the least recently used."""
+        size = image.levels.nbytes
         if size > self.max_bytes:
             return
-        image.patches.flags.writeable = False  # shared by every request that sends these bytes
+        image.levels.flags.writeable = False  # shared by every request that sends these bytes
         with self._lock:
             if image.digest in self._items:
                 return
             while self._bytes + size > self.max_bytes:
                 _, old = self._items.popitem(last=False)
-                self._bytes -= old.patches.nbytes
+                self._bytes -= old.levels.nbytes
             self._items[image.digest] = image
             self._bytes += size
 
     @property
     def nbytes(self) -> int:
-        """Bytes of patches held."""
+        """Bytes of levels held."""
         return self._bytes
 
     def __len__(self) -> int:

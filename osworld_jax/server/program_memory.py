@@ -146,9 +146,12 @@ def server_programs(
         per_image = -(-patches // max(image_slots, 1) // unit) * unit  # one screenshot's patches
         tokens = feature_bucket(patches // unit)  # a row's image tokens, every image new
         np_ = patch_bucket(per_image, unit)
+        frames = model.vision.temporal_patch_size
+        pp = model.vision.patch_dim // (3 * frames)  # uint8 levels: [Np, C, P P] (3 channels)
         compiled = _encode.lower(
-            params, _sds((np_, model.vision.patch_dim), np.float32), _sds((1, 3), np.int32),
-            config=model, runtime=runtime, tokens=per_image // unit,
+            params, _sds((np_, 3, pp), np.uint8), _sds((), np.int32), _sds((3, 256), np.float32),
+            _sds((1, 3), np.int32), config=model, runtime=runtime, tokens=per_image // unit,
+            frames=frames,
         ).compile()  # fmt: skip
         keep(f"vision {np_}p", compiled)
     for s in buckets or planned.lengths:

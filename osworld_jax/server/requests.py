@@ -63,7 +63,7 @@ class EngineConfig:
         trainer's kernel; XLA on other platforms and in float32) or "xla".
       scan_layers: run the layers under ``lax.scan`` (a deep model's prefill and decode
         buckets compile in a fraction of the time); None: on an accelerator, not on a CPU.
-      vlm_cache_size_mb: MiB of processed images (float32 patches) kept by content hash
+      vlm_cache_size_mb: MiB of processed images (uint8 patch levels) kept by content hash
         (`osworld_jax.server.images.ProcessedImageCache`); 0: none.
       mm_embedding_cache_mb: MiB of device memory for the vision tower's outputs kept by
         content hash (`osworld_jax.server.image_embeddings.ImageEmbeddings`); 0: none kept.

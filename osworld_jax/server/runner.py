@@ -40,6 +40,7 @@ from osworld_jax.model.serving import next_pow2
 from osworld_jax.server.buckets import prefill_query_chunk, serving_buckets
 from osworld_jax.server.image_embeddings import ImageEmbeddings, vision_inputs
 from osworld_jax.server.images import RequestImages
+from osworld_jax.server.model_files import load_processor
 from osworld_jax.server.sampling import (
     SlotSampling,
     dummy_sampling,
@@ -261,9 +262,16 @@ class ModelRunner:
         )
         policy = load_hf_checkpoint(model_path, runtime=self.runtime)
         self.config: Qwen3MoeConfig = policy.config
+        self.processor = load_processor(Path(model_path), self.config)  # None: a text model
         self.embeddings: ImageEmbeddings | None = None
         if isinstance(self.config, Qwen3VLMoeConfig):
-            self.embeddings = ImageEmbeddings(self.config, self.runtime, embedding_cache_bytes)
+            self.embeddings = ImageEmbeddings(
+                self.config,
+                self.runtime,
+                embedding_cache_bytes,
+                table=self.processor.value_table(),
+                frames=self.processor.temporal_patch_size,
+            )
         self.params = policy.params()
         self.num_slots = next_pow2(num_slots)
         self.slot_len = next_pow2(slot_len, min_bucket)

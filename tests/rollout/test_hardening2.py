@@ -209,7 +209,7 @@ def test_each_distinct_image_is_decoded_once_and_the_pixels_are_budgeted(vl_engi
     run(main())
     assert len(decodes) == 1 + 1  # the 40-prompt body twice, one decode each (4-image body refused)
     first = [im for im in seen_images[:40]]
-    assert all(im.patches[0] is first[0].patches[0] for im in first)  # shared, not copied
+    assert all(im.levels[0] is first[0].levels[0] for im in first)  # shared, not copied
 
 
 def test_a_screenshot_sent_again_is_processed_once_and_serves_the_same(vl_engine, monkeypatch):
@@ -219,10 +219,10 @@ def test_a_screenshot_sent_again_is_processed_once_and_serves_the_same(vl_engine
     eng = vl_engine
     cache = eng.image_cache
     processed = []
-    real = eng.processor.__class__.__call__
+    real = eng.processor.__class__.levels
     monkeypatch.setattr(
         eng.processor.__class__,
-        "__call__",
+        "levels",
         lambda self, *a, **k: processed.append(1) or real(self, *a, **k),
     )
     shot = b64(png(91, 64, 96))
@@ -246,21 +246,21 @@ def test_a_screenshot_sent_again_is_processed_once_and_serves_the_same(vl_engine
     outs = [(r["output_ids"], r["meta_info"]["output_token_logprobs"]) for _, r in replies]
     assert outs[1] == outs[0] and outs[2] == outs[0]
     (entry,) = [cache.get(d) for d in [hashlib.sha256(base64.b64decode(shot)).digest()]]
-    assert entry is not None and not entry.patches.flags.writeable  # shared: read-only
+    assert entry is not None and not entry.levels.flags.writeable  # shared: read-only
     images = load_request_images([shot], "request", eng.processor, ImageLimits(), 1 << 20)
     dropped = images.without_pixels()
     restored = dropped.restore(eng.processor, cache)
-    assert restored.patches[0] is entry.patches and len(processed) == 2  # only the uncached load
-    np.testing.assert_array_equal(dropped.restore(eng.processor).pixel_values, entry.patches)
+    assert restored.levels[0] is entry.levels and len(processed) == 2  # only the uncached load
+    np.testing.assert_array_equal(dropped.restore(eng.processor).levels[0], entry.levels)
 
 
 def test_the_processed_image_cache_keeps_within_its_bytes():
     cache = ProcessedImageCache(max_bytes=3 * 400)
     kept = []
     for i in range(5):
-        patches = np.full((10, 10), i, np.float32)  # 400 bytes
+        levels = np.full((20, 20), i, np.uint8)  # 400 bytes
         kept.append(
-            DecodedImage(patches=patches, grid=np.ones((1, 3), np.int32), num_tokens=1,
+            DecodedImage(levels=levels, grid=np.ones((1, 3), np.int32), num_tokens=1,
                          digest=bytes([i]), raw=b"")
         )  # fmt: skip
         cache.put(kept[-1])
@@ -268,7 +268,7 @@ def test_the_processed_image_cache_keeps_within_its_bytes():
     assert len(cache) == 3 and [cache.get(bytes([i])) is None for i in range(5)] == [
         True, True, False, False, False,
     ]  # fmt: skip
-    cache.put(DecodedImage(patches=np.zeros(1000, np.float32), grid=np.ones((1, 3), np.int32),
+    cache.put(DecodedImage(levels=np.zeros(4000, np.uint8), grid=np.ones((1, 3), np.int32),
                            num_tokens=1, digest=b"big", raw=b""))  # fmt: skip
     assert cache.get(b"big") is None and len(cache) == 3  # larger than the whole cache: not kept
     assert ProcessedImageCache(0).max_bytes == 0

@@ -14,7 +14,7 @@ PAD = 5
 
 def images(*names: bytes, tokens=(2, 3)) -> RequestImages:
     return RequestImages(
-        patches=tuple(np.zeros((0, 1), np.float32) for _ in names),
+        levels=tuple(np.zeros((0, 3, 1), np.uint8) for _ in names),
         grid_thw=np.zeros((len(names), 3), np.int32),
         num_tokens=tuple(tokens[: len(names)]),
         digests=tuple(hashlib.sha256(n).digest() for n in names),
