@@ -241,10 +241,14 @@ async def embedded_image_rates(
         timeout = aiohttp.ClientTimeout(total=None)
         async with aiohttp.ClientSession(connector=conn, timeout=timeout) as s:
 
-            async def one(image: str) -> tuple[float, int]:
+            def payload(image: str) -> bytes:  # serialised before the clock starts, as HF's
                 body = {"input_ids": prompt, "image_data": [image], "sampling_params": sp}
+                return json.dumps({**body, "stream": True}).encode()
+
+            async def one(data: bytes) -> tuple[float, int]:
                 t0, first, last = time.perf_counter(), None, None
-                async with s.post(url, json={**body, "stream": True}) as r:
+                headers = {"Content-Type": "application/json"}
+                async with s.post(url, data=data, headers=headers) as r:
                     assert r.status == 200, await r.text()
                     async for line in r.content:
                         if line.startswith(b"data: {"):
@@ -257,10 +261,18 @@ async def embedded_image_rates(
             for salt, c in enumerate(levels):
                 # Warm-up twice (other screenshots): the second finds the text before the image
                 # kept from the first (prefix reuse), as the timed requests do.
-                for warm in (3 * salt, 3 * salt + 1):
-                    await asyncio.gather(*(one(im) for im in screenshots(c, warm)))
-                images = screenshots(max(c, rounds) if c == 1 else c, 3 * salt + 2)
+                for warm in (3 * salt, 3 * salt + 1):  # C = 1: one after another, as timed
+                    shots = [payload(im) for im in screenshots(max(c, rounds), warm)]
+                    if c == 1:
+                        for data in shots:
+                            await one(data)
+                    else:
+                        await asyncio.gather(*(one(data) for data in shots))
+                images = [
+                    payload(im) for im in screenshots(max(c, rounds) if c == 1 else c, 3 * salt + 2)
+                ]
                 before = compiled()
+                busy = engine.prefill_seconds, engine.decode_seconds
                 t = time.perf_counter()
                 if c == 1:
                     res = [await one(im) for im in images]
@@ -273,7 +285,11 @@ async def embedded_image_rates(
                 assert all(r[1] == n for r in res), res
                 rows.append(_row(c, len(images) * n / dt, [r[0] for r in res]))
                 rows[-1].update(
-                    flop_s=len(images) * flops / dt, seconds=dt, compiled=after != before
+                    flop_s=len(images) * flops / dt,
+                    seconds=dt,
+                    compiled=after != before,
+                    prefill_s=engine.prefill_seconds - busy[0],
+                    decode_s=engine.decode_seconds - busy[1],
                 )
                 print(f"ours C={c}: {_fmt(rows[-1])}", flush=True)
     finally:
@@ -464,9 +480,9 @@ def image_rows(args: argparse.Namespace, path: Path, levels: list[int]) -> None:
     print(f"a round: its FLOPs at --peak-flops {args.peak_flops / 1e12:.0f} TFLOP/s")
     print(
         "| C | ours tok/s | ours TTFT mean / p99 s | HF generate tok/s | HF TTFT mean / p99 s "
-        "| ours TFLOP/s | round s / floor s |"
+        "| ours TFLOP/s | round s / floor s | engine prefill s / decode s |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         h = peer.get(r["concurrency"])
         theirs = "- | -" if h is None else (
@@ -476,7 +492,7 @@ def image_rows(args: argparse.Namespace, path: Path, levels: list[int]) -> None:
         print(
             f"| {r['concurrency']} | {r['tok_s']:.1f} | {r['ttft_mean_s']:.3f} / "
             f"{r['ttft_p99_s']:.3f} | {theirs} | {r['flop_s'] / 1e12:.3f} | "
-            f"{r['seconds']:.3f} / {floor:.5f} |"
+            f"{r['seconds']:.3f} / {floor:.5f} | {r['prefill_s']:.3f} / {r['decode_s']:.3f} |"
         )
     if args.json_out:
         out = {"config": args.config, "image_rows": rows, "hf_image_rows": hf}

@@ -110,6 +110,9 @@ class Engine(EngineWeights):
         self._thread: threading.Thread | None = None
         self.ready = threading.Event()
         self.num_decode_steps = 0
+        # engine-thread seconds in prefills (images' tower runs included) and decode steps; each
+        # ends reading its tokens back, so these are the device's time plus the host's
+        self.prefill_seconds = self.decode_seconds = 0.0
         self._beat_at, self._working = time.monotonic(), False  # last progress; in a step?
         self.num_generated_tokens = 0
         # per-slot sampling state (host arrays, sliced to the decode bucket)
@@ -226,7 +229,9 @@ class Engine(EngineWeights):
             try:
                 self._admit()
                 if any(self.slots):
+                    t0 = time.perf_counter()
                     self._decode_step()
+                    self.decode_seconds += time.perf_counter() - t0
             except Exception as e:  # a failing decode step cannot be pinned on one request
                 log.exception("engine step failed")
                 self._abort_matching(lambda r: True, f"engine error: {type(e).__name__}: {e}")
@@ -412,10 +417,12 @@ class Engine(EngineWeights):
             step = self.runner.buckets.prefill_rows(bucket)
             for i in range(0, len(group), step):
                 chunk = group[i : i + step]
+                t0 = time.perf_counter()
                 try:
                     self._prefill(chunk, step)
                 except Exception as e:  # only the requests of this prefill fail
                     self._fail(chunk, e)
+                self.prefill_seconds += time.perf_counter() - t0
 
     def _fail(self, reqs: list[GenRequest], e: Exception) -> None:
         """Aborts ``reqs`` after an error of their own (not the batch's); keeps none of its rows."""

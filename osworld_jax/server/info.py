@@ -205,6 +205,8 @@ async def server_info(request: web.Request) -> web.Response:
             "max_total_num_tokens": engine.runner.num_slots * engine.runner.slot_len,
             "num_decode_steps": engine.num_decode_steps,
             "num_generated_tokens": engine.num_generated_tokens,
+            "prefill_seconds": round(engine.prefill_seconds, 6),
+            "decode_seconds": round(engine.decode_seconds, 6),
         }
     )
 
