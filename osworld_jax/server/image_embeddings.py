@@ -28,10 +28,10 @@ import numpy as np
 from osworld_jax.contract.errors import EngineError
 from osworld_jax.model import ModelRuntimeConfig, Qwen3VLMoeConfig
 from osworld_jax.model.mrope import mrope_positions
+from osworld_jax.model.pixels import patches_from_levels
 from osworld_jax.model.vision import vision_tower
 from osworld_jax.server.buckets import patch_bucket
 from osworld_jax.server.images import RequestImages
-from osworld_jax.trainer.images import patches_from_levels
 
 
 def feature_bucket(tokens: int) -> int:

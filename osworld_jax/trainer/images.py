@@ -8,14 +8,13 @@ processor's float32 values up, bit for bit the processor's patches (docs/INTERFA
 from __future__ import annotations
 
 import collections
-import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from osworld_jax.batch import RowImages
+from osworld_jax.model.pixels import patches_from_levels
 
 
 def device_pixel_values(images: RowImages, sharding: jax.sharding.Sharding) -> jax.Array:
@@ -44,27 +43,3 @@ def device_pixel_values(images: RowImages, sharding: jax.sharding.Sharding) -> j
             shards.append(patches_from_levels(*on, frames=frames))
         jax.block_until_ready(shards[-len(devices) :])  # then the next range's host levels
     return jax.make_array_from_single_device_arrays(shape, sharding, shards)
-
-
-@functools.partial(jax.jit, static_argnames="frames")
-def patches_from_levels(
-    levels: jax.Array, counts: jax.Array, table: jax.Array, *, frames: int
-) -> jax.Array:
-    """The processor's float32 patches of uint8 patch levels, on the device.
-
-    Args:
-      levels: u8[n, Np, C, PP] rows' patch levels (`RowImages.levels`).
-      counts: i32[n] real patches per row; the rest are padding (0.0).
-      table: f32[C, 256] the processor's value of each level per channel (`value_table`).
-      frames: T, the temporal patch size (each frame the same image).
-
-    Returns:
-      f32[n, Np, C * T * PP], equal bit for bit to `RowImages.pixel_values` (a lookup).
-    """
-    n, np_, c, pp = levels.shape
-    channel = jnp.arange(c)[None, None, :, None]  # [1, 1, C, 1]
-    values = table[channel, levels.astype(jnp.int32)]  # [n, Np, C, PP] f32
-    values = jnp.broadcast_to(values[:, :, :, None], (n, np_, c, frames, pp))
-    real = jnp.arange(np_)[None, :] < counts[:, None]  # [n, Np]
-    values = jnp.where(real[:, :, None, None, None], values, 0.0)  # [n, Np, C, T, PP]
-    return values.reshape(n, np_, c * frames * pp)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import urllib.request
 
 import pytest
@@ -15,6 +17,19 @@ from osworld_jax.rollout import (
     SGLangClient,
     launch_embedded,
 )
+
+
+def test_importing_the_server_leaves_logging_to_serve():
+    """``serve.main`` configures logging (``logging.basicConfig``: the server.log lines); a
+    module that configured it on import (orbax, through absl, once came in with the trainer
+    room) would make that call a no-op and leave server.log empty."""
+    code = (
+        "import logging\n"
+        "import osworld_jax.server.serve, osworld_jax.server.app, osworld_jax.server.runner\n"
+        "print(len(logging.root.handlers))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "0", out.stderr[-2000:]
 
 
 @pytest.mark.slow
