@@ -100,8 +100,14 @@ def test_chrome_tabs_bookmarks_history_and_preferences(real_apps, ctx, tmp_path)
     try:
         ra.run(run_setup(setup, vm, ctx=SetupContext(work_dir=tmp_path)))
         ra.run(vm.activate_window("Google Chrome"))  # Chromium's window answers to that name
+        # A tab still loading shows its file name as its title ("beta.html"): wait for both
+        # pages' <title>s (under a 2-core load the second tab can lag the first by seconds).
         tabs = until(
-            lambda: (t := getter(ra, ctx, "open_tabs_info")) and all(x["title"] for x in t) and t,
+            lambda: (
+                (t := getter(ra, ctx, "open_tabs_info"))
+                and sorted(x["title"] for x in t) == ["Alpha", "Beta"]
+                and t
+            ),
             "the tabs loaded",
         )
         # (DevTools lists the most recently used tab first; the metrics ignore the order)
