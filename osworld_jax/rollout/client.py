@@ -471,7 +471,7 @@ class SGLangClient:
             raise RolloutError(f"/pause_generation answered {status}: {text[:200]}")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + cfg.flush_max_wait_s
-        for poll in itertools.count(1):
+        while True:
             status, text = await self._control(s, "/flush_cache", None, cfg.control_timeout_s)
             if status == 200:
                 break
@@ -479,10 +479,10 @@ class SGLangClient:
                 raise RolloutError(f"/flush_cache answered {status}: {text[:200]}")
             if loop.time() > deadline:
                 raise RolloutError(f"/flush_cache still busy after {cfg.flush_max_wait_s}s")
-            if poll % 10 == 0:  # requests that arrived after the pause: abort them too
-                await self._control(
-                    s, "/pause_generation", {"mode": "abort"}, cfg.control_timeout_s
-                )
+            # Busy: requests that reached the server after the pause (sent before the refit
+            # began) wait in its queue. Abort them too (their clients resubmit them after the
+            # refit); waiting for ten polls first held an asynchronous step's refit for 2 s.
+            await self._control(s, "/pause_generation", {"mode": "abort"}, cfg.control_timeout_s)
             await asyncio.sleep(cfg.flush_poll_interval_s)
         if isinstance(weights, StreamedWeights):
             steps = weights.steps(s.url, weight_version)
@@ -528,7 +528,8 @@ class SGLangClient:
 
         Per server: ``/pause_generation`` (abort: in-flight requests come back aborted and are
         resubmitted by `generate` after the refit) -> ``/flush_cache`` polled with a sleep (400
-        = busy) -> the update (``/update_weights_from_disk {model_path, weight_version}``, or
+        = busy: what arrived after the pause is aborted too before the next poll) -> the update
+        (``/update_weights_from_disk {model_path, weight_version}``, or
         ``/update_weights_from_tensor`` per bucket; a reply's weights digest must match the
         trainer's where both are known) -> ``/continue_generation`` -> ``/model_info`` must
         report ``weight_version``. New requests wait while a refit runs. A server that fails any

@@ -271,3 +271,52 @@ def test_a_reply_finished_on_the_old_weights_and_delivered_after_the_refit_is_ke
     _, lp_a, _ = reference(hf_model(tiny_ckpt), PROMPTS[0], g.output_ids)
     np.testing.assert_allclose(g.output_logprobs, lp_a, atol=1e-5)
     assert after.weight_version == "1" and after.token_weight_versions() == ("1",) * 8
+
+
+def test_a_request_that_reaches_the_server_after_the_pause_is_aborted_at_the_next_poll(
+    tiny_ckpt, tiny_ckpt_b
+):
+    """A request sent before the refit began and arriving after ``/pause_generation`` waits in
+    the paused server's queue, so ``/flush_cache`` answers 400: the client aborts it at once and
+    the next poll flushes (it used to wait ten polls, 2 s of an asynchronous step's refit)."""
+    eng = start_engine(tiny_ckpt, weight_version="0")
+    cfg = eng.model_config
+    calls: list[tuple[str, int]] = []
+    late: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with serving(eng) as url, SGLangClient(None, client_config(url, cfg)) as client:
+            real = client._control
+
+            async def control(s, path, body, timeout):
+                status, text = await real(s, path, body, timeout)
+                calls.append((path, status))
+                if path == "/pause_generation" and "task" not in late:  # one in transit
+                    body = {"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 4}}
+                    late["task"] = asyncio.create_task(post_json(url + "/generate", body))
+                    while not await asyncio.to_thread(
+                        lambda: eng.call(lambda: len(eng.waiting)).result()
+                    ):
+                        await asyncio.sleep(0.01)
+                return status, text
+
+            client._control = control  # type: ignore[method-assign]
+            await client.refit(str(tiny_ckpt_b), "1")
+            late["reply"] = await late["task"]
+
+    try:
+        asyncio.run(main())
+    finally:
+        eng.shutdown()
+    flushes = [c for c in calls if c[0] == "/flush_cache"]
+    assert flushes == [("/flush_cache", 400), ("/flush_cache", 200)], calls
+    assert calls[:4] == [
+        ("/pause_generation", 200), ("/flush_cache", 400),
+        ("/pause_generation", 200), ("/flush_cache", 200),
+    ]  # fmt: skip
+    assert late["reply"]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+async def post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as s, s.post(url, json=body) as r:
+        return await r.json()
