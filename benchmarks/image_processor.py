@@ -69,7 +69,7 @@ def main() -> None:
     ]
     import jax
 
-    from osworld_jax.trainer.images import patches_from_levels
+    from osworld_jax.model.pixels import patches_from_levels
 
     print(
         f"| {'case':<36} | {'grid':>11} | {'tokens':>6} | {'ours ms':>8} | {'HF PIL ms':>9} "

@@ -1,4 +1,4 @@
-"""The server's vision tower on one screenshot (`server/image_embeddings._encode`), per attention.
+"""The server's vision tower on one screenshot (`ImageEmbeddings.get`), per attention.
 
 What a new screenshot costs the embedded server before its LM prefill: the uint8 patch levels
 looked up on the device, then the ViT (27 blocks at Qwen3-VL-30B-A3B's shapes), for one
@@ -38,7 +38,7 @@ def main() -> None:
     from train_step import vision_flops  # type: ignore[import-not-found]
 
     from osworld_jax.model.tiny import make_tiny_checkpoint
-    from osworld_jax.server.image_embeddings import _encode
+    from osworld_jax.server.image_embeddings import ImageEmbeddings
     from osworld_jax.server.runner import ModelRunner
 
     path = a.ckpt_dir or str(
@@ -51,8 +51,7 @@ def main() -> None:
     n = t * gh * gw
     rng = np.random.default_rng(0)
     levels = rng.integers(0, 256, size=(n, 3, proc.patch_size**2), dtype=np.uint8)
-    grid = np.asarray([[t, gh, gw]], np.int32)
-    table = proc.value_table()
+    grid = np.asarray([t, gh, gw], np.int32)
     flops = vision_flops(cfg.vision, [n]) / 3  # forward only (the helper counts fwd + bwd)
     print(f"{jax.devices()[0].device_kind}, {dtype}; one 1920x1080 screenshot: {n} patches, ")
     print(f"{n // cfg.vision.spatial_merge_size**2} tokens, {flops / 1e12:.3f} TFLOP forward")
@@ -60,12 +59,10 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for backend in a.backends.split(","):
         runtime = dataclasses.replace(runner.runtime, vision_attention=backend)
+        tower = ImageEmbeddings(cfg, runtime, 0, proc)  # keeps nothing: every call encodes
 
-        def encode(runtime=runtime):
-            return _encode(
-                runner.params, levels, np.int32(n), table, grid, config=cfg, runtime=runtime,
-                tokens=n // cfg.vision.spatial_merge_size**2, frames=proc.temporal_patch_size,
-            )  # fmt: skip
+        def encode(tower=tower):
+            return tower.get(runner.params, b"", levels, grid)
 
         jax.block_until_ready(encode())  # compiles
         times = []

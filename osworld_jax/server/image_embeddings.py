@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from osworld_jax.contract.errors import EngineError
-from osworld_jax.model import ModelRuntimeConfig, Qwen3VLMoeConfig
+from osworld_jax.model import ImageProcessor, ModelRuntimeConfig, Qwen3VLMoeConfig
 from osworld_jax.model.mrope import mrope_positions
 from osworld_jax.model.pixels import patches_from_levels
 from osworld_jax.model.vision import vision_tower
@@ -76,8 +76,8 @@ class ImageEmbeddings:
     Args:
       config: the served Qwen3-VL config.
       runtime: the runner's runtime (dtype, scan, the ViT's attention).
-      table: f32[C, 256] the processor's value of each uint8 level (`ImageProcessor.value_table`).
-      frames: the processor's temporal patch size.
+      processor: the checkpoint's image processor: the device looks its values of each uint8
+        level up (`ImageProcessor.value_table`), frame by frame (``temporal_patch_size``).
       max_bytes: device bytes kept (embeddings + DeepStack; 0: none kept, each image encoded
         once per prefill).
 
@@ -90,12 +90,10 @@ class ImageEmbeddings:
         config: Qwen3VLMoeConfig,
         runtime: ModelRuntimeConfig,
         max_bytes: int,
-        *,
-        table: np.ndarray,
-        frames: int,
+        processor: ImageProcessor,
     ) -> None:
         self.config, self.runtime, self.max_bytes = config, runtime, max(0, int(max_bytes))
-        self.table, self.frames = np.asarray(table, np.float32), frames
+        self.table, self.frames = processor.value_table(), processor.temporal_patch_size
         self._kept: collections.OrderedDict[bytes, tuple[jax.Array, jax.Array]] = (
             collections.OrderedDict()
         )

@@ -110,12 +110,6 @@ class RequestImages:
         """Number of images."""
         return len(self.num_tokens)
 
-    def pixel_values(self, processor: ImageProcessor) -> np.ndarray | None:
-        """f32[N, 3 T P P]: every image's patches in order (the processor's, bit for bit)."""
-        if self.levels is None:
-            return None
-        return processor.patches_from_levels(np.concatenate(self.levels))
-
     def without_pixels(self) -> RequestImages:
         """The same images with the levels dropped (they can be recomputed: `restore`)."""
         if not self.encoded:

@@ -266,11 +266,7 @@ class ModelRunner:
         self.embeddings: ImageEmbeddings | None = None
         if isinstance(self.config, Qwen3VLMoeConfig):
             self.embeddings = ImageEmbeddings(
-                self.config,
-                self.runtime,
-                embedding_cache_bytes,
-                table=self.processor.value_table(),
-                frames=self.processor.temporal_patch_size,
+                self.config, self.runtime, embedding_cache_bytes, self.processor
             )
         self.params = policy.params()
         self.num_slots = next_pow2(num_slots)

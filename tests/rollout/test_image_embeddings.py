@@ -20,14 +20,7 @@ def random_levels(rng: np.random.Generator, eng, n: int = 16) -> np.ndarray:
 
 
 def embeddings(eng, max_bytes: int) -> ImageEmbeddings:
-    proc = eng.processor
-    return ImageEmbeddings(
-        eng.model_config,
-        eng.runner.runtime,
-        max_bytes,
-        table=proc.value_table(),
-        frames=proc.temporal_patch_size,
-    )
+    return ImageEmbeddings(eng.model_config, eng.runner.runtime, max_bytes, eng.processor)
 
 
 def test_the_device_lookup_of_levels_feeds_the_tower_the_processors_patches(vl_engine):
