@@ -264,7 +264,8 @@ class RealApps:
         argv.append(filter_options)
         argv += ["60", "view" if view else "hidden"]
         res = self.execute(argv)
-        # our alarm (SIGALRM: -14, or 142 as a shell reports it) or /execute's limit (SIGKILL)
+        # our alarm (SIGALRM: -14, or 142 as a shell reports it), 124 (timeout(1)'s, the script's
+        # own code before SIG_DFL) or /execute's limit (SIGKILL)
         stuck = res.get("returncode") in (-signal.SIGALRM, 128 + signal.SIGALRM, 124, -9)
         if stuck or (res.get("returncode") != 0 and "NoConnectException" in str(res.get("error"))):
             # soffice is gone (it crashed on an earlier document) or stuck (seen once on a

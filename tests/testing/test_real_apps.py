@@ -68,7 +68,7 @@ TIMED_OUT = {
     "first",
     [
         TIMED_OUT,  # /execute's time limit
-        {"status": "error", "output": "", "error": "", "returncode": 124},  # the script's alarm
+        {"status": "error", "output": "", "error": "", "returncode": 124},  # timeout(1)
         {"status": "error", "output": "", "error": "", "returncode": 142},  # SIGALRM, as a shell
         {"status": "error", "output": "", "error": "NoConnectException", "returncode": 1},
     ],
