@@ -121,6 +121,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
     p.add_argument("--expert-backend", default=None, help="dense | ragged | tokamax")
     p.add_argument("--ckpt-dir", default=None, help="reuse / write the checkpoint here")
+    p.add_argument("--decode-steps", type=int, default=1, help="our --num-continuous-decode-steps")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument(
         "--images", action="store_true", help="the image row: one 1920x1080 screenshot a request"
@@ -460,6 +461,7 @@ def image_rows(args: argparse.Namespace, path: Path, levels: list[int]) -> None:
             context_length=IMAGE_CONTEXT[args.config],
             dtype=dtype,
             expert_backend=args.expert_backend or "auto",
+            num_continuous_decode_steps=args.decode_steps,
         )
     ).start()
     try:
@@ -472,7 +474,8 @@ def image_rows(args: argparse.Namespace, path: Path, levels: list[int]) -> None:
         engine.shutdown()
     dev = jax.devices()[0].device_kind
     print(f"\n{args.config} Qwen3-VL-MoE ({dtype}) on {dev}; one 1920x1080 screenshot ({tokens}")
-    print(f"image tokens) + {len(prompt) - 1} text tokens a request, {n} new tokens a request")
+    print(f"image tokens) + {len(prompt) - 1} text tokens a request, {n} new tokens a request;")
+    print(f"ours: {args.decode_steps} decode steps a device call")
     if isinstance(hf, str):
         print(f"HF peer: {hf}")
     peer = {r["concurrency"]: r for r in hf} if isinstance(hf, list) else {}
@@ -549,6 +552,7 @@ def main() -> None:
                 context_length=args.prompt_len + n + 1,
                 dtype=dtype,
                 expert_backend=args.expert_backend or "ragged",
+                num_continuous_decode_steps=args.decode_steps,
             )
         ).start()
         engine.precompile(args.prompt_len, args.prompt_len + n)
@@ -576,7 +580,8 @@ def main() -> None:
         finally:
             engine.shutdown()
     dev = jax.devices()[0].device_kind
-    print(f"\n{args.config} ({dtype}) on {dev}; prompt {args.prompt_len}, {n} new tokens/request")
+    print(f"\n{args.config} ({dtype}) on {dev}; prompt {args.prompt_len}, {n} new tokens/request;")
+    print(f"ours: {args.decode_steps} decode steps a device call")
     print("| concurrency | embedded tok/s | HF generate tok/s | speed-up |\n|---|---|---|---|")
     for r in rows:
         ratio = r["embedded_tok_s"] / r["hf_generate_tok_s"]

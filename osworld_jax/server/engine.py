@@ -81,6 +81,7 @@ class Engine(EngineWeights):
             mm_attention=config.mm_attention_backend,
             scan_layers=config.scan_layers,
             embedding_cache_bytes=config.mm_embedding_cache_mb << 20,
+            decode_steps=config.num_continuous_decode_steps,
         )
         self.model_config = self.runner.config
         self.model_path = str(path)
@@ -522,7 +523,7 @@ class Engine(EngineWeights):
         live = [i for i, r in enumerate(self.slots) if r is not None]
         b = self.runner.buckets.batch(max(live) + 1)
         reqs = self.slots[:b]
-        tokens, positions, rope, active = (np.zeros(b, np.int32) for _ in range(4))
+        tokens, positions, rope, active, ban = (np.zeros(b, np.int32) for _ in range(5))
         for i in live:
             r = reqs[i]
             assert r is not None
@@ -530,19 +531,25 @@ class Engine(EngineWeights):
             positions[i] = len(r.input_ids) + len(r.output_ids) - 1
             rope[i] = positions[i] + r.rope_delta
             active[i] = 1
+            ban[i] = max(0, r.min_new_tokens - len(r.output_ids))
+        samp = self._sampling(slice(0, b), reqs)
         toks, lps, routes, (top_ids, top_lps) = self.runner.decode(
-            tokens, positions, active, self._sampling(slice(0, b), reqs), rope, num_top(reqs)
-        )
-        self.num_decode_steps += 1
+            tokens, positions, active, samp, rope, num_top(reqs), ban_steps=ban
+        )  # each [n, b, ...]: n decode steps (`--num-continuous-decode-steps`)
+        self.num_decode_steps += len(toks)
         for i in live:
             r = reqs[i]
             assert r is not None
-            r.routes.append(routes[i : i + 1])
-            r.num_route_rows += 1
-            try:
-                self._append(r, int(toks[i]), float(lps[i]), (top_ids[i], top_lps[i]))
-            except Exception as e:  # its stop check: this request alone fails
-                self._fail([r], e)
+            for j in range(len(toks)):  # until the request finishes (the rest is dropped)
+                r.routes.append(routes[j, i : i + 1])
+                r.num_route_rows += 1
+                try:
+                    top = (top_ids[j, i], top_lps[j, i])
+                    self._append(r, int(toks[j, i]), float(lps[j, i]), top)
+                except Exception as e:  # its stop check: this request alone fails
+                    self._fail([r], e)
+                if self.slots[i] is not r:  # finished, failed or released
+                    break
 
     def _append(
         self, req: GenRequest, tok: int, lp: float, top: tuple[np.ndarray, np.ndarray]

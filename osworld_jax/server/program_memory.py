@@ -100,6 +100,7 @@ def server_programs(
     patches: int = 0,
     image_slots: int = 1,
     buckets: Sequence[int] | None = None,
+    decode_steps: int = 1,
 ) -> list[ProgramMemory]:
     """The server's prefill buckets (and its vision tower) and its largest decode, compiled.
 
@@ -113,6 +114,7 @@ def server_programs(
         0: text prefills only.
       image_slots: images per prompt (``patches`` is their sum: one image's are its share).
       buckets: the prefill length buckets to plan (default: every one, `prefill_buckets`).
+      decode_steps: decode steps per call (``--num-continuous-decode-steps``).
     """
     if scan_layers is None:
         scan_layers = jax.default_backend() != "cpu"
@@ -177,7 +179,7 @@ def server_programs(
     i32 = np.int32
     compiled = _decode.lower(
         params, cache, _sds((b,), i32), _sds((b,), i32), _sds((b,), i32), _sds((b,), i32),
-        _samp(b), attn_len=attn, **statics,
+        _samp(b), _sds((b,), i32), attn_len=attn, steps=max(1, decode_steps), **statics,
     ).compile()  # fmt: skip
     keep(f"decode {b}x{attn}", compiled)
     return out

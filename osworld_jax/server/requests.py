@@ -72,6 +72,10 @@ class EngineConfig:
         waits for the GIL after every device step; a thread busy in Python beside it (HTTP
         handlers, a trainer's host work, rollouts) holds it up to this long each time:
         benchmarks/engine_gil.py, 319 -> 41 tok/s at 5 ms, 254 at 0.2 ms.
+      num_continuous_decode_steps: decode steps per device call (SGLang's flag of the same
+        name): one dispatch, one copy back and one scheduling pass per n tokens of every
+        running request. Requests wait up to n steps to be admitted or aborted, and a request
+        finishing inside a call wastes the call's remaining steps of its slot.
       memory_budget_bytes: what the engine's weights and KV cache may hold of its device
         (the colocated server's share of the process it shares with the trainer); None: the
         allocator's limit (a server of its own process, ``XLA_PYTHON_CLIENT_MEM_FRACTION``).
@@ -99,6 +103,7 @@ class EngineConfig:
     vlm_cache_size_mb: int = 2048
     mm_embedding_cache_mb: int = 512
     switch_interval_ms: float | None = 0.2
+    num_continuous_decode_steps: int = 1
     memory_budget_bytes: float | None = None
 
 

@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 #: Most top logprobs per position (``top_logprobs_num``; OpenAI's ``top_logprobs`` limit). A step
 #: in which any request asks for some computes this many (one more compiled variant per bucket).
 MAX_TOP_LOGPROBS = 20
+#: A banned-token entry that bans nothing (`sample` drops ids past the vocabulary).
+_NO_TOKEN = 1 << 30
 
 
 def _logits(params: Any, hidden: jax.Array, config: Qwen3MoeConfig) -> jax.Array:
@@ -146,34 +148,49 @@ def _prefill(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "runtime", "attn_len", "num_top"),
+    static_argnames=("config", "runtime", "attn_len", "num_top", "steps"),
     donate_argnames=("cache",),
 )
 def _decode(
-    params, cache, tokens, positions, rope, active, samp, *, config, runtime, attn_len, num_top
-):
+    params, cache, tokens, positions, rope, active, samp, ban_steps, *, config, runtime,
+    attn_len, num_top, steps,
+):  # fmt: skip
     b = tokens.shape[0]
     sub = KVCache(cache.k[:, :b, :attn_len], cache.v[:, :b, :attn_len])  # [L, b, Lb, KV, D]
-    # The rope position of a generated token is its cache slot plus the request's M-RoPE
-    # delta (max prompt position + 1 - prompt length; 0 for text): HF's `rope_deltas` rule.
-    rope_positions = rope[:, None]  # [b, 1]
-    if isinstance(config, Qwen3VLMoeConfig):  # three equal rows: the M-RoPE of a text token
-        rope_positions = jnp.broadcast_to(rope_positions[None], (3, b, 1))
-    out = forward(
-        params,
-        config,
-        runtime,
-        tokens[:, None],
-        positions=rope_positions,
-        segment_ids=active[:, None],
-        kv_cache=sub,
-        return_logits=False,
-        cache_positions=positions[:, None],
-    )
-    tok, lp, top_ids, top_lps = _sample(params, out.hidden[:, 0], samp, config, num_top)
-    new_k = jax.lax.dynamic_update_slice(cache.k, out.kv_cache.k, (0, 0, 0, 0, 0))
-    new_v = jax.lax.dynamic_update_slice(cache.v, out.kv_cache.v, (0, 0, 0, 0, 0))
-    return tok, lp, (top_ids, top_lps), out.routed_experts[:, 0], KVCache(new_k, new_v)
+
+    def one(carry, i):  # decode step i: each live slot's input token -> its next token
+        sub, tokens, positions, rope = carry  # [L, b, Lb, KV, D], i32[b] x 3
+        # The rope position of a generated token is its cache slot plus the request's M-RoPE
+        # delta (max prompt position + 1 - prompt length; 0 for text): HF's `rope_deltas` rule.
+        rope_positions = rope[:, None]  # [b, 1]
+        if isinstance(config, Qwen3VLMoeConfig):  # three equal rows: the M-RoPE of a text token
+            rope_positions = jnp.broadcast_to(rope_positions[None], (3, b, 1))
+        out = forward(
+            params,
+            config,
+            runtime,
+            tokens[:, None],
+            positions=rope_positions,
+            segment_ids=active[:, None],
+            kv_cache=sub,
+            return_logits=False,
+            cache_positions=positions[:, None],
+        )
+        # EOS / stop ids stay banned while the slot is under its ``min_new_tokens``.
+        banned = jnp.where(i < ban_steps[:, None], samp["banned"], _NO_TOKEN)  # [b, M]
+        step = dict(samp, banned=banned, step=samp["step"] + i)  # the key of token step + i
+        tok, lp, top_ids, top_lps = _sample(params, out.hidden[:, 0], step, config, num_top)
+        # A free slot stays past the window (its writes drop); a live one moves one row on.
+        carry = (out.kv_cache, tok, positions + active, rope + active)
+        return carry, (tok, lp, top_ids, top_lps, out.routed_experts[:, 0])  # routes [b, L, K]
+
+    init = (sub, tokens, positions, rope)
+    (sub, *_), (tok, lp, top_ids, top_lps, routes) = jax.lax.scan(
+        one, init, jnp.arange(steps, dtype=jnp.int32)
+    )  # each output [steps, b, ...]
+    new_k = jax.lax.dynamic_update_slice(cache.k, sub.k, (0, 0, 0, 0, 0))
+    new_v = jax.lax.dynamic_update_slice(cache.v, sub.v, (0, 0, 0, 0, 0))
+    return tok, lp, (top_ids, top_lps), routes, KVCache(new_k, new_v)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_top"))
@@ -235,6 +252,8 @@ class ModelRunner:
         accelerator only (the CPU's tiny models compile fast either way).
       embedding_cache_bytes: device bytes of image embeddings kept by content hash
         (`ImageEmbeddings`; a Qwen3-VL model).
+      decode_steps: decode steps per device call (`decode`; SGLang's
+        ``--num-continuous-decode-steps``): one dispatch and one copy back per n tokens.
     """
 
     def __init__(
@@ -251,6 +270,7 @@ class ModelRunner:
         mm_attention: str = "cudnn",
         scan_layers: bool | None = None,
         embedding_cache_bytes: int = 512 << 20,
+        decode_steps: int = 1,
     ) -> None:
         if scan_layers is None:
             scan_layers = jax.default_backend() != "cpu"
@@ -270,6 +290,7 @@ class ModelRunner:
             )
         self.params = policy.params()
         self.num_slots = next_pow2(num_slots)
+        self.decode_steps = max(1, decode_steps)
         self.slot_len = next_pow2(slot_len, min_bucket)
         self.min_bucket = min_bucket
         self.buckets = serving_buckets(
@@ -446,8 +467,11 @@ class ModelRunner:
                     config=self.config, runtime=self.runtime, num_top=0, attn_len=s,
                 )  # fmt: skip
                 n += 1
-        low = self.prefill_bucket(prompt_len + 1) if prompt_len is not None else 1
-        high = self.prefill_bucket(total_len) if total_len is not None else self.slot_len
+        n_steps = self.decode_steps  # a call's window covers its last step's row (`decode`)
+        low = self.prefill_bucket(prompt_len + n_steps) if prompt_len is not None else 1
+        high = self.slot_len
+        if total_len is not None:
+            high = min(self.slot_len, self.prefill_bucket(total_len - 1 + n_steps))
         windows = [w for w in self.buckets.lengths if low <= w <= high]
         for b in self.buckets.batches:
             for attn in windows:
@@ -505,27 +529,41 @@ class ModelRunner:
         rope: np.ndarray | None = None,
         num_top: int = 0,
         attn_len: int | None = None,
+        ban_steps: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
-        """One decode step of the first ``len(tokens)`` slots (a power of two).
+        """`decode_steps` decode steps of the first ``len(tokens)`` slots (a power of two).
+
+        Step ``i`` feeds each live slot the token step ``i - 1`` sampled (``tokens`` at step 0)
+        and samples with the key of ``samp.step + i``: the tokens of one call of n steps are
+        those of n calls of one step. A slot that finishes within the call (a stop token, its
+        length) runs on to the end of the call; the caller drops what follows its last token.
+        Its cache rows past its sequence are written, never read: a kept prefix ends at the
+        sequence.
 
         Args:
           tokens: i32[b] the input token of each slot (its last sampled token).
           positions: i32[b] that token's cache slot (0 for free slots).
           active: i32[b] 1 for live slots.
-          samp: per-slot sampling arrays.
+          samp: per-slot sampling arrays (``banned`` holds while a step is below ``ban_steps``).
           rope: i32[b] its rope position (``positions + rope_delta``; default ``positions``).
           num_top: how many top logprobs of each next-token distribution to return.
-          attn_len: the attention window (default: a bucket covering the live positions).
+          attn_len: the attention window (default: a bucket covering the live positions of
+            every step).
+          ban_steps: i32[b] steps of this call under ``samp.banned`` (``min_new_tokens``);
+            default: every step.
 
         Returns:
-          (next tokens i32[b], their logprobs f32[b], routes i32[b, L, K] of the input tokens,
-          (top ids i32[b, k], top logprobs f32[b, k])).
+          (next tokens i32[n, b], their logprobs f32[n, b], routes i32[n, b, L, K] of the input
+          tokens, (top ids i32[n, b, k], top logprobs f32[n, b, k])), ``n`` = `decode_steps`.
         """
+        n = self.decode_steps
         if attn_len is None:
             live = positions[active > 0]
-            top_row = int(live.max()) + 1 if live.size else 1
+            top_row = int(live.max()) + n if live.size else 1
             attn_len = min(self.slot_len, self.prefill_bucket(top_row))
         rope = positions if rope is None else rope
+        if ban_steps is None:
+            ban_steps = np.full(len(tokens), n, np.int32)
         # A free slot's row gets a cache position past the window: its write is dropped, so the
         # prefix a free slot keeps (`prefix_cache`) is never overwritten by a decode step.
         positions = np.where(active > 0, positions, attn_len)
@@ -537,10 +575,12 @@ class ModelRunner:
             rope.astype(np.int32),
             active.astype(np.int32),
             self._samp(samp),
+            ban_steps.astype(np.int32),
             config=self.config,
             runtime=self.runtime,
             attn_len=attn_len,
             num_top=num_top,
+            steps=n,
         )
         tok, lp, top, routes = jax.device_get((tok, lp, top, routes))
         return np.asarray(tok), np.asarray(lp), np.asarray(routes), top

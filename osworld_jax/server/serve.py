@@ -161,6 +161,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "threads parse JSON and images",
     )
     p.add_argument(
+        "--num-continuous-decode-steps",
+        type=Number(int, 1, 64),
+        default=1,
+        help="decode steps per device call: one dispatch and one scheduling pass per n tokens "
+        "(a host-bound decode goes up to n times faster); new requests wait up to n steps",
+    )
+    p.add_argument(
         "--scan-layers",
         choices=("auto", "on", "off"),
         default="auto",
@@ -285,6 +292,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         vlm_cache_size_mb=args.vlm_cache_size_mb,
         mm_embedding_cache_mb=args.mm_embedding_cache_mb,
         switch_interval_ms=args.switch_interval_ms,
+        num_continuous_decode_steps=args.num_continuous_decode_steps,
     )
 
 
