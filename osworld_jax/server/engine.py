@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from osworld_jax.contract.errors import EngineError
@@ -150,21 +151,32 @@ class Engine(EngineWeights):
         if result.finish is None or result.finish["type"] == "abort":
             self.shutdown()
             raise EngineError(f"warm-up generation failed: {result.finish}")
+        warmup = self.config.warmup_decode_buckets
+        if warmup if warmup is not None else jax.default_backend() != "cpu":
+            # Every decode (batch, window) bucket now, as SGLang captures its CUDA graphs at
+            # start: a run never stalls on a decode compile when its batch or context grows.
+            t0 = time.perf_counter()
+            n = self.precompile(prefill=False)
+            log.info("compiled %d decode buckets in %.1f s", n, time.perf_counter() - t0)
         self.ready.set()
         return self
 
-    def precompile(self, prompt_len: int | None = None, total_len: int | None = None) -> int:
+    def precompile(
+        self, prompt_len: int | None = None, total_len: int | None = None, prefill: bool = True
+    ) -> int:
         """Compiles ahead of traffic the buckets of ``prompt_len``-token prompts.
 
         Covers sequences growing to ``total_len`` tokens (see `ModelRunner.precompile`; None:
-        every text bucket of `ModelRunner.buckets`); runs on the engine thread and needs it
-        idle. Returns the number of compiled calls.
+        every text bucket of `ModelRunner.buckets`, only the decode ones without ``prefill``);
+        runs on the engine thread and needs it idle. Returns the number of compiled calls.
         """
 
         def run() -> int:
             if self.waiting or any(self.slots):
                 raise EngineError("precompile needs an idle engine")
-            return self.runner.precompile(prompt_len=prompt_len, total_len=total_len)
+            return self.runner.precompile(
+                prompt_len=prompt_len, total_len=total_len, prefill=prefill
+            )
 
         return int(self._call(run).result())
 

@@ -76,6 +76,8 @@ class EngineConfig:
         name): one dispatch, one copy back and one scheduling pass per n tokens of every
         running request. Requests wait up to n steps to be admitted or aborted, and a request
         finishing inside a call wastes the call's remaining steps of its slot.
+      warmup_decode_buckets: compile every decode (batch, window) bucket when the engine
+        starts, as SGLang captures its decode CUDA graphs (None: on an accelerator).
       memory_budget_bytes: what the engine's weights and KV cache may hold of its device
         (the colocated server's share of the process it shares with the trainer); None: the
         allocator's limit (a server of its own process, ``XLA_PYTHON_CLIENT_MEM_FRACTION``).
@@ -104,6 +106,7 @@ class EngineConfig:
     mm_embedding_cache_mb: int = 512
     switch_interval_ms: float | None = 0.2
     num_continuous_decode_steps: int = 1
+    warmup_decode_buckets: bool | None = None
     memory_budget_bytes: float | None = None
 
 

@@ -443,17 +443,19 @@ class ModelRunner:
             return s
         return max(s, self.buckets.window(max(len(q) for q in prompts)))
 
-    def precompile(self, *, prompt_len: int | None = None, total_len: int | None = None) -> int:
+    def precompile(
+        self, *, prompt_len: int | None = None, total_len: int | None = None, prefill: bool = True
+    ) -> int:
         """Compiles ahead the buckets a workload will use, so no request waits on a compile.
 
         Covers text prompts of ``prompt_len`` tokens (prefill rows 1 and the bucket's batched
         rows) growing to ``total_len`` tokens (every decode batch bucket); without them, every
-        text prefill and decode bucket of `buckets`. Only call it while no request is live (the
-        dummy steps write nowhere: every prefill row is padding, every decode slot inactive).
-        Returns the number of compiled calls.
+        text prefill and decode bucket of `buckets` (only the decode ones without ``prefill``).
+        Only call it while no request is live (the dummy steps write nowhere: every prefill row
+        is padding, every decode slot inactive). Returns the number of compiled calls.
         """
-        lengths = self.buckets.lengths
-        if prompt_len is not None:
+        lengths = self.buckets.lengths if prefill else ()
+        if prompt_len is not None and prefill:
             lengths = (self.prefill_bucket(prompt_len),)
         n = 0
         for s in lengths:

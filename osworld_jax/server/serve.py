@@ -168,6 +168,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "(a host-bound decode goes up to n times faster); new requests wait up to n steps",
     )
     p.add_argument(
+        "--warmup-decode-buckets",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="compile every decode batch and window bucket at start, as SGLang captures its "
+        "CUDA graphs (no request then waits on a decode compile); auto: on accelerators",
+    )
+    p.add_argument(
         "--scan-layers",
         choices=("auto", "on", "off"),
         default="auto",
@@ -293,6 +300,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         mm_embedding_cache_mb=args.mm_embedding_cache_mb,
         switch_interval_ms=args.switch_interval_ms,
         num_continuous_decode_steps=args.num_continuous_decode_steps,
+        warmup_decode_buckets={"auto": None, "on": True, "off": False}[args.warmup_decode_buckets],
     )
 
 

@@ -91,3 +91,26 @@ def test_a_prefix_kept_after_a_call_that_ran_past_its_request(engines):
         outs[n] = (first.output_ids, second.output_ids, second.output_logprobs)
     assert outs[1][:2] == outs[3][:2]
     np.testing.assert_allclose(outs[1][2], outs[3][2], rtol=1e-5, atol=1e-6)
+
+
+def test_decode_buckets_compiled_at_start(tiny_ckpt):
+    # As SGLang captures its decode CUDA graphs at start: a request met later (any batch,
+    # any context length) compiles no decode program.
+    from osworld_jax.server.engine import Engine, EngineConfig
+    from osworld_jax.server.runner import _decode
+
+    kw = {**ENGINE_KW, "min_decode_batch": 2, "num_continuous_decode_steps": 2}
+    cfg = EngineConfig(model_path=str(tiny_ckpt), warmup_decode_buckets=True, **kw)
+    before = _decode._cache_size()
+    engine = Engine(cfg).start()
+    try:
+        buckets = engine.runner.buckets
+        assert _decode._cache_size() - before == len(buckets.batches) * len(buckets.lengths)
+        started = _decode._cache_size()
+        greedy = {"temperature": 0.0, "ignore_eos": True}
+        specs = [(list(range(5, 5 + 70)), {**greedy, "max_new_tokens": 40})]  # window 128
+        specs += [([k, k + 1], {**greedy, "max_new_tokens": 3}) for k in range(7)]  # batch 8
+        assert all(r.finish["type"] == "length" for r in _run(engine, specs))
+        assert _decode._cache_size() == started
+    finally:
+        engine.shutdown()
