@@ -122,6 +122,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--expert-backend", default=None, help="dense | ragged | tokamax")
     p.add_argument("--ckpt-dir", default=None, help="reuse / write the checkpoint here")
     p.add_argument("--decode-steps", type=int, default=1, help="our --num-continuous-decode-steps")
+    p.add_argument(
+        "--extra-length-buckets", type=int, nargs="*", default=[], help="ours, as the server's"
+    )
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument(
         "--images", action="store_true", help="the image row: one 1920x1080 screenshot a request"
@@ -462,6 +465,7 @@ def image_rows(args: argparse.Namespace, path: Path, levels: list[int]) -> None:
             dtype=dtype,
             expert_backend=args.expert_backend or "auto",
             num_continuous_decode_steps=args.decode_steps,
+            extra_length_buckets=tuple(args.extra_length_buckets),
         )
     ).start()
     try:
@@ -475,7 +479,8 @@ def image_rows(args: argparse.Namespace, path: Path, levels: list[int]) -> None:
     dev = jax.devices()[0].device_kind
     print(f"\n{args.config} Qwen3-VL-MoE ({dtype}) on {dev}; one 1920x1080 screenshot ({tokens}")
     print(f"image tokens) + {len(prompt) - 1} text tokens a request, {n} new tokens a request;")
-    print(f"ours: {args.decode_steps} decode steps a device call")
+    extra = ",".join(map(str, args.extra_length_buckets)) or "none"
+    print(f"ours: {args.decode_steps} decode steps a device call, extra length buckets {extra}")
     if isinstance(hf, str):
         print(f"HF peer: {hf}")
     peer = {r["concurrency"]: r for r in hf} if isinstance(hf, list) else {}

@@ -52,6 +52,7 @@ def embedded_flags(exp: ExperimentConfig) -> argparse.Namespace:
     flags.add_argument("--mm-attention-backend", default="cudnn")
     flags.add_argument("--mm-embedding-cache-mb", type=int, default=512)
     flags.add_argument("--num-continuous-decode-steps", type=int, default=1)
+    flags.add_argument("--extra-length-buckets", type=int, nargs="*", default=[])
     args, _ = flags.parse_known_args(list(exp.server.extra_args))
     return args
 
@@ -177,6 +178,7 @@ def server_pool(
         patches=max(patch_buckets, default=0),
         image_slots=exp.agent.max_screenshots,
         decode_steps=args.num_continuous_decode_steps,
+        extra_lengths=list(args.extra_length_buckets),
     )
     if colocated:  # the server shares this process (and its device): compile here
         from osworld_jax.server.colocated import server_program_memory

@@ -7,8 +7,10 @@ A prefill's attention runs in query blocks of `prefill_query_chunk` (static per 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from osworld_jax.contract.errors import EngineError
 from osworld_jax.model.serving import next_pow2
 
 #: Batched prefills hold at most this many (padded) tokens.
@@ -75,18 +77,30 @@ def serving_buckets(
     min_bucket: int = 16,
     min_decode_batch: int = 1,
     max_prefill_batch: int = 8,
+    extra_lengths: Sequence[int] = (),
 ) -> ServingBuckets:
     """The engine's bucket set, fixed by its cache layout (the engine and the memory plan).
 
     ``slot_len`` and ``num_slots`` are the cache's (powers of two); ``min_bucket`` the smallest
-    length bucket, ``min_decode_batch`` the smallest decode batch.
+    length bucket, ``min_decode_batch`` the smallest decode batch; ``extra_lengths`` further
+    length buckets (``--extra-length-buckets``: a 2,080-token screenshot prompt pads to 3,072
+    instead of 4,096), each in ``[next_pow2(min_bucket), slot_len]``.
 
     >>> serving_buckets(slot_len=4096, num_slots=8).lengths
     (512, 1024, 2048, 4096)
     >>> serving_buckets(slot_len=4096, num_slots=8).batches
     (1, 2, 4, 8)
+    >>> serving_buckets(slot_len=4096, num_slots=8, extra_lengths=(3072,)).lengths
+    (512, 1024, 2048, 3072, 4096)
     """
     lengths = _ladder(slot_len, next_pow2(min_bucket), LENGTH_LEVELS)
+    for n in extra_lengths:
+        if not next_pow2(min_bucket) <= n <= slot_len:
+            raise EngineError(
+                f"length bucket {n} is not between the smallest bucket {next_pow2(min_bucket)} "
+                f"and the slot length {slot_len} (--extra-length-buckets)"
+            )
+    lengths = tuple(sorted(set(lengths) | set(extra_lengths)))
     batches = _ladder(num_slots, min(next_pow2(min_decode_batch), num_slots), BATCH_LEVELS)
     return ServingBuckets(lengths, batches, max(1, max_prefill_batch))
 

@@ -36,7 +36,10 @@ SERVER_KNOB = (
 
 
 def layout_buckets(
-    layout: CacheLayout, min_bucket: int = 16, max_prefill_batch: int = 8
+    layout: CacheLayout,
+    min_bucket: int = 16,
+    max_prefill_batch: int = 8,
+    extra_lengths: Sequence[int] = (),
 ) -> ServingBuckets:
     """The engine's bucket set for ``layout`` (`runner.serving_buckets`, as `ModelRunner`)."""
     return serving_buckets(
@@ -44,6 +47,7 @@ def layout_buckets(
         num_slots=layout.slots,
         min_bucket=min_bucket,
         max_prefill_batch=max_prefill_batch,
+        extra_lengths=extra_lengths,
     )
 
 
@@ -101,6 +105,7 @@ def server_programs(
     image_slots: int = 1,
     buckets: Sequence[int] | None = None,
     decode_steps: int = 1,
+    extra_lengths: Sequence[int] = (),
 ) -> list[ProgramMemory]:
     """The server's prefill buckets (and its vision tower) and its largest decode, compiled.
 
@@ -115,6 +120,7 @@ def server_programs(
       image_slots: images per prompt (``patches`` is their sum: one image's are its share).
       buckets: the prefill length buckets to plan (default: every one, `prefill_buckets`).
       decode_steps: decode steps per call (``--num-continuous-decode-steps``).
+      extra_lengths: length buckets beside the powers of two (``--extra-length-buckets``).
     """
     if scan_layers is None:
         scan_layers = jax.default_backend() != "cpu"
@@ -140,7 +146,7 @@ def server_programs(
         )
 
     vl = isinstance(model, Qwen3VLMoeConfig) and patches > 0
-    planned = layout_buckets(layout, min_bucket, max_prefill_batch)
+    planned = layout_buckets(layout, min_bucket, max_prefill_batch, extra_lengths)
     tokens = 0
     if vl:  # the tower: one image at a time (`image_embeddings._encode`), then the LM prefill
         assert isinstance(model, Qwen3VLMoeConfig)

@@ -78,6 +78,9 @@ class EngineConfig:
         finishing inside a call wastes the call's remaining steps of its slot.
       warmup_decode_buckets: compile every decode (batch, window) bucket when the engine
         starts, as SGLang captures its decode CUDA graphs (None: on an accelerator).
+      extra_length_buckets: prefill lengths and attention windows beside the powers of two
+        (`osworld_jax.server.buckets.serving_buckets`): 3072 pads a one-screenshot prompt of
+        ~2,100 tokens to 3,072 instead of 4,096 (each is one more program per batch shape).
       memory_budget_bytes: what the engine's weights and KV cache may hold of its device
         (the colocated server's share of the process it shares with the trainer); None: the
         allocator's limit (a server of its own process, ``XLA_PYTHON_CLIENT_MEM_FRACTION``).
@@ -107,6 +110,7 @@ class EngineConfig:
     switch_interval_ms: float | None = 0.2
     num_continuous_decode_steps: int = 1
     warmup_decode_buckets: bool | None = None
+    extra_length_buckets: tuple[int, ...] = ()
     memory_budget_bytes: float | None = None
 
 

@@ -254,6 +254,7 @@ class ModelRunner:
         (`ImageEmbeddings`; a Qwen3-VL model).
       decode_steps: decode steps per device call (`decode`; SGLang's
         ``--num-continuous-decode-steps``): one dispatch and one copy back per n tokens.
+      extra_length_buckets: length buckets beside the powers of two (`serving_buckets`).
     """
 
     def __init__(
@@ -271,6 +272,7 @@ class ModelRunner:
         scan_layers: bool | None = None,
         embedding_cache_bytes: int = 512 << 20,
         decode_steps: int = 1,
+        extra_length_buckets: Sequence[int] = (),
     ) -> None:
         if scan_layers is None:
             scan_layers = jax.default_backend() != "cpu"
@@ -299,6 +301,7 @@ class ModelRunner:
             min_bucket=min_bucket,
             min_decode_batch=min_decode_batch,
             max_prefill_batch=max_prefill_batch,
+            extra_lengths=extra_length_buckets,
         )
         self.vocab_size = self.config.vocab_size
         # Committed to the parameters' device, like every later (donated, returned) cache:

@@ -168,6 +168,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "(a host-bound decode goes up to n times faster); new requests wait up to n steps",
     )
     p.add_argument(
+        "--extra-length-buckets",
+        type=_count(1 << 24),
+        nargs="*",
+        default=[],
+        help="prefill lengths and attention windows beside the powers of two (each at most "
+        "the context length), e.g. 3072: a one-screenshot prompt of ~2,100 tokens pads to "
+        "3,072, not 4,096",
+    )
+    p.add_argument(
         "--warmup-decode-buckets",
         choices=("auto", "on", "off"),
         default="auto",
@@ -300,6 +309,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         mm_embedding_cache_mb=args.mm_embedding_cache_mb,
         switch_interval_ms=args.switch_interval_ms,
         num_continuous_decode_steps=args.num_continuous_decode_steps,
+        extra_length_buckets=tuple(args.extra_length_buckets),
         warmup_decode_buckets={"auto": None, "on": True, "off": False}[args.warmup_decode_buckets],
     )
 

@@ -192,6 +192,8 @@ NUMERIC_FLAGS = {
     "--chat-template-timeout-s": "-5",
     "--refit-read-timeout-s": "0",
     "--stall-timeout-s": "-5",
+    "--num-continuous-decode-steps": "0",
+    "--extra-length-buckets": "0",
 }
 
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from osworld_jax.contract.errors import EngineError
 from osworld_jax.model import forward, load_hf_checkpoint
 from osworld_jax.rollout import RolloutConfig, SamplingParams, SGLangClient, decode_routed_experts
 
@@ -467,6 +468,11 @@ def test_bucket_set_is_small_fixed_and_the_memory_plans_it(engine):
     # A prefill after a kept prefix: (suffix bucket, window) pairs, the windows the two largest.
     assert {default.window(n) for n in range(1, 4097)} == {2048, 4096}
     assert [default.prefill_rows(s) for s in default.lengths] == [8, 8, 4, 2]
+    # --extra-length-buckets 3072: a 2,100-token prompt pads to 3,072; nothing past the slot.
+    extra = serving_buckets(slot_len=4096, num_slots=8, min_bucket=16, extra_lengths=(3072,))
+    assert extra.length(2100) == 3072 and extra.window(4000) == 4096 and extra.length(1900) == 2048
+    with pytest.raises(EngineError, match="slot length 4096"):
+        serving_buckets(slot_len=4096, num_slots=8, extra_lengths=(5000,))
     # The engine's set is the one the memory plan compiles (one function).
     r = engine.runner
     layout = CacheLayout(engine.context_length, r.num_slots, r.slot_len)
