@@ -546,9 +546,13 @@ class Engine(EngineWeights):
             active[i] = 1
             ban[i] = max(0, r.min_new_tokens - len(r.output_ids))
         samp = self._sampling(slice(0, b), reqs)
+        # `--num-continuous-decode-steps` only while no prefill waits for this iteration's
+        # admission (SGLang runs its continuous steps when no prefill batch was formed): a
+        # burst of prompts is admitted between single steps, not between n-step calls.
+        steps = 1 if self.waiting and None in self.slots else None
         toks, lps, routes, (top_ids, top_lps) = self.runner.decode(
-            tokens, positions, active, samp, rope, num_top(reqs), ban_steps=ban
-        )  # each [n, b, ...]: n decode steps (`--num-continuous-decode-steps`)
+            tokens, positions, active, samp, rope, num_top(reqs), ban_steps=ban, steps=steps
+        )  # each [n, b, ...]: n decode steps
         self.num_decode_steps += len(toks)
         for i in live:
             r = reqs[i]

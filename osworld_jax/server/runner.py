@@ -472,19 +472,21 @@ class ModelRunner:
                     config=self.config, runtime=self.runtime, num_top=0, attn_len=s,
                 )  # fmt: skip
                 n += 1
-        n_steps = self.decode_steps  # a call's window covers its last step's row (`decode`)
-        low = self.prefill_bucket(prompt_len + n_steps) if prompt_len is not None else 1
-        high = self.slot_len
-        if total_len is not None:
-            high = min(self.slot_len, self.prefill_bucket(total_len - 1 + n_steps))
-        windows = [w for w in self.buckets.lengths if low <= w <= high]
-        for b in self.buckets.batches:
-            for attn in windows:
-                zeros = np.zeros((b,), np.int32)
-                self.decode(
-                    zeros, zeros, zeros, dummy_sampling(b, self.vocab_size), attn_len=attn,
-                )  # fmt: skip
-                n += 1
+        for n_steps in sorted({1, self.decode_steps}):  # one step while prefills wait
+            # A call's window covers its last step's row (`decode`).
+            low = self.prefill_bucket(prompt_len + n_steps) if prompt_len is not None else 1
+            high = self.slot_len
+            if total_len is not None:
+                high = min(self.slot_len, self.prefill_bucket(total_len - 1 + n_steps))
+            windows = [w for w in self.buckets.lengths if low <= w <= high]
+            for b in self.buckets.batches:
+                for attn in windows:
+                    zeros = np.zeros((b,), np.int32)
+                    self.decode(
+                        zeros, zeros, zeros, dummy_sampling(b, self.vocab_size), attn_len=attn,
+                        steps=n_steps,
+                    )  # fmt: skip
+                    n += 1
         jax.block_until_ready(self.cache)
         return n
 
@@ -535,8 +537,9 @@ class ModelRunner:
         num_top: int = 0,
         attn_len: int | None = None,
         ban_steps: np.ndarray | None = None,
+        steps: int | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
-        """`decode_steps` decode steps of the first ``len(tokens)`` slots (a power of two).
+        """``steps`` decode steps of the first ``len(tokens)`` slots (a power of two).
 
         Step ``i`` feeds each live slot the token step ``i - 1`` sampled (``tokens`` at step 0)
         and samples with the key of ``samp.step + i``: the tokens of one call of n steps are
@@ -556,12 +559,13 @@ class ModelRunner:
             every step).
           ban_steps: i32[b] steps of this call under ``samp.banned`` (``min_new_tokens``);
             default: every step.
+          steps: 1 or `decode_steps` (the default): one compiled program per count and bucket.
 
         Returns:
           (next tokens i32[n, b], their logprobs f32[n, b], routes i32[n, b, L, K] of the input
-          tokens, (top ids i32[n, b, k], top logprobs f32[n, b, k])), ``n`` = `decode_steps`.
+          tokens, (top ids i32[n, b, k], top logprobs f32[n, b, k])), ``n`` = ``steps``.
         """
-        n = self.decode_steps
+        n = self.decode_steps if steps is None else steps
         if attn_len is None:
             live = positions[active > 0]
             top_row = int(live.max()) + n if live.size else 1

@@ -100,16 +100,20 @@ def test_decode_buckets_compiled_at_start(tiny_ckpt):
     from osworld_jax.server.runner import _decode
 
     kw = {**ENGINE_KW, "min_decode_batch": 2, "num_continuous_decode_steps": 2}
+    kw["max_prefill_tokens"] = 20  # the burst below waits over a few one-step calls
     cfg = EngineConfig(model_path=str(tiny_ckpt), warmup_decode_buckets=True, **kw)
     before = _decode._cache_size()
     engine = Engine(cfg).start()
     try:
         buckets = engine.runner.buckets
-        assert _decode._cache_size() - before == len(buckets.batches) * len(buckets.lengths)
+        # 2 steps a call (new here) and 1 while prompts wait for admission (other engines of
+        # this process may have compiled some of those already): every bucket of both
+        assert _decode._cache_size() - before >= len(buckets.batches) * len(buckets.lengths)
         started = _decode._cache_size()
         greedy = {"temperature": 0.0, "ignore_eos": True}
         specs = [(list(range(5, 5 + 70)), {**greedy, "max_new_tokens": 40})]  # window 128
         specs += [([k, k + 1], {**greedy, "max_new_tokens": 3}) for k in range(7)]  # batch 8
+        # (a burst of 8: some decode calls run while prompts wait, at one step)
         assert all(r.finish["type"] == "length" for r in _run(engine, specs))
         assert _decode._cache_size() == started
     finally:

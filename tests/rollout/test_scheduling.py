@@ -11,12 +11,19 @@ import pytest
 from .conftest import ENGINE_KW
 
 
-def _first_token_steps(path, max_prefill_tokens: int, prompts: int = 4) -> list[int]:
+def _first_token_steps(
+    path, max_prefill_tokens: int, prompts: int = 4, decode_steps: int = 1
+) -> list[int]:
     """The engine's decode-step count when each of ``prompts`` 20-token requests, queued at
     once beside one running request, got its first token (from its prefill)."""  # noqa: D205, D209
     from osworld_jax.server.engine import Engine, EngineConfig
 
-    cfg = EngineConfig(model_path=str(path), max_prefill_tokens=max_prefill_tokens, **ENGINE_KW)
+    cfg = EngineConfig(
+        model_path=str(path),
+        max_prefill_tokens=max_prefill_tokens,
+        num_continuous_decode_steps=decode_steps,
+        **ENGINE_KW,
+    )
     eng = Engine(cfg).start()
     try:
         first: dict[str, int] = {}
@@ -53,9 +60,11 @@ def _first_token_steps(path, max_prefill_tokens: int, prompts: int = 4) -> list[
         eng.shutdown()
 
 
-@pytest.mark.parametrize("budget", [16384, 20])
-def test_a_burst_of_prompts_is_admitted_within_the_prefill_budget(tiny_ckpt, budget):
-    steps = _first_token_steps(tiny_ckpt, budget)
+@pytest.mark.parametrize(("budget", "decode_steps"), [(16384, 1), (20, 1), (20, 3)])
+def test_a_burst_of_prompts_is_admitted_within_the_prefill_budget(tiny_ckpt, budget, decode_steps):
+    # With --num-continuous-decode-steps 3 the running request still takes one step between
+    # two admissions while prompts wait (SGLang's rule), not a call of three.
+    steps = _first_token_steps(tiny_ckpt, budget, decode_steps=decode_steps)
     if budget >= 4 * 20:  # the whole burst in one iteration, before one decode step
         assert len(set(steps)) == 1, steps
     else:  # one 20-token prompt an iteration: a decode step of the running request after each
