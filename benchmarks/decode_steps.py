@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256, help="new tokens per request")
     ap.add_argument("--repeats", type=int, default=3, help="best of this many rounds")
     ap.add_argument("--ckpt-dir", default=None, help="an HF checkpoint (default: tiny)")
+    ap.add_argument("--decode-expert-backend", default=None, help="e.g. dense (default: auto)")
     a = ap.parse_args()
 
     import jax
@@ -42,7 +43,9 @@ def main() -> None:
     ckpt = a.ckpt_dir or make_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny", seed=0)
     gpu = jax.default_backend() == "gpu"
     conc = [int(c) for c in a.concurrency.split(",")]
-    print(f"device: {jax.devices()[0].device_kind}; {a.tokens} greedy tokens per request")
+    backend = a.decode_expert_backend or "auto"
+    print(f"device: {jax.devices()[0].device_kind}; {a.tokens} greedy tokens per request;")
+    print(f"decode expert backend {backend}")
     print("| steps a call | concurrency | tok/s | ms per step | device calls |")
     print("|---|---|---|---|---|")
     for n in (int(s) for s in a.steps.split(",")):
@@ -53,6 +56,7 @@ def main() -> None:
             min_decode_batch=max(conc),  # one batch bucket: the same program at every C
             dtype="bfloat16" if gpu else "float32",
             num_continuous_decode_steps=n,
+            decode_expert_backend=a.decode_expert_backend,
         )
         eng = Engine(cfg).start()
         try:

@@ -125,6 +125,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--extra-length-buckets", type=int, nargs="*", default=[], help="ours, as the server's"
     )
+    p.add_argument("--decode-expert-backend", default=None, help="ours, as the server's")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument(
         "--images", action="store_true", help="the image row: one 1920x1080 screenshot a request"
@@ -466,6 +467,7 @@ def image_rows(args: argparse.Namespace, path: Path, levels: list[int]) -> None:
             expert_backend=args.expert_backend or "auto",
             num_continuous_decode_steps=args.decode_steps,
             extra_length_buckets=tuple(args.extra_length_buckets),
+            decode_expert_backend=args.decode_expert_backend,
         )
     ).start()
     try:
@@ -481,6 +483,7 @@ def image_rows(args: argparse.Namespace, path: Path, levels: list[int]) -> None:
     print(f"image tokens) + {len(prompt) - 1} text tokens a request, {n} new tokens a request;")
     extra = ",".join(map(str, args.extra_length_buckets)) or "none"
     print(f"ours: {args.decode_steps} decode steps a device call, extra length buckets {extra}")
+    print(f"ours: decode expert backend {args.decode_expert_backend or 'as the prefill'}")
     if isinstance(hf, str):
         print(f"HF peer: {hf}")
     peer = {r["concurrency"]: r for r in hf} if isinstance(hf, list) else {}

@@ -53,6 +53,7 @@ def embedded_flags(exp: ExperimentConfig) -> argparse.Namespace:
     flags.add_argument("--mm-embedding-cache-mb", type=int, default=512)
     flags.add_argument("--num-continuous-decode-steps", type=int, default=1)
     flags.add_argument("--extra-length-buckets", type=int, nargs="*", default=[])
+    flags.add_argument("--decode-expert-backend", default=None)
     args, _ = flags.parse_known_args(list(exp.server.extra_args))
     return args
 
@@ -179,6 +180,7 @@ def server_pool(
         image_slots=exp.agent.max_screenshots,
         decode_steps=args.num_continuous_decode_steps,
         extra_lengths=list(args.extra_length_buckets),
+        decode_expert_backend=args.decode_expert_backend,
     )
     if colocated:  # the server shares this process (and its device): compile here
         from osworld_jax.server.colocated import server_program_memory

@@ -84,6 +84,7 @@ class Engine(EngineWeights):
             embedding_cache_bytes=config.mm_embedding_cache_mb << 20,
             decode_steps=config.num_continuous_decode_steps,
             extra_length_buckets=config.extra_length_buckets,
+            decode_expert_backend=config.decode_expert_backend,
         )
         self.model_config = self.runner.config
         self.model_path = str(path)

@@ -13,6 +13,7 @@ compiling them (`osworld_jax.rl.servers`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -106,6 +107,7 @@ def server_programs(
     buckets: Sequence[int] | None = None,
     decode_steps: int = 1,
     extra_lengths: Sequence[int] = (),
+    decode_expert_backend: str | None = None,
 ) -> list[ProgramMemory]:
     """The server's prefill buckets (and its vision tower) and its largest decode, compiled.
 
@@ -121,6 +123,7 @@ def server_programs(
       buckets: the prefill length buckets to plan (default: every one, `prefill_buckets`).
       decode_steps: decode steps per call (``--num-continuous-decode-steps``).
       extra_lengths: length buckets beside the powers of two (``--extra-length-buckets``).
+      decode_expert_backend: the decode's expert backend (``--decode-expert-backend``).
     """
     if scan_layers is None:
         scan_layers = jax.default_backend() != "cpu"
@@ -183,9 +186,13 @@ def server_programs(
             keep(name, compiled)
     b, attn = layout.slots, layout.slot_len
     i32 = np.int32
+    decode_runtime = dataclasses.replace(
+        runtime, expert_backend=decode_expert_backend or expert_backend
+    )
     compiled = _decode.lower(
         params, cache, _sds((b,), i32), _sds((b,), i32), _sds((b,), i32), _sds((b,), i32),
-        _samp(b), _sds((b,), i32), attn_len=attn, steps=max(1, decode_steps), **statics,
+        _samp(b), _sds((b,), i32), attn_len=attn, steps=max(1, decode_steps), config=model,
+        runtime=decode_runtime, num_top=0,
     ).compile()  # fmt: skip
     keep(f"decode {b}x{attn}", compiled)
     return out

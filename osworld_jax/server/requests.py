@@ -81,6 +81,9 @@ class EngineConfig:
       extra_length_buckets: prefill lengths and attention windows beside the powers of two
         (`osworld_jax.server.buckets.serving_buckets`): 3072 pads a one-screenshot prompt of
         ~2,100 tokens to 3,072 instead of 4,096 (each is one more program per batch shape).
+      decode_expert_backend: the decode steps' expert backend (None: ``expert_backend``):
+        "dense" runs every expert on the slots' tokens, reading each expert's weights once a
+        step, as a batch whose tokens route to most experts does anyway.
       memory_budget_bytes: what the engine's weights and KV cache may hold of its device
         (the colocated server's share of the process it shares with the trainer); None: the
         allocator's limit (a server of its own process, ``XLA_PYTHON_CLIENT_MEM_FRACTION``).
@@ -111,6 +114,7 @@ class EngineConfig:
     num_continuous_decode_steps: int = 1
     warmup_decode_buckets: bool | None = None
     extra_length_buckets: tuple[int, ...] = ()
+    decode_expert_backend: str | None = None
     memory_budget_bytes: float | None = None
 
 

@@ -255,6 +255,9 @@ class ModelRunner:
       decode_steps: decode steps per device call (`decode`; SGLang's
         ``--num-continuous-decode-steps``): one dispatch and one copy back per n tokens.
       extra_length_buckets: length buckets beside the powers of two (`serving_buckets`).
+      decode_expert_backend: the decode steps' expert backend (None: ``expert_backend``);
+        "dense" reads every expert's weights once per step, which a batch of slots routing to
+        most experts reads anyway, without a grouped kernel's per-expert tiles.
     """
 
     def __init__(
@@ -273,6 +276,7 @@ class ModelRunner:
         embedding_cache_bytes: int = 512 << 20,
         decode_steps: int = 1,
         extra_length_buckets: Sequence[int] = (),
+        decode_expert_backend: str | None = None,
     ) -> None:
         if scan_layers is None:
             scan_layers = jax.default_backend() != "cpu"
@@ -282,6 +286,11 @@ class ModelRunner:
             vision_attention=mm_attention,  # type: ignore[arg-type]  # validated
             scan_layers=scan_layers,
         )
+        self.decode_runtime = self.runtime
+        if decode_expert_backend is not None:
+            self.decode_runtime = dataclasses.replace(
+                self.runtime, expert_backend=decode_expert_backend
+            )
         policy = load_hf_checkpoint(model_path, runtime=self.runtime)
         self.config: Qwen3MoeConfig = policy.config
         self.processor = load_processor(Path(model_path), self.config)  # None: a text model
@@ -586,7 +595,7 @@ class ModelRunner:
             self._samp(samp),
             ban_steps.astype(np.int32),
             config=self.config,
-            runtime=self.runtime,
+            runtime=self.decode_runtime,
             attn_len=attn_len,
             num_top=num_top,
             steps=n,

@@ -131,6 +131,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--expert-backend", default=None, help="auto | dense | ragged | pallas_gmm | tokamax"
     )
     p.add_argument(
+        "--decode-expert-backend",
+        default=None,
+        help="the decode steps' expert backend (default: --expert-backend); dense reads every "
+        "expert once a step, as a batch routing to most experts does anyway",
+    )
+    p.add_argument(
         "--mm-attention-backend",
         choices=("cudnn", "xla"),
         default="cudnn",
@@ -310,6 +316,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         switch_interval_ms=args.switch_interval_ms,
         num_continuous_decode_steps=args.num_continuous_decode_steps,
         extra_length_buckets=tuple(args.extra_length_buckets),
+        decode_expert_backend=args.decode_expert_backend,
         warmup_decode_buckets={"auto": None, "on": True, "off": False}[args.warmup_decode_buckets],
     )
 

@@ -118,3 +118,32 @@ def test_decode_buckets_compiled_at_start(tiny_ckpt):
         assert _decode._cache_size() == started
     finally:
         engine.shutdown()
+
+
+def test_a_dense_decode_samples_what_the_grouped_one_does(tiny_ckpt, engines):
+    # --decode-expert-backend dense: every expert on every slot's token, combined by the gate
+    # weights; the routes, tokens and logprobs are the default backend's (float32, CPU:
+    # ragged_dot).
+    from osworld_jax.server.engine import Engine, EngineConfig
+
+    cfg = EngineConfig(
+        model_path=str(tiny_ckpt),
+        num_continuous_decode_steps=3,
+        decode_expert_backend="dense",
+        **ENGINE_KW,
+    )
+    dense = Engine(cfg).start()
+    try:
+        assert dense.runner.decode_runtime.expert_backend == "dense"
+        specs = [
+            ([5, 6, 7, 8], {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 11}),
+            ([9, 10, 11], {"temperature": 0.9, "max_new_tokens": 9, "sampling_seed": 2}),
+        ]
+        for a, b in zip(_run(engines[3], specs), _run(dense, specs), strict=True):
+            ids_a, lps_a, routes_a, fin_a = _outcome(a)
+            ids_b, lps_b, routes_b, fin_b = _outcome(b)
+            assert ids_a == ids_b and fin_a == fin_b
+            np.testing.assert_allclose(lps_a, lps_b, rtol=1e-4, atol=1e-5)
+            np.testing.assert_array_equal(routes_a, routes_b)
+    finally:
+        dense.shutdown()
