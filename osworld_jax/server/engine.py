@@ -155,8 +155,8 @@ class Engine(EngineWeights):
             raise EngineError(f"warm-up generation failed: {result.finish}")
         warmup = self.config.warmup_decode_buckets
         if warmup if warmup is not None else jax.default_backend() != "cpu":
-            # Every decode (batch, window) bucket now, as SGLang captures its CUDA graphs at
-            # start: a run never stalls on a decode compile when its batch or context grows.
+            # Every decode (batch, window, steps) bucket now, as SGLang captures its CUDA graphs
+            # at start: a run never stalls on a decode compile when its batch or context grows.
             t0 = time.perf_counter()
             n = self.precompile(prefill=False)
             log.info("compiled %d decode buckets in %.1f s", n, time.perf_counter() - t0)
