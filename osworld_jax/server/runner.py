@@ -286,11 +286,8 @@ class ModelRunner:
             vision_attention=mm_attention,  # type: ignore[arg-type]  # validated
             scan_layers=scan_layers,
         )
-        self.decode_runtime = self.runtime
-        if decode_expert_backend is not None:
-            self.decode_runtime = dataclasses.replace(
-                self.runtime, expert_backend=decode_expert_backend
-            )
+        backend = decode_expert_backend or expert_backend  # the decode programs'
+        self.decode_runtime = dataclasses.replace(self.runtime, expert_backend=backend)
         policy = load_hf_checkpoint(model_path, runtime=self.runtime)
         self.config: Qwen3MoeConfig = policy.config
         self.processor = load_processor(Path(model_path), self.config)  # None: a text model
@@ -551,11 +548,9 @@ class ModelRunner:
         """``steps`` decode steps of the first ``len(tokens)`` slots (a power of two).
 
         Step ``i`` feeds each live slot the token step ``i - 1`` sampled (``tokens`` at step 0)
-        and samples with the key of ``samp.step + i``: the tokens of one call of n steps are
-        those of n calls of one step. A slot that finishes within the call (a stop token, its
-        length) runs on to the end of the call; the caller drops what follows its last token.
-        Its cache rows past its sequence are written, never read: a kept prefix ends at the
-        sequence.
+        and samples with the key of ``samp.step + i``: one call of n steps gives the tokens of
+        n calls of one step. A slot finishing within the call runs on to its end (the caller
+        drops what follows; its rows past the sequence are written, and never read).
 
         Args:
           tokens: i32[b] the input token of each slot (its last sampled token).
