@@ -99,7 +99,7 @@ def test_decode_buckets_compiled_at_start(tiny_ckpt):
     from osworld_jax.server.engine import Engine, EngineConfig
     from osworld_jax.server.runner import _decode
 
-    kw = {**ENGINE_KW, "min_decode_batch": 2, "num_continuous_decode_steps": 2}
+    kw = {**ENGINE_KW, "num_continuous_decode_steps": 2}  # batch 8, windows 64 and 128
     kw["max_prefill_tokens"] = 20  # the burst below waits over a few one-step calls
     cfg = EngineConfig(model_path=str(tiny_ckpt), warmup_decode_buckets=True, **kw)
     before = _decode._cache_size()
