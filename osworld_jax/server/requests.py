@@ -74,10 +74,10 @@ class EngineConfig:
         benchmarks/engine_gil.py, 319 -> 41 tok/s at 5 ms, 254 at 0.2 ms.
       num_continuous_decode_steps: decode steps per device call (SGLang's flag of the same
         name): one dispatch, one copy back and one scheduling pass per n tokens of every
-        running request. Requests wait up to n steps to be admitted or aborted, and a request
-        finishing inside a call wastes the call's remaining steps of its slot.
-      warmup_decode_buckets: compile every decode (batch, window) bucket when the engine
-        starts, as SGLang captures its decode CUDA graphs (None: on an accelerator).
+        running request; while prompts wait for admission a call runs one step. A request
+        arriving mid-call waits for its end, and one finishing inside a call wastes the rest.
+      warmup_decode_buckets: compile every decode (batch, window, steps) bucket when the
+        engine starts, as SGLang captures its decode CUDA graphs (None: on an accelerator).
       extra_length_buckets: prefill lengths and attention windows beside the powers of two
         (`osworld_jax.server.buckets.serving_buckets`): 3072 pads a one-screenshot prompt of
         ~2,100 tokens to 3,072 instead of 4,096 (each is one more program per batch shape).
