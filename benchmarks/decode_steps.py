@@ -1,8 +1,10 @@
 """The embedded engine's decode rate per ``--num-continuous-decode-steps`` (n steps a call).
 
-A decode step of a small model is host-bound: the dispatch, the sampling arrays sent, the
-tokens copied back and the engine's Python pass over its slots cost more than the device's
-work. n steps a call pay them once per n tokens of every running request.
+Each decode call pays a dispatch, the sampling arrays sent, the tokens copied back and the
+engine's Python pass over its slots; n steps a call pay them once per n tokens of every running
+request. That matters where they outweigh the device's step (the 2-layer RL recipe's owners
+generated ~30% faster at n = 8 on an H100), little where the step is the device's (bench-vl's
+8 layers: ~10%, benchmarks/NOTES.md "Sixth session").
 
     .venv/bin/python benchmarks/decode_steps.py [--steps 1,2,4,8,16] [--concurrency 1,8]
         [--tokens 256] [--ckpt-dir DIR]
