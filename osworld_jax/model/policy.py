@@ -77,6 +77,15 @@ class PolicyOutput(NamedTuple):
     kv_cache: KVCache | None
 
 
+def write_step_rows(cache: KVCache, rows: KVCache, positions: Int[Array, " B"]) -> KVCache:
+    """Writes a decode step's k/v ``rows`` [L, B, 1, KV, D] (`forward` with ``cache_append``)
+    into ``cache`` [L, B, T, KV, D] at row ``positions[b]`` of slot b (past T: dropped)."""  # noqa: D205, D209
+    slots = jnp.arange(positions.shape[0])
+    k = cache.k.at[:, slots, positions].set(rows.k[:, :, 0].astype(cache.k.dtype), mode="drop")
+    v = cache.v.at[:, slots, positions].set(rows.v[:, :, 0].astype(cache.v.dtype), mode="drop")
+    return KVCache(k, v)
+
+
 def forward(
     params: Params,
     config: Qwen3MoeConfig,
@@ -92,8 +101,13 @@ def forward(
     image_grid_thw: jax.Array | None = None,
     cache_positions: Int[Array, "B S"] | None = None,
     image_features: tuple[jax.Array, jax.Array] | None = None,
+    cache_append: bool = False,
 ) -> PolicyOutput:
     """The policy as a pure function of its parameter tree (see `Policy.__call__`).
+
+    ``cache_append`` (with ``kv_cache``, one token a row: a decode step): the cache is read, not
+    written; ``PolicyOutput.kv_cache`` holds the step's rows [L, B, 1, KV, D] for the caller to
+    write at ``cache_positions`` (`osworld_jax.model.layers.attention_with_own_key`).
 
     ``image_features`` stands in for ``pixel_values`` with the vision tower's outputs computed
     already (the server's image-embedding cache): ``(embeds [B, M, H], deepstack [B, D, M, H])``
@@ -132,6 +146,10 @@ def forward(
     valid = (segment_ids != 0).astype(jnp.float32)  # [B, S]
     common = dict(config=config, runtime=runtime, cos=cos, sin=sin, mask=mask, causal=by_index)
     common |= dict(positions=cache_positions, valid=valid)
+    if cache_append:
+        if kv_cache is None or s != 1:
+            raise ValueError("cache_append needs a kv_cache and one token a row")
+        common |= dict(append=True)
     num_deep = 0 if deep is None else deep.levels
 
     if replay_experts is not None:  # the batch's compact route type (int8 for 128 experts)

@@ -35,6 +35,7 @@ from osworld_jax.model import (
     init_kv_cache,
     load_hf_checkpoint,
     unembed_matrix,
+    write_step_rows,
 )
 from osworld_jax.model.serving import next_pow2
 from osworld_jax.server.buckets import prefill_query_chunk, serving_buckets
@@ -146,11 +147,10 @@ def _prefill(
     return tok, lp, top, out.routed_experts, out.hidden, KVCache(new_k, new_v)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("config", "runtime", "attn_len", "num_top", "steps"),
-    donate_argnames=("cache",),
-)
+_STATIC = ("config", "runtime", "attn_len", "num_top", "steps")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
 def _decode(
     params, cache, tokens, positions, rope, active, samp, ban_steps, *, config, runtime,
     attn_len, num_top, steps,
@@ -175,13 +175,14 @@ def _decode(
             kv_cache=sub,
             return_logits=False,
             cache_positions=positions[:, None],
+            cache_append=True,  # the layers only read `sub`; the step's rows are written once
         )
+        sub = write_step_rows(sub, out.kv_cache, positions)
         # EOS / stop ids stay banned while the slot is under its ``min_new_tokens``.
         banned = jnp.where(i < ban_steps[:, None], samp["banned"], _NO_TOKEN)  # [b, M]
         step = dict(samp, banned=banned, step=samp["step"] + i)  # the key of token step + i
         tok, lp, top_ids, top_lps = _sample(params, out.hidden[:, 0], step, config, num_top)
-        # A free slot stays past the window (its writes drop); a live one moves one row on.
-        carry = (out.kv_cache, tok, positions + active, rope + active)
+        carry = (sub, tok, positions + active, rope + active)  # a free slot's writes drop
         return carry, (tok, lp, top_ids, top_lps, out.routed_experts[:, 0])  # routes [b, L, K]
 
     init = (sub, tokens, positions, rope)
