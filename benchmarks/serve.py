@@ -135,6 +135,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--hf-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json-out", default=None)
     p.add_argument(
+        "--profile-dir", default=None, help="a jax profiler trace of ours' timed image rows here"
+    )
+    p.add_argument(
         "--peak-flops",
         type=float,
         default=989e12,
@@ -223,12 +226,20 @@ def screenshots(c: int, salt: int = 0) -> list[str]:
 
 
 async def embedded_image_rates(
-    engine, prompt: list[int], levels: list[int], rounds: int, n: int, flops: float = 0.0
+    engine,
+    prompt: list[int],
+    levels: list[int],
+    rounds: int,
+    n: int,
+    flops: float = 0.0,
+    profile_dir: str | None = None,
 ) -> list[dict]:
     """Per concurrency C: tokens/s and the TTFTs of C streamed requests, one screenshot each
     (C = 1: ``rounds`` requests one after another), after a warm-up at that level with other
-    screenshots. ``flops``: one request's (`request_flops`): the rows' achieved FLOP/s."""  # noqa: D205, D209
+    screenshots. ``flops``: one request's (`request_flops`): the rows' achieved FLOP/s.
+    ``profile_dir``: a jax profiler trace of the timed requests there (one subfolder a level)."""  # noqa: D205, D209
     import aiohttp
+    import jax
     from aiohttp import web
 
     from osworld_jax.server.app import build_app
@@ -278,12 +289,16 @@ async def embedded_image_rates(
                 ]
                 before = compiled()
                 busy = engine.prefill_seconds, engine.decode_seconds
+                if profile_dir:
+                    jax.profiler.start_trace(f"{profile_dir}/c{c}", create_perfetto_trace=True)
                 t = time.perf_counter()
                 if c == 1:
                     res = [await one(im) for im in images]
                 else:
                     res = await asyncio.gather(*(one(im) for im in images))
                 dt = time.perf_counter() - t
+                if profile_dir:
+                    jax.profiler.stop_trace()
                 after = compiled()
                 if after != before:
                     print(f"  COMPILED during the timed run: {before} -> {after}")
@@ -475,7 +490,11 @@ def image_rows(args: argparse.Namespace, path: Path, levels: list[int]) -> None:
         tokens = engine.processor.num_image_tokens(1080, 1920)
         patches = tokens * engine.model_config.vision.spatial_merge_size**2
         flops = request_flops(engine.model_config, len(prompt) - 1 + tokens, n, patches)
-        rows = asyncio.run(embedded_image_rates(engine, prompt, levels, args.rounds, n, flops))
+        rows = asyncio.run(
+            embedded_image_rates(
+                engine, prompt, levels, args.rounds, n, flops, profile_dir=args.profile_dir
+            )
+        )
     finally:
         engine.shutdown()
     dev = jax.devices()[0].device_kind
