@@ -143,6 +143,46 @@ def attention_with_own_key(
     return out.astype(v.dtype).reshape(b, s, n, d)
 
 
+def own_causal_attention(
+    q: Float[Array, "B S N D"],
+    k: Float[Array, "B S KV D"],
+    v: Float[Array, "B S KV D"],
+    lengths: Int[Array, " B"],
+    impl: str,
+    chunk: int,
+) -> Float[Array, "B S N D"]:
+    """Causal attention of a prompt over its own keys, row b's first ``lengths[b]`` real.
+
+    A prefill from cache row 0 (nothing kept before it) attends only to its own tokens, so it
+    needs no cache reads: cuDNN's causal flash kernel (``impl="cudnn"`` on a GPU, 16-bit) or
+    `chunked_attention` with the causal band skipping. Real queries' outputs equal attending
+    over the cache written first; padding queries see the real keys before them.
+    """
+    b, s = q.shape[:2]
+    if (
+        impl == "cudnn"
+        and jax.default_backend() == "gpu"
+        and q.dtype in (jnp.bfloat16, jnp.float16)
+    ):
+        return jax.nn.dot_product_attention(  # type: ignore[call-overload]
+            q,
+            k,
+            v,
+            is_causal=True,
+            query_seq_lengths=lengths,
+            key_value_seq_lengths=lengths,
+            implementation="cudnn",
+        )
+    idx = jnp.arange(s)
+    mask = (idx[None, None, :] <= idx[None, :, None]) & (
+        idx[None, None, :] < lengths[:, None, None]
+    )
+    mask = mask | (idx[None, None, :] == 0)  # [B, S, S]: key 0 keeps every softmax finite
+    if 0 < chunk < s:
+        return chunked_attention(q, k, v, mask, chunk, causal=True)
+    return attention(q, k, v, mask)
+
+
 def chunked_attention(
     q: Float[Array, "B S N D"],
     k: Float[Array, "B T KV D"],
@@ -238,6 +278,7 @@ def attention_block(
     chunk: int = 0,
     causal: bool = False,
     append: bool = False,
+    own_lengths: jax.Array | None = None,
 ) -> tuple[jax.Array, LayerCache | None]:
     """Self-attention of one layer (input already normed); returns (out [B,S,H], new cache).
 
@@ -246,6 +287,8 @@ def attention_block(
     skipping the keys after each band of queries when ``causal`` (no cache; ``mask`` causal by
     token index). ``append`` (a cache, one query a row: decode): `attention_with_own_key`; the
     cache is only read and the returned `LayerCache` holds this call's rows [B, 1, KV, D].
+    ``own_lengths`` (a cache holding nothing before the call: a fresh prefill): the rows are
+    written and the queries attend to their own keys (`own_causal_attention`).
     """
     eps = config.rms_norm_eps
     q = rms_norm(jnp.einsum("bsh,hnd->bsnd", x, p["q_proj"]), p["q_norm"], eps)
@@ -256,6 +299,10 @@ def attention_block(
         out = attention_with_own_key(q, cache.k, cache.v, k, v, positions)
         rows = LayerCache(k.astype(cache.k.dtype), v.astype(cache.v.dtype))
         return jnp.einsum("bsnd,ndh->bsh", out, p["o_proj"]), rows
+    if cache is not None and own_lengths is not None:
+        out = own_causal_attention(q, k, v, own_lengths, impl, chunk)
+        cache = _scatter_cache(cache, k, v, positions)
+        return jnp.einsum("bsnd,ndh->bsh", out, p["o_proj"]), cache
     if cache is not None:
         cache = _scatter_cache(cache, k, v, positions)
         k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
@@ -289,11 +336,13 @@ def decoder_layer(
     cache: LayerCache | None,
     causal: bool = False,
     append: bool = False,
+    own_lengths: jax.Array | None = None,
 ) -> tuple[jax.Array, LayerOut]:
     """One decoder layer; returns (new residual [B,S,H], `LayerOut`).
 
     ``causal``: the mask is causal by token index; ``append``: the cache is read only and
-    `LayerOut.cache` holds the call's new rows (see `attention_block`).
+    `LayerOut.cache` holds the call's new rows; ``own_lengths``: a fresh prefill attends to
+    its own keys (see `attention_block`).
     """
     b, s, h = x.shape
     eps = config.rms_norm_eps
@@ -310,6 +359,7 @@ def decoder_layer(
         chunk=runtime.attention_chunk,
         causal=causal,
         append=append,
+        own_lengths=own_lengths,
     )
     x = x + attn_out
     y = rms_norm(x, attn_p["post_norm"], eps).reshape(b * s, h)  # [T, H]

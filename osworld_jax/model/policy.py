@@ -102,12 +102,17 @@ def forward(
     cache_positions: Int[Array, "B S"] | None = None,
     image_features: tuple[jax.Array, jax.Array] | None = None,
     cache_append: bool = False,
+    cache_fresh: bool = False,
 ) -> PolicyOutput:
     """The policy as a pure function of its parameter tree (see `Policy.__call__`).
 
     ``cache_append`` (with ``kv_cache``, one token a row: a decode step): the cache is read, not
     written; ``PolicyOutput.kv_cache`` holds the step's rows [L, B, 1, KV, D] for the caller to
     write at ``cache_positions`` (`osworld_jax.model.layers.attention_with_own_key`).
+    ``cache_fresh`` (with ``kv_cache``, rows written from cache row 0: a prefill keeping no
+    prefix): the queries attend to the call's own keys, row b's first ``sum(segment_ids[b])``
+    real (`osworld_jax.model.layers.own_causal_attention`: cuDNN's causal kernel on a GPU with
+    ``runtime.attention="cudnn"``), not to the cache; the rows are written as usual.
 
     ``image_features`` stands in for ``pixel_values`` with the vision tower's outputs computed
     already (the server's image-embedding cache): ``(embeds [B, M, H], deepstack [B, D, M, H])``
@@ -150,6 +155,10 @@ def forward(
         if kv_cache is None or s != 1:
             raise ValueError("cache_append needs a kv_cache and one token a row")
         common |= dict(append=True)
+    if cache_fresh:
+        if kv_cache is None or cache_append:
+            raise ValueError("cache_fresh needs a kv_cache (and no cache_append)")
+        common |= dict(own_lengths=jnp.sum(segment_ids != 0, axis=1, dtype=jnp.int32))
     num_deep = 0 if deep is None else deep.levels
 
     if replay_experts is not None:  # the batch's compact route type (int8 for 128 experts)

@@ -132,6 +132,7 @@ def server_programs(
         dtype=dtype,  # type: ignore[arg-type]
         vision_attention=mm_attention,  # type: ignore[arg-type]
         scan_layers=scan_layers,
+        attention="cudnn",  # as `ModelRunner`'s: a fresh prefill's
     )
     params = abstract_params(model, dtype)
     single = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -92,11 +92,10 @@ def _sample(
 
 # Module-level jits with the (hashable, frozen) configs static: every runner of the same
 # architecture in a process shares the compiled buckets.
-@functools.partial(
-    jax.jit,
-    static_argnames=("config", "runtime", "num_top", "attn_len"),
-    donate_argnames=("cache",),
-)
+_STATIC = ("config", "runtime", "attn_len", "num_top", "steps")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC[:4], donate_argnames=("cache",))
 def _prefill(
     params, cache, slots, tokens, starts, lengths, samp, vision, *, config, runtime, num_top,
     attn_len,
@@ -107,10 +106,11 @@ def _prefill(
     runtime = dataclasses.replace(
         runtime, attention_chunk=prefill_query_chunk(p, s, attn_len, config.num_attention_heads)
     )
-    if starts is None:
+    fresh = starts is None
+    if fresh:
         # A fresh prefill writes every position in [0, S) of its rows (padding sits past
-        # `length`) and attends only to j <= position < S: it starts from a zero cache and
-        # never reads the slots' stale contents.
+        # `length`) and attends to its own keys only (cuDNN's causal kernel on a GPU): it starts
+        # from a zero cache and never reads the slots' stale contents.
         shape = (cache.k.shape[0], p, attn_len, *cache.k.shape[3:])
         sub = KVCache(jnp.zeros(shape, cache.k.dtype), jnp.zeros(shape, cache.v.dtype))
         starts = jnp.zeros((p,), jnp.int32)
@@ -136,6 +136,7 @@ def _prefill(
         kv_cache=sub,
         return_logits=False,
         cache_positions=positions,
+        cache_fresh=fresh,
         **kw,
     )
     last = jnp.take_along_axis(out.hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [P, H]
@@ -145,9 +146,6 @@ def _prefill(
     new_v = cache.v.at[:, slots, :attn_len].set(out.kv_cache.v, mode="drop")
     top = (top_ids, top_lps)
     return tok, lp, top, out.routed_experts, out.hidden, KVCache(new_k, new_v)
-
-
-_STATIC = ("config", "runtime", "attn_len", "num_top", "steps")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
@@ -286,6 +284,7 @@ class ModelRunner:
             dtype=dtype,  # type: ignore[arg-type]  # validated
             vision_attention=mm_attention,  # type: ignore[arg-type]  # validated
             scan_layers=scan_layers,
+            attention="cudnn",  # a fresh prefill's (`own_causal_attention`; XLA off a GPU)
         )
         backend = decode_expert_backend or expert_backend  # the decode programs'
         self.decode_runtime = dataclasses.replace(self.runtime, expert_backend=backend)

@@ -122,6 +122,36 @@ def test_decode_step_with_its_own_key_equals_writing_it_first():
         forward(params, CFG, RT, jnp.zeros((b, 2), jnp.int32), kv_cache=cache, cache_append=True)
 
 
+@pytest.mark.parametrize("chunk", [0, 4])
+def test_fresh_prefill_attending_to_its_own_keys_equals_attending_to_the_cache(chunk):
+    """``cache_fresh`` (the server's prefill keeping no prefix): the queries attend to their
+    own keys (causal, padding after each row's length), not the cache written first; real
+    tokens' logits and cache rows are the same, in one query block or several."""  # noqa: D205, D209
+    import dataclasses
+
+    params = _policy().params()
+    rng = np.random.RandomState(4)
+    b, s, max_len = 3, 11, 16
+    ids = jnp.asarray(rng.randint(0, 64, (b, s)), jnp.int32)
+    lengths = np.array([11, 6, 1])
+    seg = jnp.asarray((np.arange(s)[None] < lengths[:, None]).astype(np.int32))
+    pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    cache = init_kv_cache(CFG, b, max_len, jnp.float32)
+    rt = dataclasses.replace(RT, attention_chunk=chunk)
+    kw = dict(positions=pos, segment_ids=seg, kv_cache=cache, cache_positions=pos)
+    cached = forward(params, CFG, rt, ids, **kw)
+    own = forward(params, CFG, rt, ids, cache_fresh=True, **kw)
+    for r, n in enumerate(lengths):
+        np.testing.assert_allclose(own.logits[r, :n], cached.logits[r, :n], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            own.kv_cache.k[:, r, :n], cached.kv_cache.k[:, r, :n], rtol=1e-5, atol=1e-5
+        )
+        np.testing.assert_allclose(
+            own.kv_cache.v[:, r, :n], cached.kv_cache.v[:, r, :n], rtol=1e-5, atol=1e-5
+        )
+    assert np.isfinite(np.asarray(own.logits)).all()
+
+
 def test_packed_segments_do_not_attend_across():
     policy = _policy()
     rng = np.random.RandomState(2)
