@@ -158,12 +158,9 @@ def own_causal_attention(
     `chunked_attention` with the causal band skipping. Real queries' outputs equal attending
     over the cache written first; padding queries see the real keys before them.
     """
-    b, s = q.shape[:2]
-    if (
-        impl == "cudnn"
-        and jax.default_backend() == "gpu"
-        and q.dtype in (jnp.bfloat16, jnp.float16)
-    ):
+    s, lengths = q.shape[1], jnp.maximum(lengths, 1)  # a padding row: its first token
+    fused = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+    if impl == "cudnn" and fused:
         return jax.nn.dot_product_attention(  # type: ignore[call-overload]
             q,
             k,
@@ -173,11 +170,8 @@ def own_causal_attention(
             key_value_seq_lengths=lengths,
             implementation="cudnn",
         )
-    idx = jnp.arange(s)
-    mask = (idx[None, None, :] <= idx[None, :, None]) & (
-        idx[None, None, :] < lengths[:, None, None]
-    )
-    mask = mask | (idx[None, None, :] == 0)  # [B, S, S]: key 0 keeps every softmax finite
+    key, query = jnp.arange(s)[None, None, :], jnp.arange(s)[None, :, None]
+    mask = (key <= query) & (key < lengths[:, None, None])  # [B, S, S]
     if 0 < chunk < s:
         return chunked_attention(q, k, v, mask, chunk, causal=True)
     return attention(q, k, v, mask)
