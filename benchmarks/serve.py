@@ -128,6 +128,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--decode-expert-backend", default=None, help="ours, as the server's")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument(
+        "--hf-only", action="store_true", help="image rows: HF's alone (ours in another run)"
+    )
+    p.add_argument(
+        "--warmup-decode-buckets",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="ours, as the server's (off: decode programs compile in the warm-up rounds)",
+    )
+    p.add_argument(
         "--images", action="store_true", help="the image row: one 1920x1080 screenshot a request"
     )
     p.add_argument("--rounds", type=int, default=8, help="image rows: requests timed at C = 1")
@@ -466,6 +475,11 @@ def image_rows(args: argparse.Namespace, path: Path, levels: list[int]) -> None:
     import osworld_jax.server.app  # noqa: F401
 
     hf = None if args.skip_hf else run_hf_child(args, path)  # before JAX takes the GPU
+    if args.hf_only:
+        for r in hf if isinstance(hf, list) else []:
+            print(f"HF C={r['concurrency']}: {_fmt(r)}")
+        print(hf if isinstance(hf, str) else "")
+        return
     import jax
 
     from osworld_jax.server.engine import Engine, EngineConfig
@@ -483,6 +497,9 @@ def image_rows(args: argparse.Namespace, path: Path, levels: list[int]) -> None:
             num_continuous_decode_steps=args.decode_steps,
             extra_length_buckets=tuple(args.extra_length_buckets),
             decode_expert_backend=args.decode_expert_backend,
+            warmup_decode_buckets={"auto": None, "on": True, "off": False}[
+                args.warmup_decode_buckets
+            ],
         )
     ).start()
     try:
