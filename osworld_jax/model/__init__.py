@@ -42,7 +42,6 @@ if TYPE_CHECKING:
         forward,
         init_kv_cache,
         unembed_matrix,
-        write_step_rows,
     )
     from osworld_jax.model.remat import REMAT_POLICIES
     from osworld_jax.model.replay import validate_replay
@@ -64,7 +63,6 @@ _LAZY = {
     "forward": "policy",
     "init_kv_cache": "policy",
     "unembed_matrix": "policy",
-    "write_step_rows": "policy",
     "is_frozen_name": "freeze",
     "is_router_path": "freeze",
     "is_vision_path": "freeze",
@@ -127,6 +125,5 @@ __all__ = [
     "save_hf_checkpoint",
     "smart_resize",
     "unembed_matrix",
-    "write_step_rows",
     "validate_replay",
 ]

@@ -108,41 +108,6 @@ def attention(
     return out.reshape(b, s, n, d)
 
 
-def attention_with_own_key(
-    q: Float[Array, "B 1 N D"],
-    k_cache: Float[Array, "B T KV D"],
-    v_cache: Float[Array, "B T KV D"],
-    k: Float[Array, "B 1 KV D"],
-    v: Float[Array, "B 1 KV D"],
-    positions: Int[Array, "B 1"],
-) -> Float[Array, "B 1 N D"]:
-    """A decode step's attention: cache rows ``j < position`` (read, not written) + its own key.
-
-    Equals `attention` over the cache with this token's k/v written at ``position`` (mask
-    ``j <= position``), without writing it: the caller writes the new rows once per step
-    (the embedded server's decode), so no layer copies its cache. float32 softmax.
-    """
-    b, s, n, d = q.shape
-    kv = k.shape[2]
-    qg = q.reshape(b, s, kv, n // kv, d)  # [B, 1, KV, G, D]
-    f32 = jnp.float32
-    old = jnp.einsum("bskgd,btkd->bkgst", qg, k_cache.astype(q.dtype), preferred_element_type=f32)
-    seen = jnp.arange(k_cache.shape[1])[None, None, :] < positions[:, :, None]  # [B, 1, T]
-    old = jnp.where(seen[:, None, None], old * d**-0.5, _NEG)  # [B, KV, G, 1, T]
-    own = jnp.einsum("bskgd,bskd->bkgs", qg, k, preferred_element_type=f32)[..., None]
-    own = own * d**-0.5  # [B, KV, G, 1, 1]
-    top = jnp.maximum(old.max(-1, keepdims=True), own)  # [B, KV, G, 1, 1]
-    p_old, p_own = jnp.exp(old - top), jnp.exp(own - top)
-    z = p_old.sum(-1, keepdims=True) + p_own  # [B, KV, G, 1, 1]
-    probs = (p_old / z).astype(v.dtype)  # [B, KV, G, 1, T]
-    out = jnp.einsum(
-        "bkgst,btkd->bskgd", probs, v_cache.astype(v.dtype), preferred_element_type=f32
-    )
-    w_own = jnp.moveaxis((p_own / z)[..., 0], 3, 1)  # [B, 1, KV, G]
-    out = out + w_own[..., None] * v.astype(f32)[:, :, :, None, :]  # [B, 1, KV, G, D]
-    return out.astype(v.dtype).reshape(b, s, n, d)
-
-
 def own_causal_attention(
     q: Float[Array, "B S N D"],
     k: Float[Array, "B S KV D"],
@@ -230,7 +195,7 @@ CAUSAL_BANDS = 8
 
 
 class LayerCache(NamedTuple):
-    """One layer's KV cache rows: k, v [B, M, KV, D]."""
+    """KV cache rows: k, v [B, M, KV, D] of one layer, or [L, B, M, KV, D] with a layer index."""
 
     k: jax.Array
     v: jax.Array
@@ -249,12 +214,14 @@ class LayerOut(NamedTuple):
 
 
 def _scatter_cache(
-    cache: LayerCache, k: jax.Array, v: jax.Array, positions: jax.Array
+    cache: LayerCache, k: jax.Array, v: jax.Array, positions: jax.Array, layer: jax.Array | None
 ) -> LayerCache:
-    """Writes k/v [B, S, KV, D] into cache rows at ``positions`` (out-of-range writes drop)."""
+    """Writes k/v [B, S, KV, D] into cache rows at ``positions`` (out-of-range writes drop),
+    of layer ``layer`` when the cache holds every layer's rows."""  # noqa: D205, D209
     rows = jnp.arange(k.shape[0])[:, None]  # [B, 1]
-    new_k = cache.k.at[rows, positions].set(k.astype(cache.k.dtype), mode="drop")
-    new_v = cache.v.at[rows, positions].set(v.astype(cache.v.dtype), mode="drop")
+    at = (rows, positions) if layer is None else (layer, rows, positions)
+    new_k = cache.k.at[at].set(k.astype(cache.k.dtype), mode="drop")
+    new_v = cache.v.at[at].set(v.astype(cache.v.dtype), mode="drop")
     return LayerCache(new_k, new_v)
 
 
@@ -271,16 +238,16 @@ def attention_block(
     impl: str = "xla",
     chunk: int = 0,
     causal: bool = False,
-    append: bool = False,
     own_lengths: jax.Array | None = None,
+    layer: jax.Array | None = None,
 ) -> tuple[jax.Array, LayerCache | None]:
     """Self-attention of one layer (input already normed); returns (out [B,S,H], new cache).
 
     ``impl="cudnn"`` (no cache): fused causal attention of one-segment rows
     (`osworld_jax.model.kernels.attention`). ``chunk > 0`` (XLA path): `chunked_attention`,
     skipping the keys after each band of queries when ``causal`` (no cache; ``mask`` causal by
-    token index). ``append`` (a cache, one query a row: decode): `attention_with_own_key`; the
-    cache is only read and the returned `LayerCache` holds this call's rows [B, 1, KV, D].
+    token index). ``layer``: the cache holds every layer's rows [L, B, M, KV, D] (the policy's
+    layer loops carry it whole); this layer writes its rows there and reads its own window.
     ``own_lengths`` (a cache holding nothing before the call: a fresh prefill): the rows are
     written and the queries attend to their own keys (`own_causal_attention`).
     """
@@ -289,17 +256,14 @@ def attention_block(
     k = rms_norm(jnp.einsum("bsh,hnd->bsnd", x, p["k_proj"]), p["k_norm"], eps)
     v = jnp.einsum("bsh,hnd->bsnd", x, p["v_proj"])
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if cache is not None and append:
-        out = attention_with_own_key(q, cache.k, cache.v, k, v, positions)
-        rows = LayerCache(k.astype(cache.k.dtype), v.astype(cache.v.dtype))
-        return jnp.einsum("bsnd,ndh->bsh", out, p["o_proj"]), rows
     if cache is not None and own_lengths is not None:
         out = own_causal_attention(q, k, v, own_lengths, impl, chunk)
-        cache = _scatter_cache(cache, k, v, positions)
+        cache = _scatter_cache(cache, k, v, positions, layer)
         return jnp.einsum("bsnd,ndh->bsh", out, p["o_proj"]), cache
     if cache is not None:
-        cache = _scatter_cache(cache, k, v, positions)
-        k, v = cache.k.astype(q.dtype), cache.v.astype(q.dtype)
+        cache = _scatter_cache(cache, k, v, positions, layer)
+        k, v = (cache.k, cache.v) if layer is None else (cache.k[layer], cache.v[layer])
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
         mask = cache_mask(positions, k.shape[1])
     assert mask is not None
     if impl == "cudnn" and cache is None:
@@ -329,14 +293,13 @@ def decoder_layer(
     replay: Int[Array, "B S K"] | None,
     cache: LayerCache | None,
     causal: bool = False,
-    append: bool = False,
     own_lengths: jax.Array | None = None,
+    layer: jax.Array | None = None,
 ) -> tuple[jax.Array, LayerOut]:
     """One decoder layer; returns (new residual [B,S,H], `LayerOut`).
 
-    ``causal``: the mask is causal by token index; ``append``: the cache is read only and
-    `LayerOut.cache` holds the call's new rows; ``own_lengths``: a fresh prefill attends to
-    its own keys (see `attention_block`).
+    ``causal``: the mask is causal by token index; ``own_lengths``: a fresh prefill attends
+    to its own keys; ``layer``: the cache holds every layer's rows (see `attention_block`).
     """
     b, s, h = x.shape
     eps = config.rms_norm_eps
@@ -352,8 +315,8 @@ def decoder_layer(
         impl=runtime.attention,
         chunk=runtime.attention_chunk,
         causal=causal,
-        append=append,
         own_lengths=own_lengths,
+        layer=layer,
     )
     x = x + attn_out
     y = rms_norm(x, attn_p["post_norm"], eps).reshape(b * s, h)  # [T, H]

@@ -77,15 +77,6 @@ class PolicyOutput(NamedTuple):
     kv_cache: KVCache | None
 
 
-def write_step_rows(cache: KVCache, rows: KVCache, positions: Int[Array, " B"]) -> KVCache:
-    """Writes a decode step's k/v ``rows`` [L, B, 1, KV, D] (`forward` with ``cache_append``)
-    into ``cache`` [L, B, T, KV, D] at row ``positions[b]`` of slot b (past T: dropped)."""  # noqa: D205, D209
-    slots = jnp.arange(positions.shape[0])
-    k = cache.k.at[:, slots, positions].set(rows.k[:, :, 0].astype(cache.k.dtype), mode="drop")
-    v = cache.v.at[:, slots, positions].set(rows.v[:, :, 0].astype(cache.v.dtype), mode="drop")
-    return KVCache(k, v)
-
-
 def forward(
     params: Params,
     config: Qwen3MoeConfig,
@@ -101,18 +92,17 @@ def forward(
     image_grid_thw: jax.Array | None = None,
     cache_positions: Int[Array, "B S"] | None = None,
     image_features: tuple[jax.Array, jax.Array] | None = None,
-    cache_append: bool = False,
     cache_fresh: bool = False,
 ) -> PolicyOutput:
     """The policy as a pure function of its parameter tree (see `Policy.__call__`).
 
-    ``cache_append`` (with ``kv_cache``, one token a row: a decode step): the cache is read, not
-    written; ``PolicyOutput.kv_cache`` holds the step's rows [L, B, 1, KV, D] for the caller to
-    write at ``cache_positions`` (`osworld_jax.model.layers.attention_with_own_key`).
-    ``cache_fresh`` (with ``kv_cache``, rows written from cache row 0: a prefill keeping no
-    prefix): the queries attend to the call's own keys, row b's first ``sum(segment_ids[b])``
-    real (`osworld_jax.model.layers.own_causal_attention`: cuDNN's causal kernel on a GPU with
-    ``runtime.attention="cudnn"``), not to the cache; the rows are written as usual.
+    ``kv_cache`` [L, B, M, KV, D] rides the layer loops' carry whole: each layer writes its
+    rows at ``cache_positions`` in place and attends over its own window of it (no layer
+    slices, stacks or concatenates the cache). ``cache_fresh`` (with ``kv_cache``, rows written
+    from cache row 0: a prefill keeping no prefix): the queries attend to the call's own keys,
+    row b's first ``sum(segment_ids[b])`` real (`osworld_jax.model.layers.own_causal_attention`:
+    cuDNN's causal kernel on a GPU with ``runtime.attention="cudnn"``), not to the cache; the
+    rows are written as usual.
 
     ``image_features`` stands in for ``pixel_values`` with the vision tower's outputs computed
     already (the server's image-embedding cache): ``(embeds [B, M, H], deepstack [B, D, M, H])``
@@ -151,20 +141,17 @@ def forward(
     valid = (segment_ids != 0).astype(jnp.float32)  # [B, S]
     common = dict(config=config, runtime=runtime, cos=cos, sin=sin, mask=mask, causal=by_index)
     common |= dict(positions=cache_positions, valid=valid)
-    if cache_append:
-        if kv_cache is None or s != 1:
-            raise ValueError("cache_append needs a kv_cache and one token a row")
-        common |= dict(append=True)
     if cache_fresh:
-        if kv_cache is None or cache_append:
-            raise ValueError("cache_fresh needs a kv_cache (and no cache_append)")
+        if kv_cache is None:
+            raise ValueError("cache_fresh needs a kv_cache")
         common |= dict(own_lengths=jnp.sum(segment_ids != 0, axis=1, dtype=jnp.int32))
     num_deep = 0 if deep is None else deep.levels
 
     if replay_experts is not None:  # the batch's compact route type (int8 for 128 experts)
         replay_experts = replay_experts.astype(jnp.int32)
-    routed, counts, prob_sums, z_sums, new_k, new_v = [], [], [], [], [], []
+    routed, counts, prob_sums, z_sums = [], [], [], []
     agreeing, replayed = [], []
+    cache = None if kv_cache is None else layers.LayerCache(kv_cache.k, kv_cache.v)
     for is_moe, start, end, kind_start in _split_runs(layer_runs(config), num_deep):
         n = end - start
         xs = {
@@ -173,29 +160,30 @@ def forward(
             "replay": None
             if replay_experts is None
             else jnp.moveaxis(replay_experts[:, :, start:end], 2, 0),  # [n, B, S, K]
-            "cache": None
-            if kv_cache is None
-            else layers.LayerCache(kv_cache.k[start:end], kv_cache.v[start:end]),
+            "layer": jnp.arange(start, end, dtype=jnp.int32),  # the cache's layer index
         }
 
-        def body(x, xl, is_moe=is_moe):
-            return layers.decoder_layer(
+        def body(carry, xl, is_moe=is_moe):
+            x, cache = carry  # cache: every layer's rows, written in place at xl["layer"]
+            x, out = layers.decoder_layer(
                 xl["attn"],
                 xl["mlp"],
                 x,
                 is_moe=is_moe,
                 replay=xl["replay"],
-                cache=xl["cache"],
+                cache=cache,
+                layer=xl["layer"],
                 **common,
             )
+            return (x, out.cache), out._replace(cache=None)
 
         body = apply_remat(body, runtime.remat)
         if runtime.scan_layers:
-            x, out = jax.lax.scan(body, x, xs)
+            (x, cache), out = jax.lax.scan(body, (x, cache), xs)
         else:
             outs = []
             for i in range(n):
-                x, o = body(x, jax.tree.map(lambda a, i=i: a[i], xs))
+                (x, cache), o = body((x, cache), jax.tree.map(lambda a, i=i: a[i], xs))
                 outs.append(o)
             out = jax.tree.map(lambda *a: jnp.stack(a), *outs)
         if deep is not None and end - 1 < num_deep:  # DeepStack: after LM layer end - 1
@@ -206,9 +194,6 @@ def forward(
         z_sums.append(out.z_sum.sum())
         agreeing.append(out.agreeing_routes.sum())
         replayed.append(out.replayed_routes.sum())
-        if out.cache is not None:
-            new_k.append(out.cache.k)
-            new_v.append(out.cache.v)
 
     hidden = layers.rms_norm(x, top["final_norm"], config.rms_norm_eps)  # [B, S, H]
     logits = None
@@ -231,10 +216,8 @@ def forward(
         "replayed_routes": sum(replayed, jnp.zeros(())),
     }
     routed_experts = jnp.moveaxis(jnp.concatenate(routed, axis=0), 0, 2)  # [B, S, L, K]
-    cache = None
-    if kv_cache is not None:
-        cache = KVCache(jnp.concatenate(new_k, axis=0), jnp.concatenate(new_v, axis=0))
-    return PolicyOutput(logits, hidden, routed_experts, aux, cache)
+    new_cache = None if cache is None else KVCache(cache.k, cache.v)
+    return PolicyOutput(logits, hidden, routed_experts, aux, new_cache)
 
 
 def _gathered_table(embed: jax.Array) -> jax.Array:

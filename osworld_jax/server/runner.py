@@ -35,7 +35,6 @@ from osworld_jax.model import (
     init_kv_cache,
     load_hf_checkpoint,
     unembed_matrix,
-    write_step_rows,
 )
 from osworld_jax.model.serving import next_pow2
 from osworld_jax.server.buckets import prefill_query_chunk, serving_buckets
@@ -173,14 +172,13 @@ def _decode(
             kv_cache=sub,
             return_logits=False,
             cache_positions=positions[:, None],
-            cache_append=True,  # the layers only read `sub`; the step's rows are written once
         )
-        sub = write_step_rows(sub, out.kv_cache, positions)
         # EOS / stop ids stay banned while the slot is under its ``min_new_tokens``.
         banned = jnp.where(i < ban_steps[:, None], samp["banned"], _NO_TOKEN)  # [b, M]
         step = dict(samp, banned=banned, step=samp["step"] + i)  # the key of token step + i
         tok, lp, top_ids, top_lps = _sample(params, out.hidden[:, 0], step, config, num_top)
-        carry = (sub, tok, positions + active, rope + active)  # a free slot's writes drop
+        # A free slot stays past the window (its writes drop); a live one moves one row on.
+        carry = (out.kv_cache, tok, positions + active, rope + active)
         return carry, (tok, lp, top_ids, top_lps, out.routed_experts[:, 0])  # routes [b, L, K]
 
     init = (sub, tokens, positions, rope)

@@ -12,7 +12,6 @@ from flax import nnx
 from osworld_jax.model import (
     forward,
     init_kv_cache,
-    write_step_rows,
 )
 from tests.model.conftest import TINY_CFG, TINY_RT, jforward, tiny_policy
 
@@ -94,32 +93,6 @@ def test_stale_cache_slots_are_never_seen():
     a = jforward(policy, ids, positions=pos, kv_cache=clean).logits
     b = jforward(policy, ids, positions=pos, kv_cache=dirty).logits
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
-
-
-def test_decode_step_with_its_own_key_equals_writing_it_first():
-    """``cache_append`` (the server's decode): the layers read the cache, the step's k/v rows
-    come back and `write_step_rows` puts them where the writing decode puts them; rows past the
-    position (stale, here garbage) are never seen; a position past the cache drops its row."""  # noqa: D205, D209
-    params = _policy().params()
-    rng = np.random.RandomState(3)
-    b, max_len = 3, 16
-    cache = init_kv_cache(CFG, b, max_len, jnp.float32)
-    cache = cache._replace(
-        k=jnp.asarray(rng.normal(size=cache.k.shape), jnp.float32),
-        v=jnp.asarray(rng.normal(size=cache.v.shape), jnp.float32),
-    )
-    tok = jnp.asarray(rng.randint(0, 64, (b, 1)), jnp.int32)
-    pos = jnp.asarray([[5], [0], [max_len]], jnp.int32)  # row 2: past the cache (a free slot)
-    kw = dict(positions=pos, kv_cache=cache, cache_positions=pos)
-    written = forward(params, CFG, RT, tok, **kw)
-    read = forward(params, CFG, RT, tok, cache_append=True, **kw)
-    np.testing.assert_allclose(read.logits[:2], written.logits[:2], rtol=1e-5, atol=1e-5)
-    chex.assert_shape(read.kv_cache.k, (3, b, 1, 2, 8))
-    new = write_step_rows(cache, read.kv_cache, pos[:, 0])
-    np.testing.assert_allclose(new.k, written.kv_cache.k, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(new.v, written.kv_cache.v, rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match="one token a row"):
-        forward(params, CFG, RT, jnp.zeros((b, 2), jnp.int32), kv_cache=cache, cache_append=True)
 
 
 @pytest.mark.parametrize("chunk", [0, 4])
