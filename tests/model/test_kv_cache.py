@@ -125,6 +125,27 @@ def test_fresh_prefill_attending_to_its_own_keys_equals_attending_to_the_cache(c
     assert np.isfinite(np.asarray(own.logits)).all()
 
 
+def test_scanned_layers_carry_the_cache_as_unrolled_ones_do():
+    """The whole cache rides the layer loop's carry (`forward`): under `lax.scan` (accelerators)
+    each layer writes and reads the same rows as unrolled (CPU)."""  # noqa: D205, D209
+    import dataclasses
+
+    params = _policy().params()
+    rng = np.random.RandomState(5)
+    ids = jnp.asarray(rng.randint(0, 64, (2, 5)), jnp.int32)
+    pos = jnp.asarray(np.stack([np.arange(3, 8), np.arange(5)]), jnp.int32)
+    cache = init_kv_cache(CFG, 2, 16, jnp.float32)
+    cache = cache._replace(k=cache.k + 0.3, v=cache.v - 0.2)  # a kept prefix in row 0's [0, 3)
+    outs = []
+    for scan in (False, True):
+        rt = dataclasses.replace(RT, scan_layers=scan)
+        run = jax.jit(lambda p, i, c, rt=rt: forward(p, CFG, rt, i, positions=pos, kv_cache=c))
+        outs.append(run(params, ids, cache))
+    np.testing.assert_allclose(outs[1].logits, outs[0].logits, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(outs[1].kv_cache.k, outs[0].kv_cache.k, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(outs[1].kv_cache.v, outs[0].kv_cache.v, rtol=1e-6, atol=1e-6)
+
+
 def test_packed_segments_do_not_attend_across():
     policy = _policy()
     rng = np.random.RandomState(2)
