@@ -6,7 +6,7 @@ FlashAttention-3 style kernel in Mosaic GPU (`jax.experimental.pallas.ops.gpu.at
 TMA loads, warp-specialized, wgmma; forward and backward) for head dims that are multiples of
 64, because its shared-memory tiles use the 128-byte swizzle (64 bf16 columns). wgmma takes K
 in steps of 16 bf16 and N in steps of 8, so the same kernel with the 32-byte swizzle (16-column
-tiles) serves 80. `kernels` builds that variant from the installed module's source (four
+tiles) serves 80. `kernels` builds that variant from the installed module's source (five
 textual changes, each checked: a jax whose source differs fails with the line it missed), so
 the kernel's schedule stays JAX's.
 
@@ -17,6 +17,9 @@ q's column D is 1, k's is 0 for a real key and ``MASK`` for a padded one, so a p
 ``MASK`` (~-30,000) and weighs exactly 0. The scale is applied to q beforehand (the kernel takes
 scores as q k^T). Padded queries' rows are computed and dropped; their cotangents are zero, so
 they add nothing to dk / dv.
+
+Measured against cuDNN in `benchmarks/vit_attention_mgpu.py` (benchmarks/NOTES.md, seventh
+session: 4-13% faster at bench-vl's shapes); the vision tower does not call it yet.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def test_padded_attention_equals_attention_values_and_grads(lengths):
 
 
 def test_kernel_source_changes_apply_to_the_installed_jax():
-    """The four textual changes find their lines in this jax's attention_mgpu (else one line)."""
+    """The textual changes find their lines in this jax's attention_mgpu (else one line)."""
     module = flash_mgpu.kernels()
     assert module._tile_cols(80) == 16 and module._tile_cols(128) == 64
     tuning = flash_mgpu.FlashConfig().tuning()
