@@ -123,18 +123,11 @@ def own_causal_attention(
     `chunked_attention` with the causal band skipping. Real queries' outputs equal attending
     over the cache written first; padding queries see the real keys before them.
     """
+    from osworld_jax.model.kernels.attention import causal_attention_by_lengths, fused_available
+
     s, lengths = q.shape[1], jnp.maximum(lengths, 1)  # a padding row: its first token
-    fused = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
-    if impl == "cudnn" and fused:
-        return jax.nn.dot_product_attention(  # type: ignore[call-overload]
-            q,
-            k,
-            v,
-            is_causal=True,
-            query_seq_lengths=lengths,
-            key_value_seq_lengths=lengths,
-            implementation="cudnn",
-        )
+    if impl == "cudnn" and fused_available(q):
+        return causal_attention_by_lengths(q, k, v, lengths, implementation="cudnn")
     key, query = jnp.arange(s)[None, None, :], jnp.arange(s)[None, :, None]
     mask = (key <= query) & (key < lengths[:, None, None])  # [B, S, S]
     if 0 < chunk < s:

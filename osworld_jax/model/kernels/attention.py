@@ -15,12 +15,45 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 
 def segment_lengths(mask: Bool[Array, "B S T"]) -> jax.Array:
     """i32[B]: keys seen by the row's last real query = its segment length (>= 1)."""
     return jnp.max(jnp.sum(mask, axis=-1, dtype=jnp.int32), axis=-1)
+
+
+def causal_attention_by_lengths(
+    q: Float[Array, "B S N D"],
+    k: Float[Array, "B S KV D"],
+    v: Float[Array, "B S KV D"],
+    lengths: Int[Array, " B"],
+    *,
+    implementation: str | None = None,
+) -> Float[Array, "B S N D"]:
+    """GQA ``softmax(q k^T / sqrt(D)) v``, causal, row b's keys ``< lengths[b]``; cuDNN on GPU.
+
+    Args:
+      q, k, v: queries [B, S, N, D] and keys/values [B, S, KV, D] (N a multiple of KV).
+      lengths: i32[B] real tokens of each row (>= 1).
+      implementation: "cudnn", "xla", or None (cuDNN when on GPU with 16-bit inputs).
+    """
+    if implementation is None:
+        implementation = "cudnn" if fused_available(q) else "xla"
+    return jax.nn.dot_product_attention(  # type: ignore[call-overload]
+        q,
+        k,
+        v,
+        is_causal=True,
+        query_seq_lengths=lengths,
+        key_value_seq_lengths=lengths,
+        implementation=implementation,
+    )
+
+
+def fused_available(q: jax.Array) -> bool:
+    """Whether cuDNN's flash kernels serve these queries: on a GPU, 16-bit."""
+    return jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
 
 
 def padded_causal_attention(
@@ -31,23 +64,8 @@ def padded_causal_attention(
     *,
     implementation: str | None = None,
 ) -> Float[Array, "B S N D"]:
-    """GQA ``softmax(q k^T / sqrt(D)) v`` with the causal + length mask; cuDNN on GPU.
-
-    Args:
-      q, k, v: queries [B, S, N, D] and keys/values [B, S, KV, D] (N a multiple of KV).
-      mask: the model's [B, S, S] mask of one-segment-then-padding rows (see module doc).
-      implementation: "cudnn", "xla", or None (cuDNN when on GPU with 16-bit inputs).
-    """
-    if implementation is None:
-        fused = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
-        implementation = "cudnn" if fused else "xla"
-    lengths = segment_lengths(mask)  # [B]
-    return jax.nn.dot_product_attention(  # type: ignore[call-overload]
-        q,
-        k,
-        v,
-        is_causal=True,
-        query_seq_lengths=lengths,
-        key_value_seq_lengths=lengths,
-        implementation=implementation,
+    """`causal_attention_by_lengths` with each row's length read off the model's [B, S, S] mask
+    of one-segment-then-padding rows (see module doc)."""  # noqa: D205, D209
+    return causal_attention_by_lengths(
+        q, k, v, segment_lengths(mask), implementation=implementation
     )
