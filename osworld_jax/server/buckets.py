@@ -1,4 +1,6 @@
-"""The fixed shapes of the embedded server's programs (the engine and the memory plan share them).
+"""The fixed shapes and runtimes of the embedded server's programs (engine and memory plan alike).
+
+`serving_buckets` and `server_runtimes` are what the engine and the memory plan share.
 
 A run compiles each prefill length, attention window and decode batch once: the set is fixed at
 engine start from the cache layout (`serving_buckets`), and images pad to `patch_bucket` sizes.
@@ -7,10 +9,14 @@ A prefill's attention runs in query blocks of `prefill_query_chunk` (static per 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import jax
+
 from osworld_jax.contract.errors import EngineError
+from osworld_jax.model.config import ModelRuntimeConfig
 from osworld_jax.model.serving import next_pow2
 
 #: Batched prefills hold at most this many (padded) tokens.
@@ -142,3 +148,25 @@ def prefill_query_chunk(rows: int, length: int, attn_len: int, heads: int) -> in
         return 0
     chunk = 1 << max(4, (PREFILL_SCORE_BYTES // per_query).bit_length() - 1)
     return chunk if chunk < length else 0
+
+
+def server_runtimes(
+    dtype: str,
+    expert_backend: str,
+    mm_attention: str,
+    scan_layers: bool | None,
+    decode_expert_backend: str | None,
+) -> tuple[ModelRuntimeConfig, ModelRuntimeConfig]:
+    """The prefill programs' runtime and the decode programs' (``decode_expert_backend``).
+
+    ``attention="cudnn"`` is a fresh prefill's (`layers.own_causal_attention`; XLA off a GPU).
+    """
+    runtime = ModelRuntimeConfig(
+        expert_backend=expert_backend,
+        dtype=dtype,  # type: ignore[arg-type]  # validated
+        vision_attention=mm_attention,  # type: ignore[arg-type]  # validated
+        scan_layers=jax.default_backend() != "cpu" if scan_layers is None else scan_layers,
+        attention="cudnn",
+    )
+    backend = decode_expert_backend or expert_backend
+    return runtime, dataclasses.replace(runtime, expert_backend=backend)

@@ -20,10 +20,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from osworld_jax.model import KVCache, ModelRuntimeConfig, Qwen3MoeConfig, Qwen3VLMoeConfig
+from osworld_jax.model import KVCache, Qwen3MoeConfig, Qwen3VLMoeConfig
 from osworld_jax.model.params import param_specs
 from osworld_jax.model.serving import CacheLayout
-from osworld_jax.server.buckets import ServingBuckets, patch_bucket, serving_buckets
+from osworld_jax.server.buckets import (
+    ServingBuckets,
+    patch_bucket,
+    server_runtimes,
+    serving_buckets,
+)
 from osworld_jax.server.image_embeddings import _encode, feature_bucket
 from osworld_jax.server.runner import _decode, _prefill
 from osworld_jax.server.sampling import MAX_BANNED
@@ -125,14 +130,8 @@ def server_programs(
       extra_lengths: length buckets beside the powers of two (``--extra-length-buckets``).
       decode_expert_backend: the decode's expert backend (``--decode-expert-backend``).
     """
-    if scan_layers is None:
-        scan_layers = jax.default_backend() != "cpu"
-    runtime = ModelRuntimeConfig(
-        expert_backend=expert_backend,
-        dtype=dtype,  # type: ignore[arg-type]
-        vision_attention=mm_attention,  # type: ignore[arg-type]
-        scan_layers=scan_layers,
-        attention="cudnn",  # as `ModelRunner`'s: a fresh prefill's
+    runtime, decode_runtime = server_runtimes(
+        dtype, expert_backend, mm_attention, scan_layers, decode_expert_backend
     )
     params = abstract_params(model, dtype)
     single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -187,9 +186,6 @@ def server_programs(
             keep(name, compiled)
     b, attn = layout.slots, layout.slot_len
     i32 = np.int32
-    decode_runtime = dataclasses.replace(
-        runtime, expert_backend=decode_expert_backend or expert_backend
-    )
     compiled = _decode.lower(
         params, cache, _sds((b,), i32), _sds((b,), i32), _sds((b,), i32), _sds((b,), i32),
         _samp(b), _sds((b,), i32), attn_len=attn, steps=max(1, decode_steps), config=model,
@@ -218,7 +214,6 @@ def main(argv: list[str] | None = None) -> int:
     never imports the server room): the JSON holds ``model_path`` (a directory with
     config.json), ``slots``, ``slot_len``, ``context_length`` and `server_programs`' keywords.
     """
-    import dataclasses
     import json
     import sys
     from pathlib import Path

@@ -28,7 +28,6 @@ import numpy as np
 from osworld_jax.contract.errors import EngineError
 from osworld_jax.model import (
     KVCache,
-    ModelRuntimeConfig,
     Qwen3MoeConfig,
     Qwen3VLMoeConfig,
     forward,
@@ -37,7 +36,7 @@ from osworld_jax.model import (
     unembed_matrix,
 )
 from osworld_jax.model.serving import next_pow2
-from osworld_jax.server.buckets import prefill_query_chunk, serving_buckets
+from osworld_jax.server.buckets import prefill_query_chunk, server_runtimes, serving_buckets
 from osworld_jax.server.image_embeddings import ImageEmbeddings, vision_inputs
 from osworld_jax.server.images import RequestImages
 from osworld_jax.server.model_files import load_processor
@@ -275,17 +274,9 @@ class ModelRunner:
         extra_length_buckets: Sequence[int] = (),
         decode_expert_backend: str | None = None,
     ) -> None:
-        if scan_layers is None:
-            scan_layers = jax.default_backend() != "cpu"
-        self.runtime = ModelRuntimeConfig(
-            expert_backend=expert_backend,
-            dtype=dtype,  # type: ignore[arg-type]  # validated
-            vision_attention=mm_attention,  # type: ignore[arg-type]  # validated
-            scan_layers=scan_layers,
-            attention="cudnn",  # a fresh prefill's (`own_causal_attention`; XLA off a GPU)
+        self.runtime, self.decode_runtime = server_runtimes(
+            dtype, expert_backend, mm_attention, scan_layers, decode_expert_backend
         )
-        backend = decode_expert_backend or expert_backend  # the decode programs'
-        self.decode_runtime = dataclasses.replace(self.runtime, expert_backend=backend)
         policy = load_hf_checkpoint(model_path, runtime=self.runtime)
         self.config: Qwen3MoeConfig = policy.config
         self.processor = load_processor(Path(model_path), self.config)  # None: a text model
