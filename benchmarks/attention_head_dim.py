@@ -22,7 +22,8 @@ from jax._src.cudnn.fused_attention_stablehlo import MaskType
 from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
 
 
-def _time(fn, *args, reps: int) -> float:
+def time_ms(fn, *args, reps: int) -> float:
+    """Milliseconds a call of ``fn(*args)`` takes (after one untimed call), over ``reps``."""
     out = fn(*args)
     jax.block_until_ready(out)
     t0 = time.perf_counter()
@@ -88,8 +89,8 @@ def main() -> None:
             if ref is None:
                 ref = out
             diff = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
-            tf = _time(f, q, k, v, reps=args.reps)
-            tb = _time(b, q, k, v, reps=args.reps)
+            tf = time_ms(f, q, k, v, reps=args.reps)
+            tb = time_ms(b, q, k, v, reps=args.reps)
             rate = 3.5 * flops_fwd / (tb / 1e3) / 1e12
             print(f"| {name} | {width} | {tf:.2f} | {tb:.2f} | {rate:.0f} | {diff:.2e} |")
 

@@ -20,22 +20,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
+import sys
 import traceback
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from osworld_jax.model.flash_mgpu import FlashConfig, padded_attention
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention_head_dim import time_ms  # noqa: E402  # type: ignore[import-not-found]
 
-
-def _time(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / reps * 1e3
+from osworld_jax.model.flash_mgpu import FlashConfig, padded_attention  # noqa: E402
 
 
 def _spec(text: str) -> FlashConfig:
@@ -109,13 +104,13 @@ def main() -> None:
         try:
             f, b = jax.jit(attn), grads(attn)
             err = rel(f(q, k, v), ref_out)
-            tf = _time(f, q, k, v, reps=args.reps)
+            tf = time_ms(f, q, k, v, reps=args.reps)
             gerr, tb = "-", float("nan")
             try:
                 gerr = " / ".join(
                     f"{rel(x, r):.1e}" for x, r in zip(b(q, k, v), ref_grads, strict=True)
                 )
-                tb = _time(b, q, k, v, reps=args.reps)
+                tb = time_ms(b, q, k, v, reps=args.reps)
             except Exception as e:  # noqa: BLE001 - the table says what failed
                 print(f"backward failed ({name}): {type(e).__name__}: {str(e)[:300]}")
             print(
